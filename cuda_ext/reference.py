@@ -1,0 +1,76 @@
+"""Pure-torch reference kernels for the paged KV cache: the test oracle and the fallback.
+
+Cache layout (one layer): key_cache, value_cache `[num_blocks, block_size, num_kv_heads,
+head_size]`. A slot is `block_id * block_size + offset`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def reshape_and_cache(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64
+) -> None:
+    """Write each token's K/V into its slot. Slots < 0 are padding and are skipped."""
+    if key.shape != value.shape or key.dim() != 3:
+        raise ValueError(f"key/value must be [T, kv_heads, head]; got {key.shape}, {value.shape}")
+    if slot_mapping.shape[0] != key.shape[0]:
+        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} slots for {key.shape[0]} tokens")
+    num_kv_heads, head_size = key_cache.shape[2], key_cache.shape[3]
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):
+        key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+    key_cache.view(-1, num_kv_heads, head_size).index_copy_(0, slot_mapping, key)
+    value_cache.view(-1, num_kv_heads, head_size).index_copy_(0, slot_mapping, value)
+
+
+def gather_context(
+    cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
+    block_table: torch.Tensor,  # [num_blocks_of_seq] int64
+    seq_len: int,
+) -> torch.Tensor:  # [seq_len, num_kv_heads, head_size]
+    """The first `seq_len` tokens of one sequence, read through its block table."""
+    block_size = cache.shape[1]
+    num_blocks = -(-seq_len // block_size)
+    blocks = cache.index_select(0, block_table[:num_blocks])
+    return blocks.reshape(-1, cache.shape[2], cache.shape[3])[:seq_len]
+
+
+def paged_attention_reference(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_size]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int64
+    query_lens: list[int],  # per sequence, sums to num_tokens
+    seq_lens: list[int],  # per sequence: context length including this step's tokens
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
+    """Causal attention of each sequence's new tokens over its whole paged context.
+
+    The query tokens of a sequence are its last `query_len` positions, so query i sits at
+    position `seq_len - query_len + i` and sees keys at positions <= that. Works for any
+    mix of prefill chunks and decodes, GQA/MQA and any block size. Math in float32.
+    """
+    num_heads, num_kv_heads = query.shape[1], key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(query)
+    start = 0
+    for i, (q_len, s_len) in enumerate(zip(query_lens, seq_lens, strict=True)):
+        q = query[start : start + q_len].float()  # [q_len, H, D]
+        k = gather_context(key_cache, block_tables[i], s_len).float()  # [s_len, KVH, D]
+        v = gather_context(value_cache, block_tables[i], s_len).float()
+        k = k.repeat_interleave(group, dim=1)  # [s_len, H, D]
+        v = v.repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q, k) * scale  # [H, q_len, s_len]
+        q_pos = torch.arange(s_len - q_len, s_len).unsqueeze(1)
+        k_pos = torch.arange(s_len).unsqueeze(0)
+        scores = scores.masked_fill((k_pos > q_pos).to(scores.device), float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[start : start + q_len] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
+        start += q_len
+    return out

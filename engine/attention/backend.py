@@ -1,0 +1,58 @@
+"""The attention backend contract and the always-available reference backend."""
+
+from __future__ import annotations
+
+import torch
+
+from cuda_ext.reference import paged_attention_reference, reshape_and_cache
+from engine.attention.metadata import AttentionMetadata
+
+
+class AttentionBackend:
+    """Writes a step's new K/V into the paged cache, then attends over each context.
+
+    `forward` takes the flattened batch and returns `[num_tokens, num_heads, head_size]`.
+    Subclasses override `attend`; the cache write is shared.
+    """
+
+    name = "base"
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_size]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        kv_cache: tuple[torch.Tensor, torch.Tensor],  # 2 x [num_blocks, block_size, KVH, D]
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
+        key_cache, value_cache = kv_cache
+        reshape_and_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
+        return self.attend(query, key_cache, value_cache, metadata, scale)
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class ReferenceBackend(AttentionBackend):
+    """Plain per-sequence attention in float32 (cuda_ext's oracle). Slow, always right."""
+
+    name = "reference"
+
+    def attend(self, query, key_cache, value_cache, metadata, scale):
+        return paged_attention_reference(
+            query,
+            key_cache,
+            value_cache,
+            metadata.block_tables,
+            list(metadata.query_lens_cpu),
+            list(metadata.seq_lens_cpu),
+            scale,
+        )

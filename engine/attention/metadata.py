@@ -1,0 +1,37 @@
+"""Per-step attention metadata, passed explicitly to every attention call."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Describes one flattened batch to the attention backend.
+
+    Rows are sequences; each contributes `query_lens[i]` consecutive tokens to the
+    flattened `[num_tokens, ...]` batch. Decode rows (query length 1) come first:
+    rows `[0, num_decodes)` are decodes, the rest are prefill chunks.
+    """
+
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int64, cumulative query lengths
+    seq_lens: torch.Tensor  # [num_seqs] int64, context length including this step
+    block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int64, padded with 0
+    slot_mapping: torch.Tensor  # [num_tokens] int64, where each new token's K/V goes
+    query_lens_cpu: tuple[int, ...]
+    seq_lens_cpu: tuple[int, ...]
+    num_decodes: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.slot_mapping.shape[0])
+
+    @property
+    def max_seq_len(self) -> int:
+        return max(self.seq_lens_cpu, default=0)

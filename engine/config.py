@@ -1,0 +1,182 @@
+"""Frozen, narrow configs. Each component receives only the config it needs.
+
+`EngineArgs` is the user-facing bag of keyword arguments (the `LLM(...)` signature);
+`EngineArgs.build()` resolves it once into an `EngineConfig` of narrow frozen parts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+LOAD_FORMATS = ("auto", "dummy")
+ATTENTION_BACKENDS = ("auto", "reference", "sdpa")
+
+
+def resolve_dtype(dtype: str | torch.dtype, config_dtype: str | None, device: str) -> torch.dtype:
+    """'auto' means the checkpoint's dtype on CUDA and float32 on CPU (fast and exact)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        if device == "cpu" or config_dtype is None:
+            return torch.float32
+        return _DTYPES.get(str(config_dtype).replace("torch.", ""), torch.float32)
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not supported; use one of 'auto', {sorted(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What the model code and loader need: the checkpoint, its HF config, dtype, length."""
+
+    model: str  # local directory or hub id
+    model_dir: str | None  # resolved local directory (None for dummy weights without files)
+    hf_config: Any  # transformers.PretrainedConfig (never mutated after build)
+    architecture: str  # e.g. "LlamaForCausalLM"
+    dtype: torch.dtype
+    max_model_len: int
+    eos_token_ids: frozenset[int]
+    bos_token_id: int | None
+    load_format: str
+    seed: int
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf_config.vocab_size)
+
+    @property
+    def num_layers(self) -> int:
+        cfg = self.hf_config
+        return int(getattr(cfg, "num_hidden_layers", None) or cfg.n_layer)
+
+    @property
+    def num_attention_heads(self) -> int:
+        cfg = self.hf_config
+        return int(getattr(cfg, "num_attention_heads", None) or cfg.n_head)
+
+    @property
+    def num_kv_heads(self) -> int:
+        kv = getattr(self.hf_config, "num_key_value_heads", None)
+        return int(kv) if kv else self.num_attention_heads
+
+    @property
+    def head_size(self) -> int:
+        cfg = self.hf_config
+        head_dim = getattr(cfg, "head_dim", None)
+        hidden = getattr(cfg, "hidden_size", None) or cfg.n_embd
+        return int(head_dim) if head_dim else int(hidden) // self.num_attention_heads
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """How large the paged KV cache is and how it is cut into blocks."""
+
+    block_size: int = 16
+    kv_cache_memory: int | None = None  # bytes, CPU (default: min(2 GiB, max_num_seqs full sequences))
+    gpu_memory_utilization: float = 0.9  # CUDA: fraction of total device memory
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.block_size <= 1024:
+            raise ValueError(f"block_size must be in [1, 1024], got {self.block_size}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """The scheduler's budgets: tokens per step, sequences per step, context length."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    """Where the model runs and which attention backend it uses."""
+
+    device: str = "cpu"
+    attention_backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {ATTENTION_BACKENDS}, "
+                f"got {self.attention_backend!r}"
+            )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """All narrow configs of one engine, built once by `EngineArgs.build()`."""
+
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    device: DeviceConfig
+    tokenizer: str | None  # tokenizer directory or hub id (None: the model's own)
+    skip_tokenizer_init: bool = False
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """The keyword arguments of `LLM(...)`, with vLLM's names and defaults."""
+
+    model: str
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float = 0.9
+    load_format: str = "auto"
+    seed: int = 0
+    device: str | None = None
+    attention_backend: str = "auto"
+    skip_tokenizer_init: bool = False
+
+    def build(self) -> EngineConfig:
+        from engine.model_loader import build_model_config
+
+        device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        model_config = build_model_config(self, device)
+        max_len = model_config.max_model_len
+        scheduler = SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens or max(2048, self.max_num_seqs),
+            max_model_len=max_len,
+        )
+        return EngineConfig(
+            model=model_config,
+            cache=CacheConfig(self.block_size, self.kv_cache_memory, self.gpu_memory_utilization),
+            scheduler=scheduler,
+            device=DeviceConfig(device, self.attention_backend),
+            tokenizer=self.tokenizer,
+            skip_tokenizer_init=self.skip_tokenizer_init,
+        )

@@ -1,0 +1,67 @@
+"""Sizing and allocating the paged KV cache tensors."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from engine.config import CacheConfig, ModelConfig
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_CACHE_MEMORY = 2 * 1024**3
+KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (key_cache, value_cache)
+
+
+class KVCacheTooSmallError(ValueError):
+    """The memory budget cannot hold even one sequence of max_model_len tokens."""
+
+
+def block_bytes(model: ModelConfig, block_size: int) -> int:
+    """Bytes of one block across all layers, keys and values."""
+    per_token = 2 * model.num_layers * model.num_kv_heads * model.head_size
+    return per_token * block_size * model.dtype.itemsize
+
+
+def num_blocks_for(model: ModelConfig, cache: CacheConfig, budget_bytes: int) -> int:
+    """How many blocks fit in `budget_bytes`; raises when one full sequence does not fit."""
+    per_block = block_bytes(model, cache.block_size)
+    num_blocks = max(0, budget_bytes // per_block)
+    needed = -(-model.max_model_len // cache.block_size)
+    if num_blocks < needed:
+        mib = 1024**2
+        raise KVCacheTooSmallError(
+            f"the KV cache budget of {budget_bytes / mib:.1f} MiB holds {num_blocks} blocks of "
+            f"{cache.block_size} tokens ({per_block / mib:.3f} MiB each), but one sequence of "
+            f"max_model_len={model.max_model_len} tokens needs {needed} blocks "
+            f"({needed * per_block / mib:.1f} MiB); raise kv_cache_memory (CPU) or "
+            "gpu_memory_utilization (CUDA), or lower max_model_len"
+        )
+    concurrency = num_blocks * cache.block_size / model.max_model_len
+    logger.info(
+        "KV cache: %d blocks x %d tokens (%.1f MiB); max concurrency %.2fx at %d tokens/request",
+        num_blocks, cache.block_size, num_blocks * per_block / 1024**2, concurrency,
+        model.max_model_len,
+    )
+    return int(num_blocks)
+
+
+def cuda_budget_bytes(cache: CacheConfig, peak_bytes: int, device: torch.device) -> int:
+    """gpu_memory_utilization x total memory, minus what weights and activations peaked at."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    return int(total * cache.gpu_memory_utilization) - peak_bytes
+
+
+def allocate_kv_cache(
+    model: ModelConfig, num_blocks: int, block_size: int, device: str
+) -> KVCache:
+    """Per layer, zeroed `[num_blocks, block_size, num_kv_heads, head_size]` K and V."""
+    shape = (num_blocks, block_size, model.num_kv_heads, model.head_size)
+    return [
+        (
+            torch.zeros(shape, dtype=model.dtype, device=device),
+            torch.zeros(shape, dtype=model.dtype, device=device),
+        )
+        for _ in range(model.num_layers)
+    ]

@@ -1,0 +1,107 @@
+"""The offline API: `LLM(model=...).generate(prompts, params)` and `.chat(...)`."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from engine.config import EngineArgs
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.stats import EngineStats
+
+Prompt = str | list[int]
+Messages = list[dict[str, Any]]
+
+
+class LLM:
+    """Batch generation over the paged engine, with vLLM's keyword arguments.
+
+    `generate` accepts one prompt or a list (strings or token-id lists) and one
+    SamplingParams or one per prompt; it returns one RequestOutput per prompt, in input
+    order. Invalid prompts or params raise ValueError before anything is queued.
+    """
+
+    def __init__(self, model: str, **kwargs: Any) -> None:
+        self.engine = LLMEngine(EngineArgs(model=model, **kwargs).build())
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        prompt_list = _as_prompt_list(prompts)
+        params = _as_params_list(sampling_params, len(prompt_list))
+        return self._run(prompt_list, params, use_tqdm)
+
+    def chat(
+        self,
+        messages: Messages | Sequence[Messages],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Applies the tokenizer's chat template to one conversation or a list of them."""
+        if self.engine.tokenizer is None:
+            raise ValueError("chat needs a tokenizer; this LLM was built with skip_tokenizer_init")
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [
+            self.engine.tokenizer.apply_chat_template(c, add_generation_prompt) for c in convs
+        ]
+        params = _as_params_list(sampling_params, len(prompts))
+        return self._run(prompts, params, use_tqdm)
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    def _run(
+        self, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool
+    ) -> list[RequestOutput]:
+        ids = [f"offline-{next(self._ids)}" for _ in prompts]
+        added: list[str] = []
+        try:
+            for rid, prompt, p in zip(ids, prompts, params, strict=True):
+                self.engine.add_request(rid, prompt, p)
+                added.append(rid)
+        except Exception:
+            for rid in added:
+                self.engine.abort_request(rid)
+            raise
+        outputs: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), desc="Generating", unit="req", disable=not use_tqdm) as bar:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    outputs[out.request_id] = out
+                    bar.update(1)
+        return [outputs[rid] for rid in ids]
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # a single token-id prompt
+    return prompts
+
+
+def _as_params_list(
+    params: SamplingParams | Sequence[SamplingParams] | None, n: int
+) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} SamplingParams for {n} prompts; pass one or {n}")
+    return params

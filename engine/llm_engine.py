@@ -1,0 +1,231 @@
+"""The synchronous engine: add requests, step, collect finished outputs."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.kv_cache_manager import KVCacheManager
+from engine.logprobs import Logprob, to_dicts
+from engine.model_runner import ModelRunner, StepResult
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.scheduler_output import SchedulerOutput
+from engine.stats import EngineStats, SlotUtilization
+from engine.stop_checker import StopChecker
+from engine.tokenizer import Tokenizer, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+PromptInput = str | list[int]
+
+
+class LLMEngine:
+    """One scheduler, one model runner, one tokenizer. `step()` = schedule, run, update.
+
+    Requests are validated in `add_request` before any state changes, so a bad request
+    raises there and never disturbs those in flight.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.tokenizer = None
+        if not config.skip_tokenizer_init:
+            source = config.tokenizer or config.model.model_dir
+            self.tokenizer = Tokenizer(load_tokenizer(source))
+        self.runner = ModelRunner(
+            config.model,
+            config.cache,
+            config.device,
+            config.scheduler.max_num_batched_tokens,
+            config.scheduler.max_num_seqs,
+        )
+        num_blocks = self.runner.num_blocks()
+        self.runner.initialize_cache(num_blocks)
+        kv = KVCacheManager(num_blocks, config.cache.block_size)
+        self.scheduler = Scheduler(config.scheduler, kv)
+        self.stop_checker = StopChecker(config.model.max_model_len)
+        self.utilization = SlotUtilization()
+        self.num_steps = 0
+        self._arrivals = itertools.count()
+
+    # -- requests ------------------------------------------------------------------
+    def add_request(
+        self, request_id: str, prompt: PromptInput, params: SamplingParams | None = None
+    ) -> Request:
+        params = params or SamplingParams()
+        text, token_ids = self._tokenize(prompt)
+        self._validate(request_id, token_ids, params)
+        request = Request(
+            request_id, text, token_ids, params, next(self._arrivals),
+            eos_token_ids=self.config.model.eos_token_ids,
+        )
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs = [None]
+        if params.logprobs is not None:
+            request.logprobs = []
+        if params.stop and self.tokenizer is not None:
+            request.detokenizer = self._detokenizer(request)
+        self.scheduler.add_request(request)
+        return request
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        request = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+        return None if request is None else self._finish(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # -- the loop ------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Runs one step; returns the outputs of requests that finished in it."""
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return []
+        result = self.runner.execute(plan)
+        return self._update(plan, result)
+
+    def _update(self, plan: SchedulerOutput, result: StepResult) -> list[RequestOutput]:
+        self.scheduler.advance(plan)
+        self.num_steps += 1
+        self._record_utilization()
+        self._store_prompt_logprobs(result)
+        self._store_logprobs(result)
+        finished = []
+        now = time.time()
+        for item in plan.scheduled:
+            request = item.request
+            request.metrics.first_scheduled_time = request.metrics.first_scheduled_time or now
+            token = result.sampled.get(request.request_id)
+            if token is None:
+                continue
+            status = self._append_token(request, token, now)
+            if status is not None:
+                self.scheduler.finish_request(request.request_id, status)
+                finished.append(self._finish(request))
+        return finished
+
+    def _append_token(self, request: Request, token: int, now: float) -> RequestStatus | None:
+        request.output_token_ids.append(token)
+        request.metrics.first_token_time = request.metrics.first_token_time or now
+        delta = ""
+        if request.detokenizer is not None:
+            delta = request.detokenizer.append([token])
+            request.output_text += delta
+        return self.stop_checker.check(request, len(delta))
+
+    # -- outputs -------------------------------------------------------------------
+    def _finish(self, request: Request) -> RequestOutput:
+        request.metrics.finished_time = time.time()
+        if request.detokenizer is None and self.tokenizer is not None:
+            skip = request.params.skip_special_tokens
+            request.output_text = self.tokenizer.decode(request.output_token_ids, skip)
+        completion = CompletionOutput(
+            index=0,
+            text=request.output_text,
+            token_ids=list(request.output_token_ids),
+            cumulative_logprob=request.cumulative_logprob if request.logprobs is not None else None,
+            logprobs=request.logprobs,
+            finish_reason=request.status.finish_reason,
+            stop_reason=request.stop_reason,
+        )
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            prompt_logprobs=request.prompt_logprobs,
+            outputs=[completion],
+            finished=True,
+            metrics=request.metrics,
+            error=request.error,
+        )
+
+    def _store_logprobs(self, result: StepResult) -> None:
+        if result.logprobs is None:
+            return
+        requests = [self.scheduler.requests[rid] for rid in result.logprob_rows]
+        tokens = [result.sampled[rid] for rid in result.logprob_rows]
+        tops = [r.params.logprobs or 0 for r in requests]
+        for request, row, lp in zip(
+            requests, to_dicts(result.logprobs, tokens, tops),
+            result.logprobs.token_logprobs.tolist(), strict=True,
+        ):
+            if request.logprobs is not None:
+                request.logprobs.append(self._decode_logprobs(row))
+                request.cumulative_logprob += lp
+
+    def _store_prompt_logprobs(self, result: StepResult) -> None:
+        for rid, (lp, targets) in result.prompt_logprobs.items():
+            request = self.scheduler.requests[rid]
+            rows = to_dicts(lp, targets, [request.params.prompt_logprobs] * len(targets))
+            request.prompt_logprobs.extend(self._decode_logprobs(r) for r in rows)
+
+    def _decode_logprobs(self, row: dict[int, Logprob]) -> dict[int, Logprob]:
+        if self.tokenizer is None:
+            return row
+        return {
+            tid: Logprob(lp.logprob, lp.rank, self.tokenizer.decode([tid], False))
+            for tid, lp in row.items()
+        }
+
+    # -- helpers -------------------------------------------------------------------
+    def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt is text but the tokenizer is disabled; pass token ids")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, list | tuple) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        ):
+            return None, list(prompt)
+        raise ValueError("prompt must be a string or a list of token ids (ints)")
+
+    def _validate(self, request_id: str, token_ids: list[int], params: SamplingParams) -> None:
+        if request_id in self.scheduler.requests:
+            raise ValueError(f"request_id {request_id!r} is already in flight")
+        vocab = self.config.model.vocab_size
+        params.check_vocab(vocab)
+        if not token_ids:
+            raise ValueError("prompt is empty: it must have at least 1 token")
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
+        limit = self.config.model.max_model_len
+        if len(token_ids) >= limit:
+            raise ValueError(
+                f"prompt has {len(token_ids):,} tokens; this model's context (max_model_len) is "
+                f"{limit:,}, leaving no room to generate; shorten the prompt to at most "
+                f"{limit - 1:,} tokens"
+            )
+
+    def _detokenizer(self, request: Request) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(
+            self.tokenizer,
+            request.prompt_token_ids,
+            skip_special_tokens=request.params.skip_special_tokens,
+            spaces_between_special_tokens=request.params.spaces_between_special_tokens,
+        )
+
+    def _record_utilization(self) -> None:
+        kv = self.scheduler.kv_cache
+        stored = sum(r.num_computed_tokens for r in self.scheduler.running)
+        self.utilization.record(stored, kv.num_allocated_slots())
+
+    def stats(self) -> EngineStats:
+        kv = self.scheduler.kv_cache
+        return EngineStats(
+            num_blocks=kv.num_blocks,
+            num_used_blocks=kv.num_blocks - kv.num_free_blocks,
+            num_free_blocks=kv.num_free_blocks,
+            kv_slot_utilization=self.utilization.last,
+            mean_kv_slot_utilization=self.utilization.mean,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_steps=self.num_steps,
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+        )

@@ -1,0 +1,139 @@
+"""Holds the model and its KV cache; runs one step plan and samples."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention.selector import select_backend
+from engine.config import CacheConfig, DeviceConfig, ModelConfig
+from engine.input_batch import ModelInput, build_model_input
+from engine.kv_cache import (
+    DEFAULT_CPU_KV_CACHE_MEMORY,
+    KVCache,
+    allocate_kv_cache,
+    block_bytes,
+    cuda_budget_bytes,
+    num_blocks_for,
+)
+from engine.logprobs import TokenLogprobs, compute_token_logprobs
+from engine.model_loader import load_model
+from engine.sampler import Sampler
+from engine.sampling_metadata import SamplingMetadata, SamplingRow
+from engine.scheduler_output import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one step produced, by request id: the sampled token (and its logprobs row),
+    and scored prompt tokens for requests that asked for prompt logprobs."""
+
+    sampled: dict[str, int]
+    logprobs: TokenLogprobs | None  # rows in the order of `logprob_rows`
+    logprob_rows: tuple[str, ...]
+    prompt_logprobs: dict[str, tuple[TokenLogprobs, tuple[int, ...]]]
+
+
+class ModelRunner:
+    """One device's executor: model weights, KV cache, sampler.
+
+    `num_blocks()` sizes the cache from the memory budget (CPU: kv_cache_memory bytes;
+    CUDA: gpu_memory_utilization minus weights and a profiled peak), `initialize_cache`
+    allocates it, and `execute(plan)` runs the plan's flattened batch.
+    """
+
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        cache_config: CacheConfig,
+        device_config: DeviceConfig,
+        max_num_batched_tokens: int,
+        max_num_seqs: int = 256,
+    ) -> None:
+        self.model_config = model_config
+        self.cache_config = cache_config
+        self.device = device_config.device
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.backend = select_backend(device_config.attention_backend)
+        self.model = load_model(model_config, self.backend, self.device)
+        gen = torch.Generator(device=self.device).manual_seed(model_config.seed)
+        self.sampler = Sampler(gen)
+        self.kv_cache: KVCache = []
+
+    def num_blocks(self) -> int:
+        if self.device == "cpu" or not str(self.device).startswith("cuda"):
+            budget = self.cache_config.kv_cache_memory or self._default_cpu_budget()
+        else:
+            budget = cuda_budget_bytes(self.cache_config, self._profile_peak(), torch.device(self.device))
+        return num_blocks_for(self.model_config, self.cache_config, budget)
+
+    def _default_cpu_budget(self) -> int:
+        """2 GiB, or less when max_num_seqs full-length sequences need less."""
+        bs = self.cache_config.block_size
+        blocks = self.max_num_seqs * -(-self.model_config.max_model_len // bs)
+        return min(DEFAULT_CPU_KV_CACHE_MEMORY, blocks * block_bytes(self.model_config, bs))
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        self.kv_cache = allocate_kv_cache(
+            self.model_config, num_blocks, self.cache_config.block_size, self.device
+        )
+
+    @torch.inference_mode()
+    def _profile_peak(self) -> int:
+        """Peak CUDA bytes of one forward over max_num_batched_tokens tokens (weights included)."""
+        from engine.profiling import dummy_plan
+
+        torch.cuda.reset_peak_memory_stats(self.device)
+        block_size = self.cache_config.block_size
+        plan = dummy_plan(self.max_num_batched_tokens, self.model_config.max_model_len, block_size)
+        num_blocks = sum(len(s.block_table) for s in plan.scheduled)
+        saved, self.kv_cache = self.kv_cache, allocate_kv_cache(
+            self.model_config, num_blocks, block_size, self.device
+        )
+        try:
+            self.execute(plan, sample=False)
+        finally:
+            self.kv_cache = saved
+            torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        torch.cuda.empty_cache()
+        return peak
+
+    @torch.inference_mode()
+    def execute(self, plan: SchedulerOutput, sample: bool = True) -> StepResult:
+        batch = build_model_input(plan.scheduled, self.cache_config.block_size, self.device)
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_cache, batch.metadata)
+        prompt_lp = self._prompt_logprobs(batch, hidden)
+        if not sample or not batch.sample_rows:
+            return StepResult({}, None, (), prompt_lp)
+        logits = self.model.compute_logits(hidden[batch.logits_indices])  # [S, vocab]
+        out = self.sampler(logits, self._sampling_metadata(batch))
+        ids = [r.request.request_id for r in batch.sample_rows]
+        tokens = out.sampled_token_ids.tolist()
+        return StepResult(dict(zip(ids, tokens, strict=True)), out.logprobs, tuple(ids), prompt_lp)
+
+    def _sampling_metadata(self, batch: ModelInput) -> SamplingMetadata:
+        rows = []
+        for item in batch.sample_rows:
+            r = item.request
+            stops = frozenset(r.params.stop_token_ids or ())
+            if not r.params.ignore_eos:
+                stops |= r.eos_token_ids
+            rows.append(SamplingRow(r.params, r.prompt_token_ids, r.output_token_ids, stops))
+        return SamplingMetadata.from_rows(rows, self.model_config.vocab_size, self.device)
+
+    def _prompt_logprobs(self, batch: ModelInput, hidden: torch.Tensor) -> dict:
+        result = {}
+        for span in batch.prompt_logprob_spans:
+            index = torch.tensor(span.token_indices, dtype=torch.int64, device=hidden.device)
+            logits = self.model.compute_logits(hidden[index])  # [n, vocab]
+            targets = torch.tensor(span.targets, dtype=torch.int64, device=hidden.device)
+            request = next(r.request for r in batch.rows if r.request.request_id == span.request_id)
+            lp = compute_token_logprobs(logits, targets, request.params.prompt_logprobs)
+            result[span.request_id] = (lp, span.targets)
+        return result

@@ -1,0 +1,209 @@
+"""Per-request sampling parameters, with vLLM's field names and defaults, validated once."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+MAX_LOGPROBS = 20  # the most top logprobs a request may ask for, per token
+MAX_ABS_LOGIT_BIAS = 100.0  # OpenAI's bound on a logit_bias value
+_GREEDY_EPS = 1e-5  # temperatures below this mean greedy decoding
+
+
+class SamplingParamsError(ValueError):
+    """A sampling parameter is out of range or of the wrong type; the message names it."""
+
+
+def _fail(name: str, rule: str, value: Any) -> None:
+    kind = f" ({type(value).__name__})" if isinstance(value, bool) else ""
+    raise SamplingParamsError(f"{name} must be {rule}, got {value!r}{kind}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_int(
+    name: str, value: Any, lo: int, hi: int | None = None, *, none_ok: bool = False
+) -> None:
+    """Reject bools, non-ints and values outside [lo, hi]; None only when `none_ok`."""
+    if value is None and none_ok:
+        return
+    rule = f"an int >= {lo}" if hi is None else f"an int in [{lo}, {hi}]"
+    rule += " or None" if none_ok else ""
+    if not _is_int(value) or value < lo or (hi is not None and value > hi):
+        _fail(name, rule, value)
+
+
+def _as_float(name: str, value: Any, rule: str) -> float:
+    """A finite float from an int or float (bools and strings rejected)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        _fail(name, f"a finite number {rule}", value)
+    return float(value)
+
+
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        _fail(name, "a bool", value)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one request's output; valid by construction, immutable afterwards.
+
+    Contract: after `__post_init__` every field is in range and normalized: floats are
+    `float`, `top_k` is 0 (disabled) or >= 1, `stop` and `stop_token_ids` are tuples,
+    `logit_bias` is None or a fresh `dict[int, float]`. Token-id bounds need the model's
+    vocabulary, so callers also run `check_vocab(vocab_size)` once the model is known.
+    Any invalid value raises `SamplingParamsError` naming the field, the value and the
+    allowed range.
+    """
+
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | tuple[str, ...] | None = None
+    stop_token_ids: list[int] | tuple[int, ...] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = field(default=None, hash=False)
+
+    def __post_init__(self) -> None:
+        self._check_floats()
+        self._check_ints()
+        self._check_bools()
+        self._set("stop", _normalize_stop(self.stop))
+        self._set("stop_token_ids", _normalize_stop_token_ids(self.stop_token_ids))
+        self._set("logit_bias", _normalize_logit_bias(self.logit_bias))
+
+    def _set(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
+
+    def _check_floats(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _as_float(name, getattr(self, name), "in [-2, 2]")
+            if not -2.0 <= value <= 2.0:
+                _fail(name, "in [-2, 2]", value)
+            self._set(name, value)
+        checks = {
+            "repetition_penalty": ("> 0", lambda v: v > 0.0),
+            "temperature": (">= 0", lambda v: v >= 0.0),
+            "top_p": ("in (0, 1]", lambda v: 0.0 < v <= 1.0),
+            "min_p": ("in [0, 1]", lambda v: 0.0 <= v <= 1.0),
+        }
+        for name, (rule, ok) in checks.items():
+            value = _as_float(name, getattr(self, name), rule)
+            if not ok(value):
+                _fail(name, rule, value)
+            self._set(name, value)
+
+    def _check_ints(self) -> None:
+        _check_int("n", self.n, 1)
+        _check_int("top_k", self.top_k, -1)
+        if self.top_k == -1:
+            self._set("top_k", 0)
+        if self.seed is not None and not _is_int(self.seed):
+            _fail("seed", "an int or None", self.seed)
+        _check_int("max_tokens", self.max_tokens, 1, none_ok=True)
+        _check_int("min_tokens", self.min_tokens, 0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            _fail("min_tokens", f"<= max_tokens ({self.max_tokens})", self.min_tokens)
+        _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS, none_ok=True)
+        _check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS, none_ok=True)
+
+    def _check_bools(self) -> None:
+        for name in (
+            "include_stop_str_in_output",
+            "ignore_eos",
+            "skip_special_tokens",
+            "spaces_between_special_tokens",
+        ):
+            _check_bool(name, getattr(self, name))
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raise `SamplingParamsError` if a stop token id or logit_bias key is >= vocab_size."""
+        for token_id in self.stop_token_ids or ():
+            if token_id >= vocab_size:
+                _fail("stop_token_ids", f"token ids < vocab size {vocab_size}", token_id)
+        for token_id in self.logit_bias or {}:
+            if token_id >= vocab_size:
+                _fail("logit_bias", f"keyed by token ids < vocab size {vocab_size}", token_id)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS
+
+    @property
+    def output_text_buffer_length(self) -> int:
+        """Characters to hold back while streaming so a stop string can still be cut off.
+
+        0 when there are no stop strings or they are kept in the output anyway.
+        """
+        if not self.stop or self.include_stop_str_in_output:
+            return 0
+        return max(len(s) for s in self.stop) - 1
+
+    def with_updates(self, **changes: Any) -> SamplingParams:
+        """A validated copy with `changes` applied."""
+        return dataclasses.replace(self, **changes)
+
+
+def _normalize_stop(stop: Any) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    items = (stop,) if isinstance(stop, str) else stop
+    if not isinstance(items, list | tuple):
+        _fail("stop", "a str, a list of str or None", stop)
+    for s in items:
+        if not isinstance(s, str) or not s:
+            _fail("stop", "a list of non-empty strings", s)
+    return tuple(items)
+
+
+def _normalize_stop_token_ids(ids: Any) -> tuple[int, ...]:
+    if ids is None:
+        return ()
+    if not isinstance(ids, list | tuple):
+        _fail("stop_token_ids", "a list of non-negative ints or None", ids)
+    for token_id in ids:
+        _check_int("stop_token_ids", token_id, 0)
+    return tuple(ids)
+
+
+def _normalize_logit_bias(bias: Any) -> dict[int, float] | None:
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        _fail("logit_bias", "a dict of token id -> bias or None", bias)
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        token_id = _token_id_key(key)
+        rule = f"in [-{MAX_ABS_LOGIT_BIAS:g}, {MAX_ABS_LOGIT_BIAS:g}]"
+        bias_value = _as_float(f"logit_bias[{token_id}]", value, rule)
+        if abs(bias_value) > MAX_ABS_LOGIT_BIAS:
+            _fail(f"logit_bias[{token_id}]", rule, bias_value)
+        out[token_id] = bias_value
+    return out
+
+
+def _token_id_key(key: Any) -> int:
+    """A logit_bias key: an int, or a string of digits as JSON objects deliver it."""
+    if isinstance(key, str) and key.isascii() and key.isdigit():
+        return int(key)
+    if not _is_int(key) or key < 0:
+        _fail("logit_bias", "keyed by token ids (ints >= 0 or strings of digits)", key)
+    return key

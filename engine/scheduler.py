@@ -1,0 +1,133 @@
+"""The scheduler: one rule, computed tokens catch up with known tokens."""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+
+from engine.config import SchedulerConfig
+from engine.kv_cache_manager import KVCacheManager
+from engine.policies import LatestArrivalFirst, PreemptionPolicy
+from engine.request import Request, RequestStatus
+from engine.scheduler_output import ScheduledRequest, SchedulerOutput
+
+
+class Scheduler:
+    """Plans each step under a token budget and a sequence cap, FCFS.
+
+    Running requests are served first, in arrival order; then waiting requests are
+    admitted in order until the budget, the sequence cap or the free blocks run out
+    (the first that does not fit blocks the rest, so preempted requests, which wait at
+    the front, are re-admitted before anything new). When a running request cannot get
+    its blocks, the preemption policy picks a victim whose blocks are all freed; it is
+    recomputed later from its known tokens.
+    """
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_cache: KVCacheManager,
+        preemption: PreemptionPolicy | None = None,
+    ) -> None:
+        self.config = config
+        self.kv_cache = kv_cache
+        self.preemption = preemption or LatestArrivalFirst()
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # sorted by arrival_index
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+        self._step_id = 0
+
+    # -- queue ---------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        self.waiting.append(request)
+        self.requests[request.request_id] = request
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """Ends a request (stop, length, abort, error) and frees its blocks at once."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        request.status = status
+        self.kv_cache.free(request_id)
+        return request
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # -- planning ------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[str] = []
+        for request in list(self.running):
+            if budget == 0:
+                break
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            item = self._schedule_running(request, budget, preempted)
+            if item is not None:
+                scheduled.append(item)
+                budget -= item.num_scheduled_tokens
+        if not preempted:
+            scheduled += self._admit_waiting(budget)
+        self._step_id += 1
+        return SchedulerOutput(self._step_id, tuple(scheduled), tuple(preempted))
+
+    def _schedule_running(
+        self, request: Request, budget: int, preempted: list[str]
+    ) -> ScheduledRequest | None:
+        n = min(request.num_tokens - request.num_computed_tokens, budget)
+        while not self.kv_cache.allocate_slots(request.request_id, request.num_computed_tokens + n):
+            victim = self.preemption.choose_victim(self.running)
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            if victim is request:
+                return None
+        return self._plan(request, n)
+
+    def _admit_waiting(self, budget: int) -> list[ScheduledRequest]:
+        admitted = []
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self.kv_cache.allocate_slots(request.request_id, n):
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            bisect.insort(self.running, request, key=lambda r: r.arrival_index)
+            admitted.append(self._plan(request, n))
+            budget -= n
+        return admitted
+
+    def _plan(self, request: Request, n: int) -> ScheduledRequest:
+        table = tuple(self.kv_cache.block_table(request.request_id))
+        return ScheduledRequest(request, request.num_computed_tokens, n, table)
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv_cache.free(request.request_id)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    # -- results -------------------------------------------------------------------
+    def advance(self, plan: SchedulerOutput) -> None:
+        """Marks the plan's tokens as computed (called once the step ran)."""
+        for item in plan.scheduled:
+            if item.request.status == RequestStatus.RUNNING:
+                item.request.num_computed_tokens += item.num_scheduled_tokens
+
+    def check_integrity(self) -> None:
+        """Blocks are consistent with every running request's computed tokens."""
+        stored = {r.request_id: r.num_computed_tokens for r in self.running}
+        self.kv_cache.check_integrity(stored)
+        for r in self.waiting:
+            assert not self.kv_cache.block_table(r.request_id), f"{r.request_id} waits with blocks"

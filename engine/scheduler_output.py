@@ -1,0 +1,40 @@
+"""What one step's plan says: which requests compute how many tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.request import Request
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """`request` computes `num_scheduled_tokens` tokens from `num_computed_tokens` on;
+    `block_table` holds at least `num_computed_tokens + num_scheduled_tokens` slots."""
+
+    request: Request
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+    block_table: tuple[int, ...]
+
+    @property
+    def samples(self) -> bool:
+        """True when this step reaches the end of the known tokens and samples one more."""
+        return self.num_computed_tokens + self.num_scheduled_tokens == self.request.num_tokens
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """The plan of step `step_id`."""
+
+    step_id: int
+    scheduled: tuple[ScheduledRequest, ...]
+    preempted_ids: tuple[str, ...]
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(s.num_scheduled_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled

@@ -1,0 +1,1 @@
+"""The Starlette app, the async client SDK and the command line."""
