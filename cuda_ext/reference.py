@@ -20,7 +20,9 @@ def reshape_and_cache(
     if key.shape != value.shape or key.dim() != 3:
         raise ValueError(f"key/value must be [T, kv_heads, head]; got {key.shape}, {value.shape}")
     if slot_mapping.shape[0] != key.shape[0]:
-        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} slots for {key.shape[0]} tokens")
+        raise ValueError(
+            f"slot_mapping has {slot_mapping.shape[0]} slots for {key.shape[0]} tokens"
+        )
     num_kv_heads, head_size = key_cache.shape[2], key_cache.shape[3]
     keep = slot_mapping >= 0
     if not bool(keep.all()):

@@ -84,7 +84,9 @@ class CacheConfig:
     """How large the paged KV cache is and how it is cut into blocks."""
 
     block_size: int = 16
-    kv_cache_memory: int | None = None  # bytes, CPU (default: min(2 GiB, max_num_seqs full sequences))
+    kv_cache_memory: int | None = (
+        None  # bytes, CPU (default: min(2 GiB, max_num_seqs full sequences))
+    )
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of total device memory
 
     def __post_init__(self) -> None:

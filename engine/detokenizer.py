@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from engine.tokenizer import Tokenizer
 
 # Prompt tokens kept as decoding context for the first output token's leading space.
@@ -28,10 +30,11 @@ class IncrementalDetokenizer:
       while the last token is a byte-fallback piece (`<0xNN>`), because a byte-fallback
       decoder turns a whole run of byte pieces into U+FFFDs if any byte of the run is
       invalid; a run's text is final only when a non-byte token ends it.
-    - Each append decodes only the window `ids[prefix_offset:]`: the tokens of the last
-      emission (context for spacing) plus the new ones. The window's first tokens must
-      decode to non-empty text, or a decoder that strips the text's first space would
-      strip the new text's; an empty-text prefix is therefore kept in the window.
+    - Each append decodes only a window: the ids of the last emission (context for
+      spacing; at first, the prompt's last PROMPT_CONTEXT_TOKENS ids) plus the ids not
+      yet emitted. The context must decode to non-empty text, or a decoder that strips
+      the text's first space would strip the new text's; so an empty-text context is
+      kept and the window grows instead. Ids before the window are dropped.
     """
 
     def __init__(
@@ -46,20 +49,22 @@ class IncrementalDetokenizer:
         self.spaces_between_special_tokens = spaces_between_special_tokens
         self.output_text = ""
         self._byte_ids = tokenizer.byte_fallback_ids
-        self._skipped_ids = tokenizer.skippable_ids if skip_special_tokens else frozenset()
-        # Window = prompt tail (context only) + output ids; offsets index into it.
-        start = max(0, len(prompt_token_ids) - PROMPT_CONTEXT_TOKENS)
-        self._ids: list[int] = list(prompt_token_ids[start:])
-        self._prefix_offset = 0
+        # Skipped specials change nothing in a skipping decode, so they never enter the
+        # window (a long run of them cannot grow it).
+        self._skipped_ids = tokenizer.skipped_ids if skip_special_tokens else frozenset()
+        tail = prompt_token_ids[max(0, len(prompt_token_ids) - PROMPT_CONTEXT_TOKENS) :]
+        # The window: ids[:read_offset] are context (their text, `prefix_text`, is already
+        # out or is the prompt's); ids[read_offset:] are not yet final.
+        self._ids: list[int] = self._kept(tail)
         self._read_offset = len(self._ids)
         self._prefix_text = self._decode(self._ids)
 
     def append(self, new_token_ids: list[int]) -> str:
         """Add output token ids; return the text they make final (may be "")."""
-        self._ids.extend(new_token_ids)
-        if self._read_offset == len(self._ids) or self._pending():
+        self._ids += self._kept(new_token_ids)
+        if self._read_offset == len(self._ids) or self._ids[-1] in self._byte_ids:
             return ""
-        text = self._decode(self._ids[self._prefix_offset :])
+        text = self._decode(self._ids)
         if text.endswith(_REPLACEMENT):
             return ""
         return self._emit(text)
@@ -68,24 +73,21 @@ class IncrementalDetokenizer:
         """Emit the held-back text (the sequence ended; nothing can complete it now)."""
         if self._read_offset == len(self._ids):
             return ""
-        return self._emit(self._decode(self._ids[self._prefix_offset :]))
+        return self._emit(self._decode(self._ids))
 
-    def _pending(self) -> bool:
-        """Whether the last non-skipped token is a byte piece (its run may continue)."""
-        for token_id in reversed(self._ids[self._read_offset :]):
-            if token_id not in self._skipped_ids:
-                return token_id in self._byte_ids
-        return False
+    def _kept(self, ids: list[int]) -> list[int]:
+        return [i for i in ids if i not in self._skipped_ids]
 
     def _emit(self, text: str) -> str:
+        """Output the window text past the prefix; slide the window to the new ids."""
         prefix = self._prefix_text
-        keep = len(prefix) if text.startswith(prefix) else _common_prefix_len(prefix, text)
+        keep = len(prefix) if text.startswith(prefix) else len(os.path.commonprefix([prefix, text]))
         delta = text[keep:]
-        # Slide the window to start at the tokens this delta came from, unless their text
-        # is empty (then it could not shield the next tokens from start-of-text rules).
+        # The new ids become the next context, unless their text alone is empty (then it
+        # could not shield the next ids from start-of-text rules, so the window keeps more).
         tail_text = self._decode(self._ids[self._read_offset :])
         if tail_text:
-            self._prefix_offset = self._read_offset
+            del self._ids[: self._read_offset]
             self._prefix_text = tail_text
         else:
             self._prefix_text = text
@@ -101,12 +103,3 @@ class IncrementalDetokenizer:
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
         )
-
-
-def _common_prefix_len(a: str, b: str) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n

@@ -41,7 +41,10 @@ def num_blocks_for(model: ModelConfig, cache: CacheConfig, budget_bytes: int) ->
     concurrency = num_blocks * cache.block_size / model.max_model_len
     logger.info(
         "KV cache: %d blocks x %d tokens (%.1f MiB); max concurrency %.2fx at %d tokens/request",
-        num_blocks, cache.block_size, num_blocks * per_block / 1024**2, concurrency,
+        num_blocks,
+        cache.block_size,
+        num_blocks * per_block / 1024**2,
+        concurrency,
         model.max_model_len,
     )
     return int(num_blocks)
@@ -53,9 +56,7 @@ def cuda_budget_bytes(cache: CacheConfig, peak_bytes: int, device: torch.device)
     return int(total * cache.gpu_memory_utilization) - peak_bytes
 
 
-def allocate_kv_cache(
-    model: ModelConfig, num_blocks: int, block_size: int, device: str
-) -> KVCache:
+def allocate_kv_cache(model: ModelConfig, num_blocks: int, block_size: int, device: str) -> KVCache:
     """Per layer, zeroed `[num_blocks, block_size, num_kv_heads, head_size]` K and V."""
     shape = (num_blocks, block_size, model.num_kv_heads, model.head_size)
     return [

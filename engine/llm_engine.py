@@ -18,6 +18,7 @@ from engine.scheduler import Scheduler
 from engine.scheduler_output import SchedulerOutput
 from engine.stats import EngineStats, SlotUtilization
 from engine.stop_checker import StopChecker
+from engine.stop_strings import find_stop
 from engine.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -62,7 +63,11 @@ class LLMEngine:
         text, token_ids = self._tokenize(prompt)
         self._validate(request_id, token_ids, params)
         request = Request(
-            request_id, text, token_ids, params, next(self._arrivals),
+            request_id,
+            text,
+            token_ids,
+            params,
+            next(self._arrivals),
             eos_token_ids=self.config.model.eos_token_ids,
         )
         if params.prompt_logprobs is not None:
@@ -122,6 +127,8 @@ class LLMEngine:
     # -- outputs -------------------------------------------------------------------
     def _finish(self, request: Request) -> RequestOutput:
         request.metrics.finished_time = time.time()
+        if request.detokenizer is not None and not isinstance(request.stop_reason, str):
+            self._flush_text(request)
         if request.detokenizer is None and self.tokenizer is not None:
             skip = request.params.skip_special_tokens
             request.output_text = self.tokenizer.decode(request.output_token_ids, skip)
@@ -145,6 +152,20 @@ class LLMEngine:
             error=request.error,
         )
 
+    def _flush_text(self, request: Request) -> None:
+        """Text the detokenizer held back (e.g. a partial character) ends the output."""
+        delta = request.detokenizer.flush()
+        request.output_text += delta
+        match = find_stop(
+            request.output_text,
+            len(delta),
+            request.params.stop,
+            request.params.include_stop_str_in_output,
+        )
+        if delta and match is not None:
+            request.output_text = request.output_text[: match.truncate_to]
+            request.stop_reason = match.stop
+
     def _store_logprobs(self, result: StepResult) -> None:
         if result.logprobs is None:
             return
@@ -152,8 +173,10 @@ class LLMEngine:
         tokens = [result.sampled[rid] for rid in result.logprob_rows]
         tops = [r.params.logprobs or 0 for r in requests]
         for request, row, lp in zip(
-            requests, to_dicts(result.logprobs, tokens, tops),
-            result.logprobs.token_logprobs.tolist(), strict=True,
+            requests,
+            to_dicts(result.logprobs, tokens, tops),
+            result.logprobs.token_logprobs.tolist(),
+            strict=True,
         ):
             if request.logprobs is not None:
                 request.logprobs.append(self._decode_logprobs(row))

@@ -55,8 +55,10 @@ def read_eos_token_ids(model_dir: str, hf_config) -> frozenset[int]:
 
 def derive_max_model_len(hf_config, requested: int | None) -> int:
     """The context length: the config's, capped by a sliding window, or the user's if smaller."""
-    derived = min((int(getattr(hf_config, f)) for f in _LENGTH_FIELDS if getattr(hf_config, f, None)),
-                  default=2048)
+    derived = min(
+        (int(getattr(hf_config, f)) for f in _LENGTH_FIELDS if getattr(hf_config, f, None)),
+        default=2048,
+    )
     window = getattr(hf_config, "sliding_window", None)
     uses_window = getattr(hf_config, "use_sliding_window", True)
     if window and uses_window and int(window) < derived:

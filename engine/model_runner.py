@@ -69,7 +69,9 @@ class ModelRunner:
         if self.device == "cpu" or not str(self.device).startswith("cuda"):
             budget = self.cache_config.kv_cache_memory or self._default_cpu_budget()
         else:
-            budget = cuda_budget_bytes(self.cache_config, self._profile_peak(), torch.device(self.device))
+            budget = cuda_budget_bytes(
+                self.cache_config, self._profile_peak(), torch.device(self.device)
+            )
         return num_blocks_for(self.model_config, self.cache_config, budget)
 
     def _default_cpu_budget(self) -> int:
@@ -92,8 +94,9 @@ class ModelRunner:
         block_size = self.cache_config.block_size
         plan = dummy_plan(self.max_num_batched_tokens, self.model_config.max_model_len, block_size)
         num_blocks = sum(len(s.block_table) for s in plan.scheduled)
-        saved, self.kv_cache = self.kv_cache, allocate_kv_cache(
-            self.model_config, num_blocks, block_size, self.device
+        saved, self.kv_cache = (
+            self.kv_cache,
+            allocate_kv_cache(self.model_config, num_blocks, block_size, self.device),
         )
         try:
             self.execute(plan, sample=False)

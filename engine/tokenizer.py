@@ -38,6 +38,8 @@ def load_tokenizer(
     from transformers import AutoTokenizer
 
     path = Path(name_or_path).expanduser()
+    if not path.exists() and (path.is_absolute() or name_or_path.startswith((".", "~"))):
+        raise ValueError(f"no such tokenizer directory: {name_or_path!r}")
     if path.is_dir() and not any((path / name).is_file() for name in _TOKENIZER_FILES):
         raise ValueError(
             f"no tokenizer files in {str(path)!r} (looked for {', '.join(_TOKENIZER_FILES)}); "
@@ -126,12 +128,13 @@ class Tokenizer:
         return list(self.hf_tokenizer.all_special_ids)
 
     @cached_property
-    def skippable_ids(self) -> frozenset[int]:
-        """Ids that `decode(..., skip_special_tokens=True)` may drop: the special-token
-        attributes plus every added token flagged special."""
-        added = getattr(self.hf_tokenizer, "added_tokens_decoder", {}) or {}
-        flagged = {i for i, token in added.items() if getattr(token, "special", False)}
-        return frozenset(self.all_special_ids) | frozenset(flagged)
+    def skipped_ids(self) -> frozenset[int]:
+        """Ids that `decode(..., skip_special_tokens=True)` drops: the added tokens flagged
+        special (what the Rust tokenizer skips), else the special-token attributes."""
+        added = getattr(self.hf_tokenizer, "added_tokens_decoder", None)
+        if not added:
+            return frozenset(self.all_special_ids)
+        return frozenset(i for i, token in added.items() if getattr(token, "special", False))
 
     @cached_property
     def byte_fallback_ids(self) -> frozenset[int]:

@@ -65,7 +65,9 @@ def _generate(args: argparse.Namespace) -> int:
     for out in outputs:
         c = out.outputs[0]
         if args.json:
-            print(json.dumps({"prompt": out.prompt, "text": c.text, "finish_reason": c.finish_reason}))
+            print(
+                json.dumps({"prompt": out.prompt, "text": c.text, "finish_reason": c.finish_reason})
+            )
         else:
             print(f"--- {out.prompt!r} ({len(c.token_ids)} tokens, {c.finish_reason})\n{c.text}")
     n = sum(len(o.outputs[0].token_ids) for o in outputs)

@@ -21,7 +21,11 @@ class CausalLM(nn.Module):
     """
 
     # Checkpoint names that carry no weights of ours (e.g. precomputed rotary buffers).
-    ignored_weight_suffixes: tuple[str, ...] = ("rotary_emb.inv_freq", "attn.bias", "masked_bias")
+    ignored_weight_suffixes: tuple[str, ...] = (
+        "rotary_emb.inv_freq",
+        ".attn.bias",
+        ".attn.masked_bias",
+    )
     tied_weights: dict[str, str] = {}  # our name -> the name it shares storage with
 
     def forward(
@@ -49,7 +53,9 @@ class CausalLM(nn.Module):
             if name is None or name.endswith(self.ignored_weight_suffixes):
                 continue
             if name not in params:
-                raise ValueError(f"checkpoint tensor {raw_name!r} has no parameter in {type(self).__name__}")
+                raise ValueError(
+                    f"checkpoint tensor {raw_name!r} has no parameter in {type(self).__name__}"
+                )
             param = params[name]
             if param.shape != tensor.shape:
                 raise ValueError(

@@ -7,33 +7,12 @@ so our `Conv1D` keeps that layout and checkpoints load without transposing.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
 from engine.models.base import CausalLM
-from engine.models.layers import PagedAttention
-
-ACTIVATIONS = {
-    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_fast": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu": F.gelu,
-    "relu": F.relu,
-    "silu": F.silu,
-    "swish": F.silu,
-    "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
-}
-
-
-def activation_fn(name: str):
-    """The activation an HF config names (`activation_function`), or a clear error."""
-    if name not in ACTIVATIONS:
-        raise ValueError(
-            f"activation_function {name!r} is not supported; use one of {sorted(ACTIVATIONS)}"
-        )
-    return ACTIVATIONS[name]
+from engine.models.layers import PagedAttention, activation_fn
 
 
 class Conv1D(nn.Module):

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.backend import AttentionBackend
@@ -50,7 +52,11 @@ def _inv_freq(head_size: int, params: dict) -> torch.Tensor:  # [head_size // 2]
 
 
 def _llama3_inv_freq(inv: torch.Tensor, p: dict) -> torch.Tensor:
-    factor, low, high = float(p["factor"]), float(p["low_freq_factor"]), float(p["high_freq_factor"])
+    factor, low, high = (
+        float(p["factor"]),
+        float(p["low_freq_factor"]),
+        float(p["high_freq_factor"]),
+    )
     old_len = float(p["original_max_position_embeddings"])
     wavelen = 2 * math.pi / inv
     scaled = torch.where(wavelen > old_len / low, inv / factor, inv)
@@ -97,7 +103,9 @@ class PagedAttention(nn.Module):
     ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
-            raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+            raise ValueError(
+                f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}"
+            )
         self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, head_size
         self.scale = scale
         self.backend = backend
@@ -112,3 +120,24 @@ class PagedAttention(nn.Module):
     ) -> torch.Tensor:  # [T, num_heads * head_size]
         out = self.backend.forward(q, k, v, kv_cache, metadata, self.scale)
         return out.reshape(q.shape[0], self.num_heads * self.head_size)
+
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_fast": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu": F.gelu,
+    "relu": F.relu,
+    "silu": F.silu,
+    "swish": F.silu,
+    "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
+}
+
+
+def activation_fn(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The activation an HF config names (`activation_function`), or a clear error."""
+    if name not in ACTIVATIONS:
+        raise ValueError(
+            f"activation_function {name!r} is not supported; use one of {sorted(ACTIVATIONS)}"
+        )
+    return ACTIVATIONS[name]

@@ -92,8 +92,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, backend, qkv_bias, qk_norm)
-            for _ in range(cfg.num_hidden_layers)
+            LlamaDecoderLayer(cfg, backend, qkv_bias, qk_norm) for _ in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

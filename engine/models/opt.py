@@ -13,8 +13,7 @@ from torch import nn
 from engine.attention.backend import AttentionBackend
 from engine.attention.metadata import AttentionMetadata
 from engine.models.base import CausalLM
-from engine.models.gpt2 import activation_fn
-from engine.models.layers import PagedAttention
+from engine.models.layers import PagedAttention, activation_fn
 
 # OPT's position table has two extra rows in front: position p reads row p + 2.
 POSITION_OFFSET = 2

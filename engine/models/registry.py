@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 from engine.models.base import CausalLM
+from engine.models.gpt2 import GPT2LMHeadModel
 from engine.models.llama import (
     LlamaForCausalLM,
     MistralForCausalLM,
     Qwen2ForCausalLM,
     Qwen3ForCausalLM,
 )
+from engine.models.opt import OPTForCausalLM
 
 MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "GPT2LMHeadModel": GPT2LMHeadModel,
+    "OPTForCausalLM": OPTForCausalLM,
 }
 
 

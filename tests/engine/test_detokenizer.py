@@ -42,8 +42,12 @@ def sentencepiece_like() -> Tokenizer:
         [normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]
     )
     rust.decoder = decoders.Sequence(
-        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-         decoders.Strip(" ", 1, 0)]
+        [
+            decoders.Replace("▁", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
     )
     rust.add_special_tokens(specials)
     rust.post_processor = processors.TemplateProcessing(
@@ -83,8 +87,15 @@ def bl_tok() -> Tokenizer:
     return byte_level()
 
 
-@pytest.fixture(scope="module", params=["sentencepiece_like", "byte_level", "stories260K",
-                                        "llama2"])
+@pytest.fixture(
+    scope="module",
+    params=[
+        "sentencepiece_like",
+        "byte_level",
+        pytest.param("stories260K", marks=pytest.mark.shared),
+        pytest.param("llama2", marks=pytest.mark.shared),
+    ],
+)
 def any_tok(request: pytest.FixtureRequest) -> Tokenizer:
     if request.param == "sentencepiece_like":
         return sentencepiece_like()

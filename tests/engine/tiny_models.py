@@ -1,0 +1,70 @@
+"""Tiny random-weight Hugging Face checkpoints, one per supported architecture."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import transformers as hf
+
+VOCAB = 256
+_LLAMA = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+)
+_GPT2 = dict(n_embd=64, n_layer=2, n_head=4, n_positions=128)
+_OPT = dict(
+    hidden_size=64,
+    ffn_dim=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=128,
+)
+
+# name -> (config class, model class, config fields)
+ARCHITECTURES = {
+    "llama": (hf.LlamaConfig, hf.LlamaForCausalLM, _LLAMA),
+    "mistral": (hf.MistralConfig, hf.MistralForCausalLM, {**_LLAMA, "sliding_window": None}),
+    "qwen2": (hf.Qwen2Config, hf.Qwen2ForCausalLM, _LLAMA),
+    "qwen3": (hf.Qwen3Config, hf.Qwen3ForCausalLM, {**_LLAMA, "head_dim": 32}),
+    "gpt2": (hf.GPT2Config, hf.GPT2LMHeadModel, _GPT2),
+    "opt": (hf.OPTConfig, hf.OPTForCausalLM, _OPT),
+}
+
+
+def build_hf_model(name: str, seed: int = 0) -> torch.nn.Module:
+    """A float32 HF model with weights large enough that greedy choices are clear-cut."""
+    config_cls, model_cls, fields = ARCHITECTURES[name]
+    config = config_cls(
+        vocab_size=VOCAB, bos_token_id=None, eos_token_id=None, pad_token_id=None, **fields
+    )
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn(param.shape, generator=gen) * 0.1)
+    return model
+
+
+def save_hf_model(name: str, directory: Path, seed: int = 0) -> torch.nn.Module:
+    model = build_hf_model(name, seed)
+    model.save_pretrained(directory)
+    return model
+
+
+def hf_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' own greedy `generate` on one unpadded prompt."""
+    ids = torch.tensor([prompt])
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt) :].tolist()
