@@ -56,9 +56,8 @@ def cuda_budget_bytes(cache: CacheConfig, peak_bytes: int, device: torch.device)
     return int(total * cache.gpu_memory_utilization) - peak_bytes
 
 
-def allocate_kv_cache(model: ModelConfig, num_blocks: int, block_size: int, device: str) -> KVCache:
-    """Per layer, zeroed `[num_blocks, block_size, num_kv_heads, head_size]` K and V."""
-    shape = (num_blocks, block_size, model.num_kv_heads, model.head_size)
+def allocate_kv_cache(model: ModelConfig, shape: tuple[int, ...], device: str) -> KVCache:
+    """Per layer, zeroed K and V caches of the attention backend's `shape`."""
     return [
         (
             torch.zeros(shape, dtype=model.dtype, device=device),

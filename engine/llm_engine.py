@@ -211,6 +211,11 @@ class LLMEngine:
     def _validate(self, request_id: str, token_ids: list[int], params: SamplingParams) -> None:
         if request_id in self.scheduler.requests:
             raise ValueError(f"request_id {request_id!r} is already in flight")
+        if params.n != 1:
+            raise ValueError(
+                f"n={params.n}: parallel sampling (n > 1) is not supported yet; send n "
+                "requests with different seeds instead"
+            )
         vocab = self.config.model.vocab_size
         params.check_vocab(vocab)
         if not token_ids:

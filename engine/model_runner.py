@@ -82,7 +82,13 @@ class ModelRunner:
 
     def initialize_cache(self, num_blocks: int) -> None:
         self.kv_cache = allocate_kv_cache(
-            self.model_config, num_blocks, self.cache_config.block_size, self.device
+            self.model_config, self._cache_shape(num_blocks), self.device
+        )
+
+    def _cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        m = self.model_config
+        return self.backend.kv_cache_shape(
+            num_blocks, self.cache_config.block_size, m.num_kv_heads, m.head_size
         )
 
     @torch.inference_mode()
@@ -96,7 +102,7 @@ class ModelRunner:
         num_blocks = sum(len(s.block_table) for s in plan.scheduled)
         saved, self.kv_cache = (
             self.kv_cache,
-            allocate_kv_cache(self.model_config, num_blocks, block_size, self.device),
+            allocate_kv_cache(self.model_config, self._cache_shape(num_blocks), self.device),
         )
         try:
             self.execute(plan, sample=False)

@@ -11,24 +11,36 @@ from engine.attention.metadata import AttentionMetadata
 class AttentionBackend:
     """Writes a step's new K/V into the paged cache, then attends over each context.
 
-    `forward` takes the flattened batch and returns `[num_tokens, num_heads, head_size]`.
-    Subclasses override `attend`; the cache write is shared.
+    Each backend owns its cache layout: `kv_cache_shape` says how one layer's key (and
+    value) cache is shaped, `write` stores new K/V through the slot mapping, `attend`
+    reads it. `forward` takes the flattened batch and returns
+    `[num_tokens, num_heads, head_size]`. The default layout is the house layout
+    `[num_blocks, block_size, num_kv_heads, head_size]`.
     """
 
     name = "base"
+
+    @staticmethod
+    def kv_cache_shape(
+        num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
+    ) -> tuple[int, ...]:
+        return (num_blocks, block_size, num_kv_heads, head_size)
 
     def forward(
         self,
         query: torch.Tensor,  # [num_tokens, num_heads, head_size]
         key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
         value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
-        kv_cache: tuple[torch.Tensor, torch.Tensor],  # 2 x [num_blocks, block_size, KVH, D]
+        kv_cache: tuple[torch.Tensor, torch.Tensor],  # 2 x kv_cache_shape(...)
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
         key_cache, value_cache = kv_cache
-        reshape_and_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
+        self.write(key, value, key_cache, value_cache, metadata.slot_mapping)
         return self.attend(query, key_cache, value_cache, metadata, scale)
+
+    def write(self, key, value, key_cache, value_cache, slot_mapping) -> None:
+        reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
 
     def attend(
         self,

@@ -122,6 +122,7 @@ def test_bad_requests_are_rejected_and_the_engine_keeps_serving(llm):
         ([1, 2], SamplingParams(logit_bias={VOCAB + 1: 1.0}), "logit_bias"),
         ([1, 2], SamplingParams(stop_token_ids=[VOCAB]), "stop_token_ids"),
         ("text", params, "tokenizer"),
+        ([1, 2], SamplingParams(n=2), "n=2"),
     ]
     for prompt, p, message in bad_requests:
         with pytest.raises(ValueError, match=message):
@@ -179,3 +180,21 @@ def test_stats_report_blocks_and_utilization(llm):
     assert stats.num_used_blocks == 0 and stats.num_free_blocks == stats.num_blocks
     assert 0.8 < stats.mean_kv_slot_utilization <= 1.0
     assert stats.num_steps > 0
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_runs_close_to_transformers(model_dir, dtype):
+    import torch
+
+    from tests.engine.tiny_models import build_hf_model, hf_greedy
+
+    llm = LLM(model_dir, skip_tokenizer_init=True, dtype=dtype, kv_cache_memory=1 << 20)
+    assert llm.engine.runner.kv_cache[0][0].dtype == getattr(torch, dtype)
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9]]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    hf_model = build_hf_model("llama").to(getattr(torch, dtype))
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert len(out.outputs[0].token_ids) == 10
+        # Rounding differs from transformers' kernels, so only the first tokens must agree.
+        assert out.outputs[0].token_ids[:4] == hf_greedy(hf_model, prompt, 4)

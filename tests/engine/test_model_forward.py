@@ -123,10 +123,15 @@ def hf_logits(case: str, tokens: tuple[int, ...]) -> torch.Tensor:  # [T, vocab]
 
 
 def make_kv_caches(model) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Zeroed per-layer caches [NUM_BLOCKS, BLOCK_SIZE, num_kv_heads, head_size]."""
+    """Zeroed per-layer caches in the layout of the layer's attention backend."""
     attns = [m for m in model.modules() if isinstance(m, PagedAttention)]
     return [
-        tuple(torch.zeros(NUM_BLOCKS, BLOCK_SIZE, a.num_kv_heads, a.head_size) for _ in "kv")
+        tuple(
+            torch.zeros(
+                a.backend.kv_cache_shape(NUM_BLOCKS, BLOCK_SIZE, a.num_kv_heads, a.head_size)
+            )
+            for _ in "kv"
+        )
         for a in attns
     ]
 
