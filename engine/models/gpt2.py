@@ -10,7 +10,6 @@ import torch
 from torch import nn
 
 from engine.attention.backend import AttentionBackend
-from engine.attention.metadata import AttentionMetadata
 from engine.models.base import CausalLM
 from engine.models.layers import PagedAttention, activation_fn
 
@@ -118,27 +117,14 @@ class GPT2LMHeadModel(CausalLM):
                 "GPT-2 with add_cross_attention=True (an encoder-decoder) is not supported"
             )
         self.transformer = GPT2Model(cfg, backend)
-        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
-        if getattr(cfg, "tie_word_embeddings", True):
-            self.lm_head.weight = self.transformer.wte.weight
-            self.tied_weights = {"lm_head.weight": "transformer.wte.weight"}
+        tie = "transformer.wte" if getattr(cfg, "tie_word_embeddings", True) else None
+        self.init_lm_head(cfg.n_embd, cfg.vocab_size, tie)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [T]
-        positions: torch.Tensor,  # [T]
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        metadata: AttentionMetadata,
-    ) -> torch.Tensor:  # [T, hidden_size]
-        return self.transformer(input_ids, positions, kv_caches, metadata)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, vocab_size]
-        return self.lm_head(hidden).float()
+    def backbone(self) -> nn.Module:
+        return self.transformer
 
     def checkpoint_name(self, name: str) -> str | None:
         """Hub GPT-2 checkpoints name tensors without `transformer.` (e.g. `h.0.ln_1.weight`)."""
-        if name == "lm_head.weight":
-            return None if self.tied_weights else name
         if name.startswith(_BARE_PREFIXES):
-            return "transformer." + name
-        return name
+            name = "transformer." + name
+        return super().checkpoint_name(name)

@@ -11,13 +11,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention.backend import AttentionBackend
-from engine.attention.metadata import AttentionMetadata
 from engine.models.base import CausalLM
-from engine.models.layers import PagedAttention, RMSNorm, RotaryEmbedding, rope_parameters
+from engine.models.layers import (
+    MergedLinear,
+    PagedAttention,
+    RMSNorm,
+    RotaryEmbedding,
+    rope_parameters,
+)
 
 
 class LlamaAttention(nn.Module):
-    """q/k/v projections, rotary, paged attention, output projection."""
+    """Fused q/k/v projection, rotary, paged attention, output projection."""
 
     def __init__(self, cfg, backend: AttentionBackend, qkv_bias: bool, qk_norm: bool) -> None:
         super().__init__()
@@ -27,9 +32,7 @@ class LlamaAttention(nn.Module):
         hidden, q_size = cfg.hidden_size, self.num_heads * self.head_size
         kv_size = self.num_kv_heads * self.head_size
         bias = qkv_bias or bool(getattr(cfg, "attention_bias", False))
-        self.q_proj = nn.Linear(hidden, q_size, bias=bias)
-        self.k_proj = nn.Linear(hidden, kv_size, bias=bias)
-        self.v_proj = nn.Linear(hidden, kv_size, bias=bias)
+        self.qkv_proj = MergedLinear(hidden, (q_size, kv_size, kv_size), bias=bias)
         self.o_proj = nn.Linear(q_size, hidden, bias=bool(getattr(cfg, "attention_bias", False)))
         if qk_norm:
             self.q_norm = RMSNorm(self.head_size, cfg.rms_norm_eps)
@@ -44,9 +47,10 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions, hidden, kv_cache, metadata) -> torch.Tensor:
         t = hidden.shape[0]  # hidden: [T, hidden_size]
-        q = self.q_proj(hidden).view(t, self.num_heads, self.head_size)
-        k = self.k_proj(hidden).view(t, self.num_kv_heads, self.head_size)
-        v = self.v_proj(hidden).view(t, self.num_kv_heads, self.head_size)
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
+        q = q.view(t, self.num_heads, self.head_size)
+        k = k.reshape(t, self.num_kv_heads, self.head_size)
+        v = v.reshape(t, self.num_kv_heads, self.head_size)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary_emb(positions, q, k)
@@ -54,19 +58,20 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)), gate and up in one matmul."""
 
     def __init__(self, cfg) -> None:
         super().__init__()
         bias = bool(getattr(cfg, "mlp_bias", False))
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=bias)
+        sizes = (cfg.intermediate_size, cfg.intermediate_size)
+        self.gate_up_proj = MergedLinear(cfg.hidden_size, sizes, bias=bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
         if getattr(cfg, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (silu)")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
+        return self.down_proj(F.silu(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -108,31 +113,22 @@ class LlamaForCausalLM(CausalLM):
 
     qkv_bias = False
     qk_norm = False
+    stacked_params = {
+        ".q_proj.": (".qkv_proj.", 0),
+        ".k_proj.": (".qkv_proj.", 1),
+        ".v_proj.": (".qkv_proj.", 2),
+        ".gate_proj.": (".gate_up_proj.", 0),
+        ".up_proj.": (".gate_up_proj.", 1),
+    }
 
     def __init__(self, cfg, backend: AttentionBackend) -> None:
         super().__init__()
         self.model = LlamaModel(cfg, backend, self.qkv_bias, self.qk_norm)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if getattr(cfg, "tie_word_embeddings", False):
-            self.lm_head.weight = self.model.embed_tokens.weight
-            self.tied_weights = {"lm_head.weight": "model.embed_tokens.weight"}
+        tie = "model.embed_tokens" if getattr(cfg, "tie_word_embeddings", False) else None
+        self.init_lm_head(cfg.hidden_size, cfg.vocab_size, tie)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [T]
-        positions: torch.Tensor,  # [T]
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        metadata: AttentionMetadata,
-    ) -> torch.Tensor:  # [T, hidden_size]
-        return self.model(input_ids, positions, kv_caches, metadata)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, vocab_size]
-        return self.lm_head(hidden).float()
-
-    def checkpoint_name(self, name: str) -> str | None:
-        if name == "lm_head.weight" and "lm_head.weight" in self.tied_weights:
-            return None  # tied: the embedding is the head
-        return name
+    def backbone(self) -> nn.Module:
+        return self.model
 
 
 class MistralForCausalLM(LlamaForCausalLM):

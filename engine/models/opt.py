@@ -11,7 +11,6 @@ import torch
 from torch import nn
 
 from engine.attention.backend import AttentionBackend
-from engine.attention.metadata import AttentionMetadata
 from engine.models.base import CausalLM
 from engine.models.layers import PagedAttention, activation_fn
 
@@ -124,19 +123,11 @@ class OPTForCausalLM(CausalLM):
         super().__init__()
         self.model = OPTModel(cfg, backend)
         embed = self.model.decoder.embed_tokens
-        self.lm_head = nn.Linear(embed.embedding_dim, cfg.vocab_size, bias=False)
-        if getattr(cfg, "tie_word_embeddings", True):
-            self.lm_head.weight = embed.weight
-            self.tied_weights = {"lm_head.weight": "model.decoder.embed_tokens.weight"}
+        tie = "model.decoder.embed_tokens" if getattr(cfg, "tie_word_embeddings", True) else None
+        self.init_lm_head(embed.embedding_dim, cfg.vocab_size, tie)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [T]
-        positions: torch.Tensor,  # [T]
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        metadata: AttentionMetadata,
-    ) -> torch.Tensor:  # [T, hidden_size]
-        return self.model(input_ids, positions, kv_caches, metadata)
+    def backbone(self) -> nn.Module:
+        return self.model
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, vocab_size]
         project_out = self.model.decoder.project_out
@@ -146,8 +137,6 @@ class OPTForCausalLM(CausalLM):
 
     def checkpoint_name(self, name: str) -> str | None:
         """Some hub OPT checkpoints name tensors without `model.` (`decoder.layers.0...`)."""
-        if name == "lm_head.weight":
-            return None if self.tied_weights else name
         if name.startswith("decoder."):
-            return "model." + name
-        return name
+            name = "model." + name
+        return super().checkpoint_name(name)

@@ -24,35 +24,13 @@ from engine.models.llama import (
     Qwen3ForCausalLM,
 )
 from engine.models.opt import OPTForCausalLM
+from tests.engine.tiny_models import GPT2_FIELDS, LLAMA_FIELDS, OPT_FIELDS
 
 VOCAB, BLOCK_SIZE, NUM_BLOCKS, ATOL = 128, 4, 16, 1e-4
 
-_LLAMA = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=VOCAB,
-    max_position_embeddings=128,
-)
-_GPT2 = dict(
-    n_embd=64,
-    n_layer=2,
-    n_head=4,
-    vocab_size=VOCAB,
-    n_positions=128,
-    bos_token_id=0,
-    eos_token_id=0,
-)
-_OPT = dict(
-    hidden_size=64,
-    ffn_dim=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    vocab_size=VOCAB,
-    max_position_embeddings=128,
-)
+_LLAMA = {**LLAMA_FIELDS, "vocab_size": VOCAB}
+_GPT2 = {**GPT2_FIELDS, "vocab_size": VOCAB, "bos_token_id": 0, "eos_token_id": 0}
+_OPT = {**OPT_FIELDS, "vocab_size": VOCAB}
 
 # case id -> (HF config class, HF model class, our class, config overrides)
 CASES = {

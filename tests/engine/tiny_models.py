@@ -8,7 +8,8 @@ import torch
 import transformers as hf
 
 VOCAB = 256
-_LLAMA = dict(
+# Shared shapes: 64 hidden, 2 layers, 4 heads (2 KV heads in the Llama family).
+LLAMA_FIELDS = dict(
     hidden_size=64,
     intermediate_size=128,
     num_hidden_layers=2,
@@ -16,23 +17,18 @@ _LLAMA = dict(
     num_key_value_heads=2,
     max_position_embeddings=128,
 )
-_GPT2 = dict(n_embd=64, n_layer=2, n_head=4, n_positions=128)
-_OPT = dict(
-    hidden_size=64,
-    ffn_dim=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    max_position_embeddings=128,
-)
+GPT2_FIELDS = dict(n_embd=64, n_layer=2, n_head=4, n_positions=128)
+_SHARED = ("hidden_size", "num_hidden_layers", "num_attention_heads", "max_position_embeddings")
+OPT_FIELDS = {**{k: LLAMA_FIELDS[k] for k in _SHARED}, "ffn_dim": 128}
 
 # name -> (config class, model class, config fields)
 ARCHITECTURES = {
-    "llama": (hf.LlamaConfig, hf.LlamaForCausalLM, _LLAMA),
-    "mistral": (hf.MistralConfig, hf.MistralForCausalLM, {**_LLAMA, "sliding_window": None}),
-    "qwen2": (hf.Qwen2Config, hf.Qwen2ForCausalLM, _LLAMA),
-    "qwen3": (hf.Qwen3Config, hf.Qwen3ForCausalLM, {**_LLAMA, "head_dim": 32}),
-    "gpt2": (hf.GPT2Config, hf.GPT2LMHeadModel, _GPT2),
-    "opt": (hf.OPTConfig, hf.OPTForCausalLM, _OPT),
+    "llama": (hf.LlamaConfig, hf.LlamaForCausalLM, LLAMA_FIELDS),
+    "mistral": (hf.MistralConfig, hf.MistralForCausalLM, {**LLAMA_FIELDS, "sliding_window": None}),
+    "qwen2": (hf.Qwen2Config, hf.Qwen2ForCausalLM, LLAMA_FIELDS),
+    "qwen3": (hf.Qwen3Config, hf.Qwen3ForCausalLM, {**LLAMA_FIELDS, "head_dim": 32}),
+    "gpt2": (hf.GPT2Config, hf.GPT2LMHeadModel, GPT2_FIELDS),
+    "opt": (hf.OPTConfig, hf.OPTForCausalLM, OPT_FIELDS),
 }
 
 
