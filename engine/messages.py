@@ -1,0 +1,217 @@
+"""Every message the actors exchange: ONE schema module of frozen dataclasses.
+
+Grouped by the inbox that receives them; each inbox decodes only its own group
+(`INBOXES`). Field order is the wire format: append new fields at the end only
+(`tests/actors/test_codec.py` pins every message's field order).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.sampling_params import SamplingParams
+
+# ---------------------------------------------------------------- shared parts
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    """One chat turn; `role` is system, user, assistant or tool."""
+
+    role: str
+    content: str
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    """Stop `request_id` and free its blocks (client -> tokenizer -> scheduler)."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    """Stop the receiving actor gracefully; `reason` is logged."""
+
+    reason: str
+
+
+# ---------------------------------------------------------------- tokenizer inbox
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """A client's request. Exactly one of prompt, prompt_token_ids, messages is set;
+    outputs go back to the client named `client_id`."""
+
+    request_id: str
+    client_id: str
+    prompt: str | None
+    prompt_token_ids: tuple[int, ...] | None
+    messages: tuple[ChatMessage, ...] | None
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class TokenDelta:
+    """New token ids of one request after a step; a finish reason when it ended."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    finish_reason: str | None
+    stop_reason: int | str | None
+
+
+@dataclass(frozen=True)
+class TokenDeltas:
+    """All of one step's token deltas (scheduler -> tokenizer), detokenized there."""
+
+    step_id: int
+    deltas: tuple[TokenDelta, ...]
+
+
+# ---------------------------------------------------------------- scheduler inbox
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    """A tokenized request, ready to schedule (tokenizer -> scheduler)."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    arrival_time: float
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    """The token one request sampled in a step."""
+
+    request_id: str
+    token_id: int
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What step `step_id` sampled on worker `worker_id`; `error` set if the step failed."""
+
+    step_id: int
+    worker_id: int
+    sampled: tuple[SampledToken, ...]
+    error: str | None
+
+
+@dataclass(frozen=True)
+class WorkerReady:
+    """Start-up values a worker found (after loading and memory profiling)."""
+
+    worker_id: int
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    vocab_size: int
+
+
+@dataclass(frozen=True)
+class BlockGrant:
+    """Blocks newly given to a sequence, in block-table order."""
+
+    seq_id: str
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class BlocksReserved:
+    """The block manager's answer to one step's ReserveBlocks."""
+
+    step_id: int
+    grants: tuple[BlockGrant, ...]
+
+
+# ---------------------------------------------------------------- block manager inbox
+
+
+@dataclass(frozen=True)
+class BlockReservation:
+    """Grow `seq_id`'s block table to hold `num_tokens` tokens."""
+
+    seq_id: str
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class ReserveBlocks:
+    """One step's block traffic in ONE message: frees first, then reservations."""
+
+    step_id: int
+    free_seq_ids: tuple[str, ...]
+    reservations: tuple[BlockReservation, ...]
+
+
+# ---------------------------------------------------------------- worker inbox
+
+
+@dataclass(frozen=True)
+class NewRequestData:
+    """A request the worker has not seen: everything it caches about it."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    block_ids: tuple[int, ...]
+    num_computed_tokens: int
+
+
+@dataclass(frozen=True)
+class CachedRequestData:
+    """What changed for a request the worker has cached."""
+
+    request_id: str
+    new_block_ids: tuple[int, ...]
+    num_computed_tokens: int
+    resumed_from_preemption: bool
+
+
+@dataclass(frozen=True)
+class ScheduledTokens:
+    """How many tokens a request computes in this step."""
+
+    request_id: str
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """Step `step_id`: new requests in full, diffs for cached ones, finished ids."""
+
+    step_id: int
+    new_requests: tuple[NewRequestData, ...]
+    cached_requests: tuple[CachedRequestData, ...]
+    scheduled: tuple[ScheduledTokens, ...]
+    finished_ids: tuple[str, ...]
+
+
+# ---------------------------------------------------------------- client inbox
+
+
+@dataclass(frozen=True)
+class OutputDelta:
+    """Incremental output of one request to its client; `error` set on failure."""
+
+    request_id: str
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str | None
+    stop_reason: int | str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    error: str | None
+
+
+INBOXES: dict[str, tuple[type, ...]] = {
+    "tokenizer": (GenerateRequest, AbortRequest, TokenDeltas, Shutdown),
+    "scheduler": (AddRequest, AbortRequest, StepResult, WorkerReady, BlocksReserved, Shutdown),
+    "block_manager": (ReserveBlocks, Shutdown),
+    "worker": (StepPlan, Shutdown),
+    "client": (OutputDelta,),
+}

@@ -1,0 +1,199 @@
+"""The msgpack codec: every message round-trips; field order is pinned; bad frames are
+rejected with DecodeError (never an exception of another kind)."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import msgpack
+import pytest
+
+from actors.codec import DecodeError, InboxDecoder, encode
+from engine import messages as m
+from engine.sampling_params import SamplingParams
+
+PARAMS = SamplingParams(temperature=0.7, top_p=0.9, stop=["\n\n"], logit_bias={5: -2.0}, seed=3)
+
+SAMPLES = [
+    m.GenerateRequest("r1", "c1", "hello", None, None, PARAMS),
+    m.GenerateRequest("r2", "c1", None, (1, 2, 3), None, SamplingParams()),
+    m.GenerateRequest("r3", "c2", None, None, (m.ChatMessage("user", "hi"),), PARAMS),
+    m.AbortRequest("r1"),
+    m.Shutdown("test"),
+    m.TokenDeltas(7, (m.TokenDelta("r1", (4, 5), None, None), m.TokenDelta("r2", (9,), "stop", 9))),
+    m.AddRequest("r1", (1, 2), PARAMS, 1.5),
+    m.StepResult(3, 0, (m.SampledToken("r1", 42),), None),
+    m.StepResult(4, 1, (), "worker crashed"),
+    m.WorkerReady(0, 1024, 16, 2048, 32000),
+    m.BlocksReserved(2, (m.BlockGrant("r1", (3, 4)),)),
+    m.ReserveBlocks(2, ("r0",), (m.BlockReservation("r1", 40),)),
+    m.StepPlan(
+        5,
+        (m.NewRequestData("r1", (1, 2, 3), PARAMS, (0, 1), 0),),
+        (m.CachedRequestData("r0", (9,), 17, False),),
+        (m.ScheduledTokens("r1", 3), m.ScheduledTokens("r0", 1)),
+        ("r9",),
+    ),
+    m.OutputDelta("r1", " once", (12,), None, None, 3, 1, None),
+]
+
+# The wire format: field names in order. Changing this table means a protocol change.
+FIELD_ORDER = {
+    "ChatMessage": ["role", "content"],
+    "AbortRequest": ["request_id"],
+    "Shutdown": ["reason"],
+    "GenerateRequest": [
+        "request_id",
+        "client_id",
+        "prompt",
+        "prompt_token_ids",
+        "messages",
+        "params",
+    ],
+    "TokenDelta": ["request_id", "token_ids", "finish_reason", "stop_reason"],
+    "TokenDeltas": ["step_id", "deltas"],
+    "AddRequest": ["request_id", "prompt_token_ids", "params", "arrival_time"],
+    "SampledToken": ["request_id", "token_id"],
+    "StepResult": ["step_id", "worker_id", "sampled", "error"],
+    "WorkerReady": ["worker_id", "num_blocks", "block_size", "max_model_len", "vocab_size"],
+    "BlockGrant": ["seq_id", "block_ids"],
+    "BlocksReserved": ["step_id", "grants"],
+    "BlockReservation": ["seq_id", "num_tokens"],
+    "ReserveBlocks": ["step_id", "free_seq_ids", "reservations"],
+    "NewRequestData": [
+        "request_id",
+        "prompt_token_ids",
+        "params",
+        "block_ids",
+        "num_computed_tokens",
+    ],
+    "CachedRequestData": [
+        "request_id",
+        "new_block_ids",
+        "num_computed_tokens",
+        "resumed_from_preemption",
+    ],
+    "ScheduledTokens": ["request_id", "num_tokens"],
+    "StepPlan": ["step_id", "new_requests", "cached_requests", "scheduled", "finished_ids"],
+    "OutputDelta": [
+        "request_id",
+        "text",
+        "token_ids",
+        "finish_reason",
+        "stop_reason",
+        "num_prompt_tokens",
+        "num_output_tokens",
+        "error",
+    ],
+    "SamplingParams": [
+        "n",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "seed",
+        "stop",
+        "stop_token_ids",
+        "include_stop_str_in_output",
+        "ignore_eos",
+        "max_tokens",
+        "min_tokens",
+        "logprobs",
+        "prompt_logprobs",
+        "skip_special_tokens",
+        "spaces_between_special_tokens",
+        "logit_bias",
+    ],
+}
+
+
+def _inbox_of(message) -> InboxDecoder:
+    for types in m.INBOXES.values():
+        if type(message) in types:
+            return InboxDecoder(types)
+    raise AssertionError(f"{type(message).__name__} belongs to no inbox")
+
+
+@pytest.mark.parametrize("message", SAMPLES, ids=lambda x: type(x).__name__)
+def test_round_trip(message):
+    assert _inbox_of(message).decode(encode(message)) == message
+
+
+def test_every_inbox_message_has_a_sample():
+    sampled = {type(s) for s in SAMPLES}
+    for types in m.INBOXES.values():
+        assert set(types) <= sampled
+
+
+def test_field_order_is_pinned():
+    classes = {
+        cls.__name__: cls
+        for cls in vars(m).values()
+        if isinstance(cls, type) and dataclasses.is_dataclass(cls)
+    }
+    classes["SamplingParams"] = SamplingParams
+    assert set(classes) == set(FIELD_ORDER)
+    for name, cls in classes.items():
+        assert [f.name for f in dataclasses.fields(cls)] == FIELD_ORDER[name], name
+
+
+def test_wrong_inbox_is_rejected():
+    decoder = InboxDecoder(m.INBOXES["worker"])
+    with pytest.raises(DecodeError, match="not accepted here"):
+        decoder.decode(encode(m.AbortRequest("r1")))
+
+
+def _frame(name, fields):
+    return msgpack.packb([name, fields], use_bin_type=True)
+
+
+@pytest.mark.parametrize(
+    ("frame", "reason"),
+    [
+        (b"", "msgpack"),
+        (b"\xc1\xff\x00", "msgpack"),
+        (msgpack.packb({"a": 1}), "type_name"),
+        (msgpack.packb(["AbortRequest"]), "type_name"),
+        (_frame("Nope", []), "not accepted"),
+        (_frame("AbortRequest", []), "expected 1 fields"),
+        (_frame("AbortRequest", [7]), "request_id"),
+        (_frame("AddRequest", ["r", [1, "x"], [], 0.0]), "prompt_token_ids"),
+        (_frame("AddRequest", ["r", [1, True], [], 0.0]), "prompt_token_ids"),
+        (_frame("AddRequest", ["r", [1], [1] * 5, 0.0]), "params"),
+        (_frame("StepResult", [1, 0, [["r", 1.5]], None]), "token_id"),
+    ],
+)
+def test_garbage_and_wrong_types_are_rejected(frame, reason):
+    decoder = InboxDecoder(m.INBOXES["scheduler"])
+    with pytest.raises(DecodeError, match=reason):
+        decoder.decode(frame)
+
+
+def test_invalid_sampling_params_are_rejected_by_their_own_validation():
+    fields = [getattr(PARAMS, f.name) for f in dataclasses.fields(SamplingParams)]
+    fields[4] = -1.0  # temperature
+    frame = _frame(
+        "AddRequest", ["r", [1], [list(x) if isinstance(x, tuple) else x for x in fields], 0.0]
+    )
+    with pytest.raises(DecodeError, match="temperature"):
+        InboxDecoder(m.INBOXES["scheduler"]).decode(frame)
+
+
+def test_truncated_frames_never_raise_anything_but_decode_error():
+    rng = random.Random(0)
+    decoder = InboxDecoder(m.INBOXES["worker"])
+    frame = encode(SAMPLES[12])
+    for cut in range(len(frame)):
+        with pytest.raises(DecodeError):
+            decoder.decode(frame[:cut])
+    for _ in range(300):  # random byte flips: a valid message or a DecodeError
+        data = bytearray(frame)
+        data[rng.randrange(len(data))] = rng.randrange(256)
+        try:
+            decoder.decode(bytes(data))
+        except DecodeError:
+            pass
