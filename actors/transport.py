@@ -1,0 +1,231 @@
+"""Byte-frame channels between actors: one direction each, asyncio-native.
+
+An `Outbox` sends frames, an `Inbox` receives them, in order, one frame per message. Frames
+are `bytes` in and `bytes` out; what they mean is the codec's business (`actors.codec`).
+No pickle anywhere.
+
+Three kinds of channel, one interface:
+- ZeroMQ `ipc:///path` (processes on one host) and `tcp://host:port` (across hosts):
+  the inbox binds a PULL socket, each sender connects a PUSH socket. Either side may come
+  up first; ZeroMQ reconnects. High-water marks are 0 (unbounded): a frame is never
+  dropped and a send never waits on a slow receiver. LINGER is 0, so closing never hangs
+  and frames still queued at close are discarded (the peer is shutting down anyway).
+  An ipc inbox removes a stale socket file before it binds and unlinks its file on close.
+- In-process (`inproc_pair`): an `asyncio.Queue` of encoded frames for two actors that
+  share a process and an event loop. Frames are still encoded bytes, so the same codec
+  path (and its validation) runs whichever transport an actor uses.
+
+Closing is idempotent; `recv`/`send` after `close()` raise `TransportClosed`. Close a
+channel only when no `recv` is pending on it (an `Actor` cancels its recv first).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import stat
+import tempfile
+
+import zmq
+import zmq.asyncio
+
+# Linux's sockaddr_un.sun_path holds 108 bytes including the trailing NUL.
+MAX_IPC_PATH = 107
+
+
+class TransportClosed(RuntimeError):
+    """`recv` or `send` on a channel end that was closed."""
+
+
+class Inbox:
+    """The receiving end of a channel: frames arrive in the order they were sent."""
+
+    async def recv(self) -> bytes:
+        """The next frame (waits for one)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release the channel end; idempotent."""
+        raise NotImplementedError
+
+
+class Outbox:
+    """The sending end of a channel."""
+
+    async def send(self, frame: bytes) -> None:
+        """Queue `frame` for the receiver; raises TypeError unless it is `bytes`."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release the channel end; idempotent."""
+        raise NotImplementedError
+
+
+def _check_frame(frame: object) -> None:
+    if not isinstance(frame, bytes):
+        raise TypeError(f"a frame must be bytes, got {type(frame).__name__}")
+
+
+# ---------------------------------------------------------------- ZeroMQ
+
+
+class ZmqInbox(Inbox):
+    """A bound PULL socket; owns (and on close removes) its ipc socket file."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, address: str) -> None:
+        self.address = address
+        self._ipc_path = _ipc_path(address)
+        if self._ipc_path is not None:
+            _remove_stale_socket(self._ipc_path)
+        self._socket = ctx.socket(zmq.PULL)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.RCVHWM, 0)
+        try:
+            self._socket.bind(address)
+        except zmq.ZMQError as exc:
+            self._socket.close(linger=0)
+            raise OSError(f"cannot bind an inbox to {address}: {exc}") from exc
+        self._closed = False
+
+    async def recv(self) -> bytes:
+        if self._closed:
+            raise TransportClosed(f"inbox {self.address} is closed")
+        return await self._socket.recv()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._socket.close(linger=0)
+        if self._ipc_path is not None:
+            try:
+                os.unlink(self._ipc_path)
+            except FileNotFoundError:
+                pass
+
+
+class ZmqOutbox(Outbox):
+    """A PUSH socket connected to one inbox's address."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, address: str) -> None:
+        self.address = address
+        _ipc_path(address)  # validates ipc path length
+        self._socket = ctx.socket(zmq.PUSH)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.SNDHWM, 0)
+        self._socket.connect(address)
+        self._closed = False
+
+    async def send(self, frame: bytes) -> None:
+        _check_frame(frame)
+        if self._closed:
+            raise TransportClosed(f"outbox to {self.address} is closed")
+        await self._socket.send(frame, copy=len(frame) < zmq.COPY_THRESHOLD)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._socket.close(linger=0)
+
+
+def zmq_inbox(ctx: zmq.asyncio.Context, address: str) -> Inbox:
+    """Bind a PULL socket at `address` (`ipc:///path` or `tcp://host:port`)."""
+    return ZmqInbox(ctx, address)
+
+
+def zmq_outbox(ctx: zmq.asyncio.Context, address: str) -> Outbox:
+    """Connect a PUSH socket to the inbox bound at `address`."""
+    return ZmqOutbox(ctx, address)
+
+
+def ipc_address(run_dir: str, name: str) -> str:
+    """`ipc://{run_dir}/{name}.sock`; raises ValueError if the path is too long for a socket."""
+    path = os.path.join(run_dir, f"{name}.sock")
+    if len(path) > MAX_IPC_PATH:
+        raise ValueError(
+            f"ipc socket path {path!r} has {len(path)} characters; unix sockets allow "
+            f"{MAX_IPC_PATH}. Use a shorter run directory (new_run_dir(), or set TMPDIR) "
+            "or a shorter name"
+        )
+    return f"ipc://{path}"
+
+
+def new_run_dir() -> str:
+    """A fresh private directory for one run's ipc sockets, under the system temp dir.
+
+    The caller removes it at shutdown (e.g. `shutil.rmtree`)."""
+    return tempfile.mkdtemp(prefix="pagedserve-", dir=tempfile.gettempdir())
+
+
+def _ipc_path(address: str) -> str | None:
+    """The filesystem path of an ipc address (validated), or None for other transports."""
+    if not address.startswith("ipc://"):
+        return None
+    path = address.removeprefix("ipc://")
+    if not path or path.startswith("@"):  # abstract-namespace sockets have no file
+        return None
+    if len(path) > MAX_IPC_PATH:
+        raise ValueError(
+            f"ipc socket path {path!r} has {len(path)} characters; unix sockets allow "
+            f"{MAX_IPC_PATH}; use a shorter run directory"
+        )
+    return path
+
+
+def _remove_stale_socket(path: str) -> None:
+    """Remove a socket file left behind by an earlier run; refuse to delete anything else."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(mode):
+        raise FileExistsError(f"{path} exists and is not a socket; refusing to replace it")
+    os.unlink(path)
+
+
+# ---------------------------------------------------------------- in-process
+
+
+class _QueueInbox(Inbox):
+    def __init__(self, queue: asyncio.Queue[bytes]) -> None:
+        self._queue = queue
+        self.closed = False
+
+    async def recv(self) -> bytes:
+        if self.closed:
+            raise TransportClosed("in-process inbox is closed")
+        return await self._queue.get()
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            while not self._queue.empty():  # frames sent to a closed inbox are discarded
+                self._queue.get_nowait()
+
+
+class _QueueOutbox(Outbox):
+    def __init__(self, queue: asyncio.Queue[bytes], peer: _QueueInbox) -> None:
+        self._queue = queue
+        self._peer = peer
+        self._closed = False
+
+    async def send(self, frame: bytes) -> None:
+        _check_frame(frame)
+        if self._closed:
+            raise TransportClosed("in-process outbox is closed")
+        if not self._peer.closed:  # like ZeroMQ, a sender cannot tell the receiver is gone
+            await self._queue.put(frame)
+
+    def close(self) -> None:
+        self._closed = True
+
+
+def inproc_pair(maxsize: int = 0) -> tuple[Outbox, Inbox]:
+    """An (outbox, inbox) pair over an asyncio.Queue, for two actors in one process and loop.
+
+    Frames are still encoded bytes so the codec runs exactly as over ZeroMQ. `maxsize` > 0
+    bounds the queue: `send` then waits while it is full (0 = unbounded, like the ZeroMQ
+    channels). Use it only from the event loop that runs both actors."""
+    queue: asyncio.Queue[bytes] = asyncio.Queue(maxsize)
+    inbox = _QueueInbox(queue)
+    return _QueueOutbox(queue, inbox), inbox
