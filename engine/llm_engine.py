@@ -216,6 +216,10 @@ class LLMEngine:
                 f"n={params.n}: parallel sampling (n > 1) is not supported yet; send n "
                 "requests with different seeds instead"
             )
+        if params.stop and self.tokenizer is None:
+            raise ValueError(
+                "stop strings need a tokenizer; this engine has none (use stop_token_ids)"
+            )
         vocab = self.config.model.vocab_size
         params.check_vocab(vocab)
         if not token_ids:
