@@ -122,10 +122,14 @@ class BlockGrant:
 
 @dataclass(frozen=True)
 class BlocksReserved:
-    """The block manager's answer to one step's ReserveBlocks."""
+    """The block manager's answer to one step's ReserveBlocks: new blocks per granted
+    sequence, the sequences it could not serve (their tables unchanged), and the free
+    block count after the exchange."""
 
     step_id: int
     grants: tuple[BlockGrant, ...]
+    refused_seq_ids: tuple[str, ...]
+    num_free_blocks: int
 
 
 # ---------------------------------------------------------------- block manager inbox

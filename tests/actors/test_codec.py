@@ -26,7 +26,7 @@ SAMPLES = [
     m.StepResult(3, 0, (m.SampledToken("r1", 42),), None),
     m.StepResult(4, 1, (), "worker crashed"),
     m.WorkerReady(0, 1024, 16, 2048, 32000),
-    m.BlocksReserved(2, (m.BlockGrant("r1", (3, 4)),)),
+    m.BlocksReserved(2, (m.BlockGrant("r1", (3, 4)),), ("r2",), 17),
     m.ReserveBlocks(2, ("r0",), (m.BlockReservation("r1", 40),)),
     m.StepPlan(
         5,
@@ -58,7 +58,7 @@ FIELD_ORDER = {
     "StepResult": ["step_id", "worker_id", "sampled", "error"],
     "WorkerReady": ["worker_id", "num_blocks", "block_size", "max_model_len", "vocab_size"],
     "BlockGrant": ["seq_id", "block_ids"],
-    "BlocksReserved": ["step_id", "grants"],
+    "BlocksReserved": ["step_id", "grants", "refused_seq_ids", "num_free_blocks"],
     "BlockReservation": ["seq_id", "num_tokens"],
     "ReserveBlocks": ["step_id", "free_seq_ids", "reservations"],
     "NewRequestData": [
