@@ -1,0 +1,58 @@
+"""Scheduler side of the worker protocol: plans become StepPlans that carry diffs only."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from engine.messages import (
+    CachedRequestData,
+    NewRequestData,
+    ScheduledTokens,
+    StepPlan,
+)
+from engine.scheduler_output import SchedulerOutput
+
+
+class StepPlanBuilder:
+    """Remembers what the workers have been told about each request.
+
+    A request the workers have not seen goes out in full (prompt, params, blocks); after
+    that only its new block ids and computed-token count do. A preempted request comes
+    back with its whole new block table and `resumed_from_preemption`. Finished ids are
+    forgotten here and passed on so workers drop their state too.
+    """
+
+    def __init__(self) -> None:
+        self._sent: dict[str, tuple[int, int]] = {}  # request_id -> (blocks sent, preemptions)
+
+    def build(self, plan: SchedulerOutput, finished_ids: Iterable[str] = ()) -> StepPlan:
+        finished = tuple(finished_ids)
+        for request_id in finished:
+            self._sent.pop(request_id, None)
+        new, cached = [], []
+        for item in plan.scheduled:
+            r = item.request
+            seen = self._sent.get(r.request_id)
+            if seen is None:
+                new.append(
+                    NewRequestData(
+                        r.request_id,
+                        tuple(r.prompt_token_ids),
+                        r.params,
+                        item.block_table,
+                        item.num_computed_tokens,
+                    )
+                )
+            else:
+                resumed = seen[1] != r.num_preemptions
+                start = 0 if resumed else seen[0]
+                cached.append(
+                    CachedRequestData(
+                        r.request_id, item.block_table[start:], item.num_computed_tokens, resumed
+                    )
+                )
+            self._sent[r.request_id] = (len(item.block_table), r.num_preemptions)
+        scheduled = tuple(
+            ScheduledTokens(s.request.request_id, s.num_scheduled_tokens) for s in plan.scheduled
+        )
+        return StepPlan(plan.step_id, tuple(new), tuple(cached), scheduled, finished)
