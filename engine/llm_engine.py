@@ -13,6 +13,7 @@ from engine.logprobs import Logprob, to_dicts
 from engine.model_runner import ModelRunner, StepResult
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.request import Request, RequestStatus
+from engine.request_validation import validate_request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.scheduler_output import SchedulerOutput
@@ -211,29 +212,10 @@ class LLMEngine:
     def _validate(self, request_id: str, token_ids: list[int], params: SamplingParams) -> None:
         if request_id in self.scheduler.requests:
             raise ValueError(f"request_id {request_id!r} is already in flight")
-        if params.n != 1:
-            raise ValueError(
-                f"n={params.n}: parallel sampling (n > 1) is not supported yet; send n "
-                "requests with different seeds instead"
-            )
-        if params.stop and self.tokenizer is None:
-            raise ValueError(
-                "stop strings need a tokenizer; this engine has none (use stop_token_ids)"
-            )
-        vocab = self.config.model.vocab_size
-        params.check_vocab(vocab)
-        if not token_ids:
-            raise ValueError("prompt is empty: it must have at least 1 token")
-        bad = [t for t in token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids must be in [0, {vocab}); got {bad[:5]}")
-        limit = self.config.model.max_model_len
-        if len(token_ids) >= limit:
-            raise ValueError(
-                f"prompt has {len(token_ids):,} tokens; this model's context (max_model_len) is "
-                f"{limit:,}, leaving no room to generate; shorten the prompt to at most "
-                f"{limit - 1:,} tokens"
-            )
+        model = self.config.model
+        validate_request(
+            token_ids, params, model.vocab_size, model.max_model_len, self.tokenizer is not None
+        )
 
     def _detokenizer(self, request: Request) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(

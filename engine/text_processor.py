@@ -1,0 +1,119 @@
+"""The tokenizer actor's engine object: text in (prompts, chats), text deltas out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.messages import (
+    AbortRequest,
+    AddRequest,
+    GenerateRequest,
+    OutputDelta,
+    TokenDelta,
+)
+from engine.request_validation import validate_request
+from engine.stop_strings import find_stop, hold_back
+from engine.tokenizer import Tokenizer
+
+
+@dataclass
+class _TextState:
+    """What the processor keeps per request between deltas."""
+
+    client_id: str
+    request: GenerateRequest
+    detokenizer: IncrementalDetokenizer
+    num_prompt_tokens: int
+    num_output_tokens: int = 0
+    text: str = ""  # all decided text (stop strings applied)
+    emitted: int = 0  # characters of `text` already sent
+
+
+class TextProcessor:
+    """Tokenizes requests on the way in and detokenizes token deltas on the way out.
+
+    `admit(request)` returns an AddRequest for the scheduler, or raises ValueError with a
+    message for the client (nothing is kept then). `on_token_delta(delta)` returns the
+    client's OutputDelta and, when a stop string ended the request here, an AbortRequest
+    for the scheduler. Text that could be the start of a stop string is held back until
+    decided, so a client never sees text that a stop string later removes.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.states: dict[str, _TextState] = {}
+
+    def admit(self, request: GenerateRequest, arrival_time: float) -> AddRequest:
+        if request.request_id in self.states:
+            raise ValueError(f"request_id {request.request_id!r} is already in flight")
+        token_ids = self._token_ids(request)
+        validate_request(token_ids, request.params, self.vocab_size, self.max_model_len, True)
+        detokenizer = IncrementalDetokenizer(
+            self.tokenizer,
+            token_ids,
+            request.params.skip_special_tokens,
+            request.params.spaces_between_special_tokens,
+        )
+        self.states[request.request_id] = _TextState(
+            request.client_id, request, detokenizer, len(token_ids)
+        )
+        return AddRequest(request.request_id, tuple(token_ids), request.params, arrival_time)
+
+    def _token_ids(self, request: GenerateRequest) -> list[int]:
+        given = [
+            x is not None for x in (request.prompt, request.prompt_token_ids, request.messages)
+        ]
+        if sum(given) != 1:
+            raise ValueError("set exactly one of prompt, prompt_token_ids, messages")
+        if request.prompt is not None:
+            return self.tokenizer.encode(request.prompt)
+        if request.prompt_token_ids is not None:
+            return list(request.prompt_token_ids)
+        messages = [{"role": m.role, "content": m.content} for m in request.messages]
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+
+    def client_of(self, request_id: str) -> str | None:
+        state = self.states.get(request_id)
+        return None if state is None else state.client_id
+
+    def on_token_delta(self, delta: TokenDelta) -> tuple[OutputDelta | None, AbortRequest | None]:
+        state = self.states.get(delta.request_id)
+        if state is None:
+            return None, None  # ended here already (stop string or abort)
+        state.num_output_tokens += len(delta.token_ids)
+        new = state.detokenizer.append(list(delta.token_ids))
+        if delta.finish_reason is not None:
+            new += state.detokenizer.flush()
+        finish, stop_reason, abort = delta.finish_reason, delta.stop_reason, None
+        state.text += new
+        params = state.request.params
+        match = find_stop(state.text, len(new), params.stop, params.include_stop_str_in_output)
+        if params.stop and match is not None:
+            state.text = state.text[: match.truncate_to]
+            finish, stop_reason = "stop", match.stop
+            if delta.finish_reason is None:
+                abort = AbortRequest(delta.request_id)
+        decided = len(state.text)
+        if finish is None and params.stop:
+            decided -= hold_back(state.text, params.stop)
+        text, state.emitted = state.text[state.emitted : decided], max(state.emitted, decided)
+        out = OutputDelta(
+            delta.request_id,
+            text,
+            delta.token_ids,
+            finish,
+            stop_reason,
+            state.num_prompt_tokens,
+            state.num_output_tokens,
+            None,
+        )
+        if finish is not None:
+            del self.states[delta.request_id]
+        return out, abort
+
+    def drop(self, request_id: str) -> None:
+        """Forget a request (client abort)."""
+        self.states.pop(request_id, None)

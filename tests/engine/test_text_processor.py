@@ -1,0 +1,112 @@
+"""The tokenizer actor's engine object: admission checks, text deltas, stop strings."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine.messages import ChatMessage, GenerateRequest, TokenDelta
+from engine.sampling_params import SamplingParams
+from engine.text_processor import TextProcessor
+from tests.engine.test_detokenizer import byte_level, sentencepiece_like
+
+
+@pytest.fixture(scope="module", params=["sentencepiece", "byte-level"])
+def tokenizer(request):
+    return sentencepiece_like() if request.param == "sentencepiece" else byte_level()
+
+
+def _request(rid, prompt="Hello there", **params):
+    return GenerateRequest(rid, "client-1", prompt, None, None, SamplingParams(**params))
+
+
+def _stream(proc, rid, ids, rng, finish="length"):
+    """Feeds ids in random chunks; returns (concatenated text, deltas, aborts)."""
+    deltas, aborts, i = [], [], 0
+    while i < len(ids):
+        n = rng.randint(1, 3)
+        chunk, i = ids[i : i + n], i + n
+        out, abort = proc.on_token_delta(
+            TokenDelta(rid, tuple(chunk), finish if i >= len(ids) else None, None)
+        )
+        if out is not None:
+            deltas.append(out)
+        if abort is not None:
+            aborts.append(abort)
+        if out is not None and out.finish_reason is not None:
+            break
+    return "".join(d.text for d in deltas), deltas, aborts
+
+
+def test_deltas_concatenate_to_the_decoded_output(tokenizer):
+    rng = random.Random(0)
+    proc = TextProcessor(tokenizer, tokenizer.vocab_size, 4096)
+    add = proc.admit(_request("r1"), 0.0)
+    assert list(add.prompt_token_ids) == tokenizer.encode("Hello there")
+    ids = tokenizer.encode(" once upon a time, a café served 🍵 tea", add_special_tokens=False)
+    text, deltas, aborts = _stream(proc, "r1", ids, rng)
+    full = tokenizer.decode(list(add.prompt_token_ids) + ids)
+    assert text == full[len(tokenizer.decode(list(add.prompt_token_ids))) :]
+    assert deltas[-1].finish_reason == "length" and not aborts
+    assert deltas[-1].num_output_tokens == len(ids) and "r1" not in proc.states
+
+
+def test_stop_string_truncates_aborts_and_never_leaks(tokenizer):
+    rng = random.Random(1)
+    proc = TextProcessor(tokenizer, tokenizer.vocab_size, 4096)
+    proc.admit(_request("r2", stop=["a time"]), 0.0)
+    ids = tokenizer.encode(" once upon a time there was", add_special_tokens=False)
+    text, deltas, aborts = _stream(proc, "r2", ids, rng)
+    assert text.endswith("upon ") and "a time" not in text and "there" not in text
+    assert deltas[-1].finish_reason == "stop" and deltas[-1].stop_reason == "a time"
+    assert [a.request_id for a in aborts] == ["r2"]
+    # Later deltas for the stopped request (already in flight) are ignored.
+    assert proc.on_token_delta(TokenDelta("r2", (1,), None, None)) == (None, None)
+
+
+def test_include_stop_str_keeps_it(tokenizer):
+    proc = TextProcessor(tokenizer, tokenizer.vocab_size, 4096)
+    proc.admit(_request("r3", stop=["time"], include_stop_str_in_output=True), 0.0)
+    ids = tokenizer.encode(" a time later", add_special_tokens=False)
+    text, deltas, _ = _stream(proc, "r3", ids, random.Random(2))
+    assert text.rstrip().endswith("time")
+
+
+@pytest.mark.parametrize(
+    ("request_kwargs", "message"),
+    [
+        (dict(prompt=None), "exactly one"),
+        (dict(max_tokens=5, logit_bias={10**6: 1.0}), "logit_bias"),
+    ],
+)
+def test_bad_requests_are_refused_with_a_message(tokenizer, request_kwargs, message):
+    proc = TextProcessor(tokenizer, tokenizer.vocab_size, 4096)
+    request_kwargs = dict(request_kwargs)  # parametrized dicts are shared between runs
+    prompt = request_kwargs.pop("prompt", "hi")
+    with pytest.raises(ValueError, match=message):
+        proc.admit(_request("bad", prompt, **request_kwargs), 0.0)
+    assert not proc.states
+
+
+def test_over_long_prompt_and_duplicate_ids_are_refused(tokenizer):
+    proc = TextProcessor(tokenizer, tokenizer.vocab_size, max_model_len=4)
+    with pytest.raises(ValueError, match="max_model_len"):
+        proc.admit(_request("long", "a b c d e f g h"), 0.0)
+    proc2 = TextProcessor(tokenizer, tokenizer.vocab_size, 4096)
+    proc2.admit(_request("dup"), 0.0)
+    with pytest.raises(ValueError, match="already in flight"):
+        proc2.admit(_request("dup"), 0.0)
+
+
+def test_chat_messages_use_the_template():
+    from engine.tokenizer import Tokenizer
+    from tests.conftest import shared_path
+
+    tok = Tokenizer.from_pretrained(str(shared_path("models", "stories260K")))
+    proc = TextProcessor(tok, tok.vocab_size, 512)
+    req = GenerateRequest("c", "client", None, None, (ChatMessage("user", "hi"),), SamplingParams())
+    add = proc.admit(req, 0.0)
+    assert list(add.prompt_token_ids) == tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}]
+    )
