@@ -1,0 +1,62 @@
+"""The tokenizer actor over in-process transports, with an in-test tokenizer."""
+
+from __future__ import annotations
+
+import asyncio
+
+from actors.actor import send_message
+from actors.codec import InboxDecoder
+from actors.tokenizer_actor import TokenizerActor
+from actors.transport import inproc_pair
+from engine.messages import (
+    INBOXES,
+    AbortRequest,
+    AddRequest,
+    GenerateRequest,
+    TokenDelta,
+    TokenDeltas,
+)
+from engine.sampling_params import SamplingParams
+from engine.text_processor import TextProcessor
+from tests.engine.test_detokenizer import sentencepiece_like
+
+
+async def _next(inbox, decoder):
+    return decoder.decode(await asyncio.wait_for(inbox.recv(), timeout=5))
+
+
+async def test_requests_flow_to_the_scheduler_and_text_to_the_client():
+    tok = sentencepiece_like()
+    to_tok, tok_inbox = inproc_pair()
+    to_sched, sched_inbox = inproc_pair()
+    to_client, client_inbox = inproc_pair()
+    actor = TokenizerActor(
+        TextProcessor(tok, tok.vocab_size, 4096), tok_inbox, to_sched, {"c1": to_client}
+    )
+    await actor.start()
+    sched, client = InboxDecoder(INBOXES["scheduler"]), InboxDecoder(INBOXES["client"])
+
+    params = SamplingParams(max_tokens=8, stop=["time"])
+    await send_message(to_tok, GenerateRequest("r1", "c1", "Once upon", None, None, params))
+    add = await _next(sched_inbox, sched)
+    assert isinstance(add, AddRequest) and list(add.prompt_token_ids) == tok.encode("Once upon")
+
+    # A bad request gets an error delta; the scheduler hears nothing about it.
+    bad = SamplingParams(logit_bias={10**6: 1.0})
+    await send_message(to_tok, GenerateRequest("r2", "c1", "x", None, None, bad))
+    err = await _next(client_inbox, client)
+    assert err.request_id == "r2" and err.finish_reason == "error" and "logit_bias" in err.error
+
+    await to_tok.send(b"\x00 not msgpack")  # dropped, counted, the actor goes on
+    ids = tuple(tok.encode(" a time", add_special_tokens=False))
+    await send_message(to_tok, TokenDeltas(1, (TokenDelta("r1", ids, None, None),)))
+    abort = await _next(sched_inbox, sched)
+    assert abort == AbortRequest("r1")  # the stop string ended it here
+    out = await _next(client_inbox, client)
+    assert out.finish_reason == "stop" and out.stop_reason == "time"
+    assert "time" not in out.text and actor.num_dropped == 1
+
+    await send_message(to_tok, AbortRequest("r9"))  # forwarded even if unknown here
+    assert await _next(sched_inbox, sched) == AbortRequest("r9")
+    await actor.stop()
+    assert not actor.is_alive and actor.num_errors == 0
