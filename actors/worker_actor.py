@@ -1,0 +1,112 @@
+"""The worker actor: one process per device, holding the model and its KV cache.
+
+Start-up: build the model runner, size and allocate the KV cache, then announce the
+values found (number of blocks, ...) in a `WorkerReady` message. After that each
+`StepPlan` is executed and answered with a `StepResult`; a step that raises is answered
+with `StepResult.error` set instead of killing the process.
+
+Run as a process: `python -m actors.worker_actor --engine-args JSON --inbox ADDR
+--scheduler ADDR [--worker-id N]` (JSON of `EngineArgs` fields; no pickle).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import logging
+import sys
+import traceback
+
+import zmq
+import zmq.asyncio
+
+from actors.actor import Actor, send_message
+from actors.transport import Inbox, Outbox, zmq_inbox, zmq_outbox
+from engine.config import EngineArgs
+from engine.messages import StepPlan, StepResult, WorkerReady
+from engine.model_runner import ModelRunner
+from engine.worker import Worker
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerActor(Actor):
+    """Executes StepPlans on one Worker and reports each step's sampled tokens."""
+
+    def __init__(self, worker: Worker, inbox: Inbox, scheduler: Outbox) -> None:
+        super().__init__(f"worker-{worker.worker_id}", inbox, {StepPlan: self.on_plan}, [scheduler])
+        self.worker = worker
+        self.scheduler = scheduler
+
+    async def on_plan(self, plan: StepPlan) -> None:
+        try:
+            result = self.worker.execute(plan)
+        except Exception as exc:  # noqa: BLE001 - the scheduler decides what a failed step means
+            logger.exception("step %d failed", plan.step_id)
+            detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+            result = StepResult(plan.step_id, self.worker.worker_id, (), detail)
+        await send_message(self.scheduler, result)
+
+
+def build_worker(args: EngineArgs, worker_id: int) -> tuple[Worker, WorkerReady]:
+    """Loads the model, sizes and allocates the KV cache; returns the ready message."""
+    config = args.build()
+    runner = ModelRunner(
+        config.model,
+        config.cache,
+        config.device,
+        config.scheduler.max_num_batched_tokens,
+        config.scheduler.max_num_seqs,
+    )
+    num_blocks = runner.num_blocks()
+    runner.initialize_cache(num_blocks)
+    ready = WorkerReady(
+        worker_id,
+        num_blocks,
+        config.cache.block_size,
+        config.model.max_model_len,
+        config.model.vocab_size,
+    )
+    return Worker(runner, worker_id), ready
+
+
+def engine_args_json(args: EngineArgs) -> str:
+    return json.dumps(dataclasses.asdict(args))
+
+
+async def serve(
+    args: EngineArgs, inbox_address: str, scheduler_address: str, worker_id: int
+) -> None:
+    ctx = zmq.asyncio.Context()
+    scheduler = zmq_outbox(ctx, scheduler_address)
+    inbox = zmq_inbox(ctx, inbox_address)
+    try:
+        worker, ready = build_worker(args, worker_id)
+        actor = WorkerActor(worker, inbox, scheduler)
+        await send_message(scheduler, ready)
+        await actor.run()
+    finally:
+        inbox.close()
+        scheduler.close()
+        ctx.term()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="pagedserve-worker")
+    p.add_argument("--engine-args", required=True, help="JSON of EngineArgs fields")
+    p.add_argument("--inbox", required=True)
+    p.add_argument("--scheduler", required=True)
+    p.add_argument("--worker-id", type=int, default=0)
+    ns = p.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO, format=f"worker-{ns.worker_id} %(levelname)s %(message)s"
+    )
+    args = EngineArgs(**json.loads(ns.engine_args))
+    asyncio.run(serve(args, ns.inbox, ns.scheduler, ns.worker_id))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
