@@ -68,8 +68,8 @@ class Scheduler:
         for request in list(self.running):
             if budget == 0:
                 break
-            if request.status != RequestStatus.RUNNING:
-                continue  # preempted earlier in this loop
+            if request.status != RequestStatus.RUNNING or self._at_limit(request):
+                continue  # preempted earlier in this loop, or only awaits its last result
             item = self._schedule_running(request, budget, preempted)
             if item is not None:
                 scheduled.append(item)
@@ -95,6 +95,8 @@ class Scheduler:
         admitted = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if self._at_limit(request):
+                break  # its pending result will finish it; FCFS keeps the rest waiting
             n = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self.kv_cache.allocate_slots(request.request_id, n):
                 break
@@ -104,6 +106,14 @@ class Scheduler:
             admitted.append(self._plan(request, n))
             budget -= n
         return admitted
+
+    def _at_limit(self, request: Request) -> bool:
+        """Known tokens (sampled or still pending) already reach max_tokens or the context:
+        computing more would only make a token that is thrown away."""
+        max_tokens = request.params.max_tokens
+        if max_tokens is not None and request.num_output_tokens >= max_tokens:
+            return True
+        return request.num_tokens >= self.config.max_model_len
 
     def _plan(self, request: Request, n: int) -> ScheduledRequest:
         table = tuple(self.kv_cache.block_table(request.request_id))

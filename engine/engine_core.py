@@ -1,0 +1,106 @@
+"""The scheduler actor's engine object: plans steps ahead of their results.
+
+Every row that samples in a plan gets a placeholder output token at plan time, and the
+plan's tokens count as computed at once; a later `StepResult` resolves the placeholders
+in order and runs the token-level stop checks. So plan N+1 can be made before result N
+arrives (the worker keeps its own sampled tokens), and whether one or two plans are in
+flight is only a question of when the caller delivers results. A request that stops on
+EOS or a stop token while its next plan is in flight costs one discarded token there;
+limits (max_tokens, context) are known at plan time and cost nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from engine.config import SchedulerConfig
+from engine.kv_cache_manager import KVCacheManager
+from engine.messages import AddRequest, StepPlan, StepResult, TokenDelta, TokenDeltas
+from engine.request import Request, RequestStatus
+from engine.scheduler import Scheduler
+from engine.step_plan_builder import StepPlanBuilder
+
+PLACEHOLDER = -1
+
+
+class EngineCore:
+    """Scheduler + block tables + plan diffs + token-level stop checks."""
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        num_blocks: int,
+        block_size: int,
+        eos_token_ids: frozenset[int],
+    ) -> None:
+        self.scheduler = Scheduler(config, KVCacheManager(num_blocks, block_size))
+        self.builder = StepPlanBuilder()
+        self.eos_token_ids = eos_token_ids
+        self._finished_ids: list[str] = []
+        self._arrival = 0
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    def add_request(self, add: AddRequest) -> None:
+        self._arrival += 1
+        request = Request(
+            add.request_id,
+            None,
+            list(add.prompt_token_ids),
+            add.params,
+            self._arrival,
+            eos_token_ids=self.eos_token_ids,
+        )
+        self.scheduler.add_request(request)
+
+    def abort(self, request_id: str) -> None:
+        if self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED):
+            self._finished_ids.append(request_id)
+
+    def plan(self) -> StepPlan | None:
+        """The next step's plan (None when nothing can run until a result arrives)."""
+        plan = self.scheduler.schedule()
+        if plan.is_empty and not self._finished_ids:
+            return None
+        self.scheduler.advance(plan)
+        for item in plan.scheduled:
+            if item.samples:
+                item.request.output_token_ids.append(PLACEHOLDER)
+        message = self.builder.build(plan, self._finished_ids)
+        self._finished_ids = []
+        return message
+
+    def on_result(self, result: StepResult) -> TokenDeltas:
+        deltas = [d for d in self._resolve(result) if d is not None]
+        return TokenDeltas(result.step_id, tuple(deltas))
+
+    def _resolve(self, result: StepResult) -> Iterator[TokenDelta | None]:
+        for sampled in result.sampled:
+            request = self.scheduler.requests.get(sampled.request_id)
+            if request is None:
+                continue  # finished or aborted while this step was in flight
+            outputs = request.output_token_ids
+            k = outputs.index(PLACEHOLDER)
+            outputs[k] = sampled.token_id
+            status, stop_reason = self._stop(request, sampled.token_id, k + 1)
+            if status is not None:
+                del outputs[k + 1 :]  # drop placeholders of steps that ran past the stop
+                self.scheduler.finish_request(request.request_id, status)
+                self._finished_ids.append(request.request_id)
+            reason = status.finish_reason if status is not None else None
+            yield TokenDelta(request.request_id, (sampled.token_id,), reason, stop_reason)
+
+    def _stop(self, request: Request, token: int, num_outputs: int):
+        params = request.params
+        if num_outputs >= params.min_tokens:
+            if not params.ignore_eos and token in self.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED, None
+            if token in params.stop_token_ids:
+                return RequestStatus.FINISHED_STOPPED, token
+        if params.max_tokens is not None and num_outputs >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH, None
+        if request.num_prompt_tokens + num_outputs >= self.scheduler.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH, None
+        return None, None
