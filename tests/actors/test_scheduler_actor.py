@@ -1,0 +1,100 @@
+"""Scheduler actor + worker actor over in-process transports, sync and one step ahead."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from actors.actor import send_message
+from actors.codec import InboxDecoder
+from actors.scheduler_actor import SchedulerActor
+from actors.transport import inproc_pair
+from actors.worker_actor import WorkerActor, build_worker
+from engine import LLM, SamplingParams
+from engine.config import EngineArgs
+from engine.engine_core import EngineCore
+from engine.messages import INBOXES, AbortRequest, AddRequest, TokenDeltas
+from tests.engine.tiny_models import VOCAB, save_hf_model
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tiny-llama-sched")
+    save_hf_model("llama", directory)
+    return str(directory)
+
+
+async def _collect(inbox, want: set[str]) -> dict[str, tuple[list[int], str]]:
+    decoder, got = InboxDecoder(INBOXES["tokenizer"]), {}
+    done: set[str] = set()
+    while done != want:
+        message = decoder.decode(await asyncio.wait_for(inbox.recv(), timeout=30))
+        assert isinstance(message, TokenDeltas)
+        for d in message.deltas:
+            tokens, _ = got.get(d.request_id, ([], None))
+            got[d.request_id] = (tokens + list(d.token_ids), d.finish_reason)
+            if d.finish_reason:
+                done.add(d.request_id)
+    return got
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+async def test_actors_reproduce_offline_outputs_and_free_every_block(model_dir, depth):
+    args = EngineArgs(
+        model=model_dir,
+        skip_tokenizer_init=True,
+        block_size=4,
+        max_model_len=64,
+        kv_cache_memory=1 << 20,
+        max_num_batched_tokens=24,
+    )
+    rng = random.Random(21)
+    prompts = [[rng.randrange(VOCAB) for _ in range(rng.randint(1, 30))] for _ in range(12)]
+    params = [
+        SamplingParams(temperature=rng.choice([0.0, 0.8]), seed=i, max_tokens=15, ignore_eos=True)
+        for i in range(12)
+    ]
+    expected = LLM(
+        model_dir,
+        skip_tokenizer_init=True,
+        block_size=4,
+        max_model_len=64,
+        kv_cache_memory=1 << 20,
+        max_num_batched_tokens=24,
+    ).generate(prompts, params, use_tqdm=False)
+
+    worker, ready = build_worker(args, 0)
+    config = args.build()
+    core = EngineCore(
+        config.scheduler, ready.num_blocks, ready.block_size, config.model.eos_token_ids
+    )
+    to_sched, sched_inbox = inproc_pair()
+    to_worker, worker_inbox = inproc_pair()
+    to_tok, tok_inbox = inproc_pair()
+    worker_actor = WorkerActor(worker, worker_inbox, to_sched)
+    scheduler = SchedulerActor(core, sched_inbox, [to_worker], to_tok, pipeline_depth=depth)
+    await worker_actor.start()
+    await scheduler.start()
+    for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+        await send_message(to_sched, AddRequest(f"r{i}", tuple(p), sp, 0.0))
+    await send_message(
+        to_sched,
+        AddRequest(
+            "aborted", tuple(prompts[0]), SamplingParams(max_tokens=40, ignore_eos=True), 0.0
+        ),
+    )
+    await send_message(to_sched, AbortRequest("aborted"))
+    got = await _collect(tok_inbox, {f"r{i}" for i in range(12)})
+    assert [got[f"r{i}"][0] for i in range(12)] == [o.outputs[0].token_ids for o in expected]
+    assert all(got[f"r{i}"][1] == "length" for i in range(12))
+    for _ in range(50):  # the last results may still be on their way
+        if scheduler.in_flight == 0:
+            break
+        await asyncio.sleep(0.01)
+    core.scheduler.check_integrity()
+    assert core.scheduler.kv_cache.num_free_blocks == ready.num_blocks
+    await scheduler.stop()
+    await worker_actor.stop()
+    assert scheduler.num_errors == 0 and worker_actor.num_errors == 0
