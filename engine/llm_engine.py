@@ -131,8 +131,11 @@ class LLMEngine:
         if request.detokenizer is not None and not isinstance(request.stop_reason, str):
             self._flush_text(request)
         if request.detokenizer is None and self.tokenizer is not None:
-            skip = request.params.skip_special_tokens
-            request.output_text = self.tokenizer.decode(request.output_token_ids, skip)
+            # Decoded with the prompt's last tokens as context, as streaming does, so a
+            # first token's leading space is kept ("Once upon a time" + " there was").
+            detokenizer = self._detokenizer(request)
+            request.output_text = detokenizer.append(request.output_token_ids)
+            request.output_text += detokenizer.flush()
         completion = CompletionOutput(
             index=0,
             text=request.output_text,

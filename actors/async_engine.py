@@ -1,0 +1,207 @@
+"""`AsyncEngine`: the engine client that web handlers and the SDK talk to.
+
+Layout (this first version): the tokenizer and scheduler actors run on the caller's event
+loop; each worker is its own process (`python -m actors.worker_actor`), reached over
+ZeroMQ ipc. The scheduler's inbox is an ipc socket too, so worker results and requests
+from the tokenizer arrive through one typed inbox.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import zmq
+import zmq.asyncio
+
+from actors.actor import await_ready, send_message
+from actors.codec import InboxDecoder
+from actors.scheduler_actor import SchedulerActor
+from actors.tokenizer_actor import TokenizerActor
+from actors.transport import inproc_pair, ipc_address, new_run_dir, zmq_inbox, zmq_outbox
+from actors.worker_actor import engine_args_json
+from engine.config import EngineArgs
+from engine.engine_core import EngineCore
+from engine.messages import (
+    INBOXES,
+    AbortRequest,
+    ChatMessage,
+    GenerateRequest,
+    OutputDelta,
+    Shutdown,
+    WorkerReady,
+)
+from engine.sampling_params import SamplingParams
+from engine.text_processor import TextProcessor
+from engine.tokenizer import Tokenizer, load_tokenizer
+
+logger = logging.getLogger(__name__)
+CLIENT_ID = "async-engine"
+
+
+@dataclass(frozen=True)
+class EngineStatsSnapshot:
+    """What `AsyncEngine.stats()` reports."""
+
+    num_blocks: int
+    num_free_blocks: int
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+    num_steps: int
+
+
+class AsyncEngine:
+    """Start with `await AsyncEngine.start(args)`; stream with `async for out in
+    engine.generate(prompt_or_messages, params, request_id)`; `await engine.abort(id)`;
+    `await engine.shutdown()` (no orphan processes, no stale ipc files)."""
+
+    def __init__(self) -> None:
+        self._streams: dict[str, asyncio.Queue[OutputDelta]] = {}
+        self._ids = itertools.count()
+
+    @classmethod
+    async def start(
+        cls, args: EngineArgs, pipeline_depth: int = 2, ready_timeout: float = 300.0
+    ) -> AsyncEngine:
+        self = cls()
+        self._run_dir = new_run_dir()
+        self._ctx = zmq.asyncio.Context()
+        sched_address = ipc_address(self._run_dir, "scheduler")
+        worker_address = ipc_address(self._run_dir, "worker-0")
+        sched_inbox = zmq_inbox(self._ctx, sched_address)
+        self._worker = _spawn_worker(args, worker_address, sched_address)
+        try:
+            ready, _ = await await_ready(
+                sched_inbox,
+                InboxDecoder(INBOXES["scheduler"]),
+                WorkerReady,
+                ready_timeout,
+                sender="worker 0",
+            )
+        except BaseException:
+            self._worker.kill()
+            sched_inbox.close()
+            raise
+        config = args.build()  # reads config.json only; the worker holds the weights
+        core = EngineCore(
+            config.scheduler, ready.num_blocks, ready.block_size, config.model.eos_token_ids
+        )
+        tokenizer = Tokenizer(load_tokenizer(args.tokenizer or config.model.model_dir))
+        to_tokenizer, tokenizer_inbox = inproc_pair()
+        to_client, self._client_inbox = inproc_pair()
+        self._to_worker = zmq_outbox(self._ctx, worker_address)
+        self.scheduler = SchedulerActor(
+            core, sched_inbox, [self._to_worker], to_tokenizer, pipeline_depth
+        )
+        self.tokenizer = TokenizerActor(
+            TextProcessor(tokenizer, ready.vocab_size, ready.max_model_len),
+            tokenizer_inbox,
+            zmq_outbox(self._ctx, sched_address),
+            {CLIENT_ID: to_client},
+        )
+        self._to_tokenizer = to_tokenizer
+        await self.scheduler.start()
+        await self.tokenizer.start()
+        self._reader = asyncio.create_task(self._read_outputs())
+        return self
+
+    async def generate(
+        self,
+        prompt: str | list[int] | list[dict],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> AsyncIterator[OutputDelta]:
+        """Yields incremental outputs until one carries a finish reason."""
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already in flight")
+        queue: asyncio.Queue[OutputDelta] = asyncio.Queue()
+        self._streams[request_id] = queue
+        await send_message(self._to_tokenizer, _request(request_id, prompt, params))
+        finished = False
+        try:
+            while not finished:
+                out = await queue.get()
+                finished = out.finish_reason is not None
+                yield out
+        finally:
+            del self._streams[request_id]
+            if not finished:
+                await self.abort(request_id)  # the caller stopped reading early
+
+    async def abort(self, request_id: str) -> None:
+        await send_message(self._to_tokenizer, AbortRequest(request_id))
+
+    def stats(self) -> EngineStatsSnapshot:
+        s = self.scheduler.core.scheduler
+        return EngineStatsSnapshot(
+            s.kv_cache.num_blocks,
+            s.kv_cache.num_free_blocks,
+            len(s.running),
+            len(s.waiting),
+            s.num_preemptions,
+            self.scheduler.num_steps,
+        )
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        with contextlib.suppress(Exception):
+            await send_message(self._to_worker, Shutdown("engine shutdown"))
+        await self.tokenizer.stop()
+        await self.scheduler.stop()
+        self._reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._reader
+        try:
+            await asyncio.to_thread(self._worker.wait, timeout)
+        except subprocess.TimeoutExpired:
+            self._worker.kill()
+            self._worker.wait()
+        self._to_worker.close()
+        self._ctx.term()
+        shutil.rmtree(self._run_dir, ignore_errors=True)
+
+    async def _read_outputs(self) -> None:
+        decoder = InboxDecoder(INBOXES["client"])
+        while True:
+            out = decoder.decode(await self._client_inbox.recv())
+            queue = self._streams.get(out.request_id)
+            if queue is not None:
+                queue.put_nowait(out)
+
+
+def _request(request_id: str, prompt, params: SamplingParams | None) -> GenerateRequest:
+    params = params or SamplingParams()
+    if isinstance(prompt, str):
+        return GenerateRequest(request_id, CLIENT_ID, prompt, None, None, params)
+    if prompt and all(isinstance(m, dict) for m in prompt):
+        messages = tuple(ChatMessage(str(m.get("role")), str(m.get("content"))) for m in prompt)
+        return GenerateRequest(request_id, CLIENT_ID, None, None, messages, params)
+    return GenerateRequest(request_id, CLIENT_ID, None, tuple(prompt), None, params)
+
+
+def _spawn_worker(args: EngineArgs, inbox: str, scheduler: str) -> subprocess.Popen:
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "actors.worker_actor",
+        "--engine-args",
+        engine_args_json(args),
+        "--inbox",
+        inbox,
+        "--scheduler",
+        scheduler,
+    ]
+    return subprocess.Popen(cmd, env=env)

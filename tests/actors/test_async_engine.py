@@ -1,0 +1,61 @@
+"""AsyncEngine end to end: worker process, scheduler and tokenizer actors, streaming."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+
+import pytest
+
+from actors.async_engine import AsyncEngine
+from engine import LLM, SamplingParams
+from engine.config import EngineArgs
+from tests.conftest import shared_path
+
+
+async def _run(engine, prompt, params, rid):
+    text, tokens, last = "", [], None
+    async for out in engine.generate(prompt, params, rid):
+        text += out.text
+        tokens += out.token_ids
+        last = out
+    return text, tokens, last
+
+
+@pytest.mark.shared
+@pytest.mark.parametrize("depth", [1, 2])
+async def test_streams_equal_offline_outputs(depth):
+    model = str(shared_path("models", "stories260K"))
+    kwargs = dict(kv_cache_memory=16 << 20, max_num_batched_tokens=256)
+    rng = random.Random(4)
+    starts = ["Once upon a time", "The little dog", "Lily and Ben", "One day", "The sun"]
+    prompts = [rng.choice(starts) for _ in range(24)]
+    params = [
+        SamplingParams(temperature=rng.choice([0.0, 0.9]), seed=i, max_tokens=rng.randint(5, 40))
+        for i in range(24)
+    ]
+    expected = LLM(model, **kwargs).generate(prompts, params, use_tqdm=False)
+
+    engine = await AsyncEngine.start(EngineArgs(model=model, **kwargs), pipeline_depth=depth)
+    try:
+        results = await asyncio.gather(
+            *(
+                _run(engine, p, sp, f"r{i}")
+                for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
+            )
+        )
+        for (text, tokens, last), exp in zip(results, expected, strict=True):
+            assert tokens == exp.outputs[0].token_ids
+            assert text == exp.outputs[0].text
+            assert last.finish_reason == exp.outputs[0].finish_reason
+            assert last.num_output_tokens == len(tokens)
+        bad = await _run(engine, "hi", SamplingParams(logit_bias={10**6: 1.0}), "bad")
+        assert bad[2].finish_reason == "error" and "logit_bias" in bad[2].error
+        stats = engine.stats()
+        assert stats.num_running == 0 and stats.num_free_blocks == stats.num_blocks
+    finally:
+        run_dir = engine._run_dir
+        await engine.shutdown()
+    assert engine._worker.poll() is not None  # no orphan process
+    assert not os.path.exists(run_dir)  # no stale ipc files
