@@ -67,6 +67,11 @@ class AsyncEngine:
     def __init__(self) -> None:
         self._streams: dict[str, asyncio.Queue[OutputDelta]] = {}
         self._ids = itertools.count()
+        self.error: str | None = None  # set once the engine is unhealthy
+
+    @property
+    def is_healthy(self) -> bool:
+        return self.error is None
 
     @classmethod
     async def start(
@@ -112,6 +117,7 @@ class AsyncEngine:
         await self.scheduler.start()
         await self.tokenizer.start()
         self._reader = asyncio.create_task(self._read_outputs())
+        self._watchdog = asyncio.create_task(self._watch_worker())
         return self
 
     async def generate(
@@ -122,6 +128,8 @@ class AsyncEngine:
     ) -> AsyncIterator[OutputDelta]:
         """Yields incremental outputs until one carries a finish reason."""
         request_id = request_id or f"req-{next(self._ids)}"
+        if self.error is not None:
+            raise RuntimeError(f"the engine is not healthy: {self.error}")
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in flight")
         queue: asyncio.Queue[OutputDelta] = asyncio.Queue()
@@ -153,13 +161,18 @@ class AsyncEngine:
         )
 
     async def shutdown(self, timeout: float = 10.0) -> None:
+        """Stops the actors and the worker process; idempotent."""
         with contextlib.suppress(Exception):
             await send_message(self._to_worker, Shutdown("engine shutdown"))
         await self.tokenizer.stop()
         await self.scheduler.stop()
-        self._reader.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._reader
+        for task in (self._reader, self._watchdog):
+            if task is not asyncio.current_task():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        if self._ctx.closed:
+            return
         try:
             await asyncio.to_thread(self._worker.wait, timeout)
         except subprocess.TimeoutExpired:
@@ -168,6 +181,17 @@ class AsyncEngine:
         self._to_worker.close()
         self._ctx.term()
         shutil.rmtree(self._run_dir, ignore_errors=True)
+
+    async def _watch_worker(self, interval: float = 0.2) -> None:
+        """A dead worker ends every open request with finish_reason "error", marks the
+        engine unhealthy and shuts it down cleanly (no restart yet)."""
+        while self._worker.poll() is None:
+            await asyncio.sleep(interval)
+        self.error = f"worker process 0 exited with code {self._worker.returncode}"
+        logger.error("%s; failing %d open requests", self.error, len(self._streams))
+        for request_id, queue in self._streams.items():
+            queue.put_nowait(OutputDelta(request_id, "", (), "error", None, 0, 0, self.error))
+        await self.shutdown()
 
     async def _read_outputs(self) -> None:
         decoder = InboxDecoder(INBOXES["client"])

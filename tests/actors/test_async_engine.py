@@ -59,3 +59,41 @@ async def test_streams_equal_offline_outputs(depth):
         await engine.shutdown()
     assert engine._worker.poll() is not None  # no orphan process
     assert not os.path.exists(run_dir)  # no stale ipc files
+
+
+@pytest.mark.shared
+async def test_killed_worker_ends_every_request_with_an_error_and_shuts_down():
+    import signal
+    import time
+
+    model = str(shared_path("models", "stories260K"))
+    engine = await AsyncEngine.start(EngineArgs(model=model, kv_cache_memory=16 << 20))
+    run_dir = engine._run_dir
+    params = SamplingParams(max_tokens=500, ignore_eos=True)
+    first_token = asyncio.Event()
+
+    async def consume(rid):
+        last = None
+        async for out in engine.generate("Once upon a time", params, rid):
+            first_token.set()
+            last = out
+        return last
+
+    tasks = [asyncio.create_task(consume(f"k{i}")) for i in range(8)]
+    await asyncio.wait_for(first_token.wait(), timeout=60)
+    engine._worker.send_signal(signal.SIGKILL)
+    killed_at = time.monotonic()
+    finals = await asyncio.wait_for(asyncio.gather(*tasks), timeout=5)
+    assert time.monotonic() - killed_at < 5
+    assert all(f.finish_reason == "error" and "exited" in f.error for f in finals)
+    assert not engine.is_healthy
+    with pytest.raises(RuntimeError, match="not healthy"):
+        async for _ in engine.generate("again", params, "late"):
+            pass
+    await engine.shutdown()  # idempotent after the watchdog's own shutdown
+    assert engine._worker.poll() is not None
+    for _ in range(50):
+        if not os.path.exists(run_dir):
+            break
+        await asyncio.sleep(0.05)
+    assert not os.path.exists(run_dir)
