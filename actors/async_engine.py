@@ -147,6 +147,10 @@ class AsyncEngine:
                 await self.abort(request_id)  # the caller stopped reading early
 
     async def abort(self, request_id: str) -> None:
+        """Stops a request; its stream (if still read) ends with finish_reason "abort"."""
+        queue = self._streams.get(request_id)
+        if queue is not None:
+            queue.put_nowait(OutputDelta(request_id, "", (), "abort", None, 0, 0, None))
         await send_message(self._to_tokenizer, AbortRequest(request_id))
 
     def stats(self) -> EngineStatsSnapshot:

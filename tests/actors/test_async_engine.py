@@ -97,3 +97,46 @@ async def test_killed_worker_ends_every_request_with_an_error_and_shuts_down():
             break
         await asyncio.sleep(0.05)
     assert not os.path.exists(run_dir)
+
+
+@pytest.mark.shared
+async def test_500_requests_with_random_aborts_leave_every_block_free():
+    model = str(shared_path("models", "stories260K"))
+    engine = await AsyncEngine.start(
+        EngineArgs(model=model, kv_cache_memory=8 << 20, max_num_seqs=64)
+    )
+    rng = random.Random(9)
+
+    async def client(i):
+        params = SamplingParams(temperature=0.8, seed=i, max_tokens=rng.randint(1, 30))
+        mode = rng.choice(["finish", "break", "abort"])
+        stop_after = rng.randint(0, 5)
+        await asyncio.sleep(rng.random() * 0.5)
+        n, last = 0, None
+        async for out in engine.generate("Once upon a time", params, f"a{i}"):
+            n, last = n + 1, out
+            if mode == "break" and n > stop_after:
+                break  # leaving the stream aborts the request
+            if mode == "abort" and n > stop_after:
+                await engine.abort(f"a{i}")
+        return mode, last
+
+    try:
+        results = await asyncio.wait_for(
+            asyncio.gather(*(client(i) for i in range(500))), timeout=240
+        )
+        finished = [last for mode, last in results if mode == "finish"]
+        assert all(last.finish_reason in ("stop", "length") for last in finished)
+        aborted = [last for mode, last in results if mode == "abort"]
+        assert all(last.finish_reason in ("stop", "length", "abort") for last in aborted)
+        assert any(last.finish_reason == "abort" for last in aborted)
+        for _ in range(200):  # let the last aborts and results reach the scheduler
+            stats = engine.stats()
+            if stats.num_running == stats.num_waiting == 0 and engine.scheduler.in_flight == 0:
+                break
+            await asyncio.sleep(0.02)
+        engine.scheduler.core.scheduler.check_integrity()
+        assert stats.num_free_blocks == stats.num_blocks
+        assert engine.is_healthy
+    finally:
+        await engine.shutdown()
