@@ -30,10 +30,10 @@ async def test_streams_equal_offline_outputs(depth):
     kwargs = dict(kv_cache_memory=16 << 20, max_num_batched_tokens=256)
     rng = random.Random(4)
     starts = ["Once upon a time", "The little dog", "Lily and Ben", "One day", "The sun"]
-    prompts = [rng.choice(starts) for _ in range(24)]
+    prompts = [rng.choice(starts) for _ in range(64)]
     params = [
         SamplingParams(temperature=rng.choice([0.0, 0.9]), seed=i, max_tokens=rng.randint(5, 40))
-        for i in range(24)
+        for i in range(64)
     ]
     expected = LLM(model, **kwargs).generate(prompts, params, use_tqdm=False)
 
