@@ -12,10 +12,8 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import os
 import shutil
 import subprocess
-import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -27,7 +25,7 @@ from actors.codec import InboxDecoder
 from actors.scheduler_actor import SchedulerActor
 from actors.tokenizer_actor import TokenizerActor
 from actors.transport import inproc_pair, ipc_address, new_run_dir, zmq_inbox, zmq_outbox
-from actors.worker_actor import engine_args_json
+from actors.worker_actor import spawn_worker
 from engine.config import EngineArgs
 from engine.engine_core import EngineCore
 from engine.messages import (
@@ -83,7 +81,7 @@ class AsyncEngine:
         sched_address = ipc_address(self._run_dir, "scheduler")
         worker_address = ipc_address(self._run_dir, "worker-0")
         sched_inbox = zmq_inbox(self._ctx, sched_address)
-        self._worker = _spawn_worker(args, worker_address, sched_address)
+        self._worker = spawn_worker(args, worker_address, sched_address)
         try:
             ready, _ = await await_ready(
                 sched_inbox,
@@ -214,22 +212,3 @@ def _request(request_id: str, prompt, params: SamplingParams | None) -> Generate
         messages = tuple(ChatMessage(str(m.get("role")), str(m.get("content"))) for m in prompt)
         return GenerateRequest(request_id, CLIENT_ID, None, None, messages, params)
     return GenerateRequest(request_id, CLIENT_ID, None, tuple(prompt), None, params)
-
-
-def _spawn_worker(args: EngineArgs, inbox: str, scheduler: str) -> subprocess.Popen:
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(
-        os.environ, PYTHONPATH=os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))
-    )
-    cmd = [
-        sys.executable,
-        "-m",
-        "actors.worker_actor",
-        "--engine-args",
-        engine_args_json(args),
-        "--inbox",
-        inbox,
-        "--scheduler",
-        scheduler,
-    ]
-    return subprocess.Popen(cmd, env=env)

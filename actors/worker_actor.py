@@ -16,6 +16,8 @@ import asyncio
 import dataclasses
 import json
 import logging
+import os
+import subprocess
 import sys
 import traceback
 
@@ -74,6 +76,33 @@ def build_worker(args: EngineArgs, worker_id: int) -> tuple[Worker, WorkerReady]
 
 def engine_args_json(args: EngineArgs) -> str:
     return json.dumps(dataclasses.asdict(args))
+
+
+def spawn_worker(
+    args: EngineArgs,
+    inbox: str,
+    scheduler: str,
+    worker_id: int = 0,
+    extra_env: dict[str, str] | None = None,
+) -> subprocess.Popen:
+    """Starts `python -m actors.worker_actor` with this repository importable."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, PYTHONPATH=path, **(extra_env or {}))
+    cmd = [
+        sys.executable,
+        "-m",
+        "actors.worker_actor",
+        "--engine-args",
+        engine_args_json(args),
+        "--inbox",
+        inbox,
+        "--scheduler",
+        scheduler,
+        "--worker-id",
+        str(worker_id),
+    ]
+    return subprocess.Popen(cmd, env=env)
 
 
 async def serve(

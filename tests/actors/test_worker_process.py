@@ -6,8 +6,6 @@ import asyncio
 import os
 import random
 import shutil
-import subprocess
-import sys
 
 import pytest
 import zmq
@@ -16,7 +14,7 @@ import zmq.asyncio
 from actors.actor import await_ready, send_message
 from actors.codec import InboxDecoder
 from actors.transport import ipc_address, new_run_dir, zmq_inbox, zmq_outbox
-from actors.worker_actor import engine_args_json
+from actors.worker_actor import spawn_worker
 from engine import LLM, SamplingParams
 from engine.config import EngineArgs
 from engine.llm_engine import LLMEngine
@@ -26,7 +24,6 @@ from engine.scheduler_output import SchedulerOutput
 from engine.step_plan_builder import StepPlanBuilder
 from tests.engine.tiny_models import VOCAB, save_hf_model
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture(scope="module")
@@ -63,22 +60,7 @@ async def test_worker_process_matches_offline_engine(model_dir):
     ctx = zmq.asyncio.Context()
     sched_address, worker_address = ipc_address(run_dir, "sched"), ipc_address(run_dir, "w0")
     inbox = zmq_inbox(ctx, sched_address)
-    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "actors.worker_actor",
-            "--engine-args",
-            engine_args_json(args),
-            "--inbox",
-            worker_address,
-            "--scheduler",
-            sched_address,
-        ],
-        env=env,
-        cwd=REPO,
-    )
+    proc = spawn_worker(args, worker_address, sched_address, extra_env={"OMP_NUM_THREADS": "1"})
     to_worker = None
     try:
         decoder = InboxDecoder(INBOXES["scheduler"])
