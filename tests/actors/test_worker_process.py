@@ -25,7 +25,6 @@ from engine.step_plan_builder import StepPlanBuilder
 from tests.engine.tiny_models import VOCAB, save_hf_model
 
 
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     directory = tmp_path_factory.mktemp("tiny-llama-process")
