@@ -23,6 +23,41 @@ async def _run(engine, prompt, params, rid):
     return text, tokens, last
 
 
+async def test_streams_equal_offline_outputs_on_a_tiny_random_model(tmp_path):
+    """The same check without ../shared: a random model beside an in-test tokenizer."""
+    from tests.engine.test_detokenizer import sentencepiece_like
+    from tests.engine.tiny_models import save_hf_model
+
+    tokenizer = sentencepiece_like()
+    save_hf_model("llama", tmp_path, vocab_size=tokenizer.vocab_size)
+    tokenizer.hf_tokenizer.save_pretrained(tmp_path)
+    kwargs = dict(kv_cache_memory=1 << 20, max_model_len=96, block_size=4)
+    rng = random.Random(8)
+    prompts = [rng.choice(["hello there", "once upon", "a cafe", "tea time"]) for _ in range(16)]
+    params = [
+        SamplingParams(
+            temperature=rng.choice([0.0, 1.0]),
+            seed=i,
+            ignore_eos=True,
+            max_tokens=rng.randint(1, 20),
+        )
+        for i in range(16)
+    ]
+    expected = LLM(str(tmp_path), **kwargs).generate(prompts, params, use_tqdm=False)
+    engine = await AsyncEngine.start(EngineArgs(model=str(tmp_path), **kwargs))
+    try:
+        results = await asyncio.gather(
+            *(
+                _run(engine, p, sp, f"t{i}")
+                for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
+            )
+        )
+        for (text, tokens, _), exp in zip(results, expected, strict=True):
+            assert tokens == exp.outputs[0].token_ids and text == exp.outputs[0].text
+    finally:
+        await engine.shutdown()
+
+
 @pytest.mark.shared
 @pytest.mark.parametrize("depth", [1, 2])
 async def test_streams_equal_offline_outputs(depth):

@@ -32,11 +32,11 @@ ARCHITECTURES = {
 }
 
 
-def build_hf_model(name: str, seed: int = 0) -> torch.nn.Module:
+def build_hf_model(name: str, seed: int = 0, vocab_size: int = VOCAB) -> torch.nn.Module:
     """A float32 HF model with weights large enough that greedy choices are clear-cut."""
     config_cls, model_cls, fields = ARCHITECTURES[name]
     config = config_cls(
-        vocab_size=VOCAB, bos_token_id=None, eos_token_id=None, pad_token_id=None, **fields
+        vocab_size=vocab_size, bos_token_id=None, eos_token_id=None, pad_token_id=None, **fields
     )
     torch.manual_seed(seed)
     model = model_cls(config).eval()
@@ -47,8 +47,10 @@ def build_hf_model(name: str, seed: int = 0) -> torch.nn.Module:
     return model
 
 
-def save_hf_model(name: str, directory: Path, seed: int = 0) -> torch.nn.Module:
-    model = build_hf_model(name, seed)
+def save_hf_model(
+    name: str, directory: Path, seed: int = 0, vocab_size: int = VOCAB
+) -> torch.nn.Module:
+    model = build_hf_model(name, seed, vocab_size)
     model.save_pretrained(directory)
     return model
 
