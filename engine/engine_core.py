@@ -19,6 +19,7 @@ from engine.messages import AddRequest, StepPlan, StepResult, TokenDelta, TokenD
 from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler
 from engine.step_plan_builder import StepPlanBuilder
+from engine.stop_checker import StopChecker
 
 PLACEHOLDER = -1
 
@@ -35,6 +36,7 @@ class EngineCore:
     ) -> None:
         self.scheduler = Scheduler(config, KVCacheManager(num_blocks, block_size))
         self.builder = StepPlanBuilder()
+        self.stop_checker = StopChecker(config.max_model_len)
         self.eos_token_ids = eos_token_ids
         self._finished_ids: list[str] = []
         self._arrival = 0
@@ -93,14 +95,7 @@ class EngineCore:
             yield TokenDelta(request.request_id, (sampled.token_id,), reason, stop_reason)
 
     def _stop(self, request: Request, token: int, num_outputs: int):
-        params = request.params
-        if num_outputs >= params.min_tokens:
-            if not params.ignore_eos and token in self.eos_token_ids:
-                return RequestStatus.FINISHED_STOPPED, None
-            if token in params.stop_token_ids:
-                return RequestStatus.FINISHED_STOPPED, token
-        if params.max_tokens is not None and num_outputs >= params.max_tokens:
-            return RequestStatus.FINISHED_LENGTH, None
-        if request.num_prompt_tokens + num_outputs >= self.scheduler.config.max_model_len:
-            return RequestStatus.FINISHED_LENGTH, None
-        return None, None
+        status, reason = self.stop_checker.check_token(request, token, num_outputs)
+        if status is None and self.stop_checker.check_length(request, num_outputs):
+            status = RequestStatus.FINISHED_LENGTH
+        return status, reason

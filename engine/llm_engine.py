@@ -128,14 +128,13 @@ class LLMEngine:
     # -- outputs -------------------------------------------------------------------
     def _finish(self, request: Request) -> RequestOutput:
         request.metrics.finished_time = time.time()
-        if request.detokenizer is not None and not isinstance(request.stop_reason, str):
-            self._flush_text(request)
         if request.detokenizer is None and self.tokenizer is not None:
             # Decoded with the prompt's last tokens as context, as streaming does, so a
             # first token's leading space is kept ("Once upon a time" + " there was").
-            detokenizer = self._detokenizer(request)
-            request.output_text = detokenizer.append(request.output_token_ids)
-            request.output_text += detokenizer.flush()
+            request.detokenizer = self._detokenizer(request)
+            request.output_text = request.detokenizer.append(request.output_token_ids)
+        if request.detokenizer is not None and not isinstance(request.stop_reason, str):
+            self._flush_text(request)
         completion = CompletionOutput(
             index=0,
             text=request.output_text,

@@ -10,6 +10,7 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.policies import LatestArrivalFirst, PreemptionPolicy
 from engine.request import Request, RequestStatus
 from engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from engine.stop_checker import length_limit_reached
 
 
 class Scheduler:
@@ -108,12 +109,14 @@ class Scheduler:
         return admitted
 
     def _at_limit(self, request: Request) -> bool:
-        """Known tokens (sampled or still pending) already reach max_tokens or the context:
+        """Known tokens (sampled or still pending) already reach the length limit:
         computing more would only make a token that is thrown away."""
-        max_tokens = request.params.max_tokens
-        if max_tokens is not None and request.num_output_tokens >= max_tokens:
-            return True
-        return request.num_tokens >= self.config.max_model_len
+        return length_limit_reached(
+            request.params,
+            request.num_prompt_tokens,
+            request.num_output_tokens,
+            self.config.max_model_len,
+        )
 
     def _plan(self, request: Request, n: int) -> ScheduledRequest:
         table = tuple(self.kv_cache.block_table(request.request_id))
