@@ -27,9 +27,8 @@ import zmq.asyncio
 from actors.actor import Actor, send_message
 from actors.transport import Inbox, Outbox, zmq_inbox, zmq_outbox
 from engine.config import EngineArgs
-from engine.messages import StepPlan, StepResult, WorkerReady
-from engine.model_runner import ModelRunner
-from engine.worker import Worker
+from engine.messages import StepPlan, StepResult
+from engine.worker import Worker, build_worker
 
 logger = logging.getLogger(__name__)
 
@@ -50,28 +49,6 @@ class WorkerActor(Actor):
             detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
             result = StepResult(plan.step_id, self.worker.worker_id, (), detail)
         await send_message(self.scheduler, result)
-
-
-def build_worker(args: EngineArgs, worker_id: int) -> tuple[Worker, WorkerReady]:
-    """Loads the model, sizes and allocates the KV cache; returns the ready message."""
-    config = args.build()
-    runner = ModelRunner(
-        config.model,
-        config.cache,
-        config.device,
-        config.scheduler.max_num_batched_tokens,
-        config.scheduler.max_num_seqs,
-    )
-    num_blocks = runner.num_blocks()
-    runner.initialize_cache(num_blocks)
-    ready = WorkerReady(
-        worker_id,
-        num_blocks,
-        config.cache.block_size,
-        config.model.max_model_len,
-        config.model.vocab_size,
-    )
-    return Worker(runner, worker_id), ready
 
 
 def engine_args_json(args: EngineArgs) -> str:

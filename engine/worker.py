@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import itertools
 
-from engine.messages import SampledToken, StepPlan, StepResult
+from engine.config import EngineArgs
+from engine.messages import SampledToken, StepPlan, StepResult, WorkerReady
 from engine.model_runner import ModelRunner
 from engine.request import Request, RequestStatus
 from engine.scheduler_output import ScheduledRequest, SchedulerOutput
@@ -71,3 +72,25 @@ class Worker:
                 table.clear()
             table.extend(cached.new_block_ids)
             self.requests[cached.request_id].num_computed_tokens = cached.num_computed_tokens
+
+
+def build_worker(args: EngineArgs, worker_id: int = 0) -> tuple[Worker, WorkerReady]:
+    """Loads the model, sizes and allocates the KV cache; returns the ready message."""
+    config = args.build()
+    runner = ModelRunner(
+        config.model,
+        config.cache,
+        config.device,
+        config.scheduler.max_num_batched_tokens,
+        config.scheduler.max_num_seqs,
+    )
+    num_blocks = runner.num_blocks()
+    runner.initialize_cache(num_blocks)
+    ready = WorkerReady(
+        worker_id,
+        num_blocks,
+        config.cache.block_size,
+        config.model.max_model_len,
+        config.model.vocab_size,
+    )
+    return Worker(runner, worker_id), ready

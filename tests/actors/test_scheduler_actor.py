@@ -11,12 +11,13 @@ from actors.actor import send_message
 from actors.codec import InboxDecoder
 from actors.scheduler_actor import SchedulerActor
 from actors.transport import inproc_pair
-from actors.worker_actor import WorkerActor, build_worker
+from actors.worker_actor import WorkerActor
 from engine import LLM, SamplingParams
 from engine.config import EngineArgs
 from engine.engine_core import EngineCore
 from engine.messages import INBOXES, AbortRequest, AddRequest, TokenDeltas
-from tests.engine.tiny_models import VOCAB, save_hf_model
+from engine.worker import build_worker
+from tests.engine.tiny_models import SMALL_ENGINE, random_prompts, save_hf_model
 
 
 @pytest.fixture(scope="module")
@@ -42,28 +43,15 @@ async def _collect(inbox, want: set[str]) -> dict[str, tuple[list[int], str]]:
 
 @pytest.mark.parametrize("depth", [1, 2])
 async def test_actors_reproduce_offline_outputs_and_free_every_block(model_dir, depth):
-    args = EngineArgs(
-        model=model_dir,
-        skip_tokenizer_init=True,
-        block_size=4,
-        max_model_len=64,
-        kv_cache_memory=1 << 20,
-        max_num_batched_tokens=24,
-    )
+    kwargs = {**SMALL_ENGINE, "max_num_batched_tokens": 24}
+    args = EngineArgs(model=model_dir, **kwargs)
     rng = random.Random(21)
-    prompts = [[rng.randrange(VOCAB) for _ in range(rng.randint(1, 30))] for _ in range(12)]
+    prompts = random_prompts(rng, 12)
     params = [
         SamplingParams(temperature=rng.choice([0.0, 0.8]), seed=i, max_tokens=15, ignore_eos=True)
         for i in range(12)
     ]
-    expected = LLM(
-        model_dir,
-        skip_tokenizer_init=True,
-        block_size=4,
-        max_model_len=64,
-        kv_cache_memory=1 << 20,
-        max_num_batched_tokens=24,
-    ).generate(prompts, params, use_tqdm=False)
+    expected = LLM(model_dir, **kwargs).generate(prompts, params, use_tqdm=False)
 
     worker, ready = build_worker(args, 0)
     config = args.build()

@@ -22,7 +22,7 @@ from engine.messages import INBOXES, Shutdown, StepResult, WorkerReady
 from engine.model_runner import StepResult as RunnerResult
 from engine.scheduler_output import SchedulerOutput
 from engine.step_plan_builder import StepPlanBuilder
-from tests.engine.tiny_models import VOCAB, save_hf_model
+from tests.engine.tiny_models import SMALL_ENGINE, random_prompts, save_hf_model
 
 
 @pytest.fixture(scope="module")
@@ -33,27 +33,14 @@ def model_dir(tmp_path_factory):
 
 
 async def test_worker_process_matches_offline_engine(model_dir):
-    args = EngineArgs(
-        model=model_dir,
-        skip_tokenizer_init=True,
-        block_size=4,
-        max_model_len=64,
-        kv_cache_memory=1 << 20,
-        max_num_batched_tokens=16,
-    )
+    kwargs = {**SMALL_ENGINE, "max_num_batched_tokens": 16}
+    args = EngineArgs(model=model_dir, **kwargs)
     rng = random.Random(3)
-    prompts = [[rng.randrange(VOCAB) for _ in range(rng.randint(1, 30))] for _ in range(8)]
+    prompts = random_prompts(rng, 8)
     params = [
         SamplingParams(temperature=0.8, seed=i, max_tokens=12, ignore_eos=True) for i in range(8)
     ]
-    expected = LLM(
-        model_dir,
-        skip_tokenizer_init=True,
-        block_size=4,
-        max_model_len=64,
-        kv_cache_memory=1 << 20,
-        max_num_batched_tokens=16,
-    ).generate(prompts, params, use_tqdm=False)
+    expected = LLM(model_dir, **kwargs).generate(prompts, params, use_tqdm=False)
 
     run_dir = new_run_dir()
     ctx = zmq.asyncio.Context()

@@ -12,9 +12,8 @@ from engine.config import EngineArgs
 from engine.engine_core import EngineCore
 from engine.kv_cache import block_bytes
 from engine.messages import AddRequest
-from engine.model_runner import ModelRunner
-from engine.worker import Worker
-from tests.engine.tiny_models import VOCAB, save_hf_model
+from engine.worker import Worker, build_worker
+from tests.engine.tiny_models import SMALL_ENGINE, VOCAB, random_prompts, save_hf_model
 
 
 @pytest.fixture(scope="module")
@@ -53,20 +52,13 @@ def run_pipelined(core: EngineCore, worker: Worker, depth: int) -> tuple[dict, i
 @pytest.mark.parametrize("depth", [1, 2])
 @pytest.mark.parametrize("kv_blocks", [None, 19])
 def test_one_step_ahead_matches_offline(model_dir, depth, kv_blocks):
-    kwargs = dict(
-        skip_tokenizer_init=True,
-        seed=0,
-        block_size=4,
-        max_model_len=64,
-        kv_cache_memory=1 << 20,
-        max_num_batched_tokens=24,
-    )
+    kwargs = {**SMALL_ENGINE, "seed": 0, "max_num_batched_tokens": 24}
     offline = LLM(model_dir, **kwargs)
     if kv_blocks:
         kwargs["kv_cache_memory"] = block_bytes(offline.engine.config.model, 4) * kv_blocks
         offline = LLM(model_dir, **kwargs)
     rng = random.Random(11)
-    prompts = [[rng.randrange(VOCAB) for _ in range(rng.randint(1, 30))] for _ in range(16)]
+    prompts = random_prompts(rng, 16)
     params = [
         SamplingParams(
             temperature=rng.choice([0.0, 1.0]),
@@ -79,13 +71,10 @@ def test_one_step_ahead_matches_offline(model_dir, depth, kv_blocks):
     ]
     expected = offline.generate(prompts, params, use_tqdm=False)
 
-    config = EngineArgs(model=model_dir, **kwargs).build()
-    runner = ModelRunner(
-        config.model, config.cache, config.device, config.scheduler.max_num_batched_tokens
-    )
-    num_blocks = runner.num_blocks()
-    runner.initialize_cache(num_blocks)
-    worker = Worker(runner)
+    args = EngineArgs(model=model_dir, **kwargs)
+    config = args.build()
+    worker, ready = build_worker(args)
+    num_blocks = ready.num_blocks
     core = EngineCore(config.scheduler, num_blocks, 4, config.model.eos_token_ids)
     for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
         core.add_request(AddRequest(f"r{i}", tuple(p), sp, 0.0))

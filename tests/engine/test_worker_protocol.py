@@ -11,12 +11,11 @@ from engine import LLM, SamplingParams
 from engine.config import EngineArgs
 from engine.kv_cache import block_bytes
 from engine.llm_engine import LLMEngine
-from engine.model_runner import ModelRunner
 from engine.model_runner import StepResult as RunnerResult
 from engine.scheduler_output import SchedulerOutput
 from engine.step_plan_builder import StepPlanBuilder
-from engine.worker import Worker
-from tests.engine.tiny_models import VOCAB, save_hf_model
+from engine.worker import Worker, build_worker
+from tests.engine.tiny_models import SMALL_ENGINE, random_prompts, save_hf_model
 
 
 @pytest.fixture(scope="module")
@@ -43,16 +42,14 @@ def _drive(engine: LLMEngine, worker: Worker) -> dict[str, list[int]]:
 
 @pytest.mark.parametrize("setting", ["plain", "chunked", "preemption"])
 def test_worker_fed_by_step_plans_matches_the_offline_engine(model_dir, setting):
-    kwargs = dict(
-        skip_tokenizer_init=True, seed=0, block_size=4, max_model_len=64, kv_cache_memory=1 << 20
-    )
+    kwargs = {**SMALL_ENGINE, "seed": 0}
     if setting == "chunked":
         kwargs["max_num_batched_tokens"] = 7
     if setting == "preemption":
         probe = LLM(model_dir, **kwargs)
         kwargs["kv_cache_memory"] = block_bytes(probe.engine.config.model, 4) * (64 // 4 + 3)
     rng = random.Random(5)
-    prompts = [[rng.randrange(VOCAB) for _ in range(rng.randint(1, 30))] for _ in range(12)]
+    prompts = random_prompts(rng, 12)
     params = [
         SamplingParams(
             temperature=rng.choice([0.0, 0.9]),
@@ -65,13 +62,10 @@ def test_worker_fed_by_step_plans_matches_the_offline_engine(model_dir, setting)
     expected_llm = LLM(model_dir, **kwargs)
     expected = expected_llm.generate(prompts, params, use_tqdm=False)
 
-    config = EngineArgs(model=model_dir, **kwargs).build()
-    engine = LLMEngine(config)
-    runner = ModelRunner(
-        config.model, config.cache, config.device, config.scheduler.max_num_batched_tokens
-    )
-    runner.initialize_cache(engine.scheduler.kv_cache.num_blocks)
-    worker = Worker(runner)
+    args = EngineArgs(model=model_dir, **kwargs)
+    engine = LLMEngine(args.build())
+    worker, ready = build_worker(args)
+    assert ready.num_blocks == engine.scheduler.kv_cache.num_blocks
     for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
         engine.add_request(f"offline-{i}", p, sp)
     got = _drive(engine, worker)

@@ -66,3 +66,14 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: int) ->
         pad_token_id=0,
     )
     return out[0, len(prompt) :].tolist()
+
+
+# Engine settings the protocol tests share: small blocks so tables grow, a short context.
+SMALL_ENGINE = dict(
+    skip_tokenizer_init=True, block_size=4, max_model_len=64, kv_cache_memory=1 << 20
+)
+
+
+def random_prompts(rng, n: int, max_len: int = 30) -> list[list[int]]:
+    """`n` token-id prompts of 1 to `max_len` tokens over the tiny vocabulary."""
+    return [[rng.randrange(VOCAB) for _ in range(rng.randint(1, max_len))] for _ in range(n)]
