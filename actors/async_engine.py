@@ -90,9 +90,12 @@ class AsyncEngine:
                 ready_timeout,
                 sender="worker 0",
             )
-        except BaseException:
+        except BaseException:  # no worker: leave no process, socket or run dir behind
             self._worker.kill()
+            self._worker.wait()
             sched_inbox.close()
+            self._ctx.term()
+            shutil.rmtree(self._run_dir, ignore_errors=True)
             raise
         config = args.build()  # reads config.json only; the worker holds the weights
         core = EngineCore(
