@@ -40,7 +40,10 @@ class Actor:
     - A handler exception is logged, counted in `num_errors` and passed to
       `on_handler_error`; an exception raised by `on_handler_error` ends the loop (that is
       how a subclass makes errors fatal), leaving it in `crash` and `is_alive` False.
-    - When the loop ends, the actor closes its inbox and the `outboxes` it was given.
+    - A handler may await an answer on one of its `reply_inboxes` (a request/answer
+      exchange with a peer); no other message is handled meanwhile.
+    - When the loop ends, the actor closes its inbox and the `outboxes` and
+      `reply_inboxes` it was given.
     """
 
     def __init__(
@@ -49,12 +52,14 @@ class Actor:
         inbox: Inbox,
         handlers: Mapping[type, Handler],
         outboxes: Iterable[Outbox] = (),
+        reply_inboxes: Iterable[Inbox] = (),
     ) -> None:
         self.name = name
         self.inbox = inbox
         self.handlers = dict(handlers)
         self.decoder = InboxDecoder({*self.handlers, Shutdown})
         self.outboxes = list(outboxes)
+        self.reply_inboxes = list(reply_inboxes)
         self.num_received = 0
         self.num_dropped = 0
         self.num_errors = 0
@@ -162,6 +167,8 @@ class Actor:
             return
         self._closed = True
         self.inbox.close()
+        for inbox in self.reply_inboxes:
+            inbox.close()
         for outbox in self.outboxes:
             outbox.close()
 

@@ -1,9 +1,10 @@
 """`AsyncEngine`: the engine client that web handlers and the SDK talk to.
 
-Layout (this first version): the tokenizer and scheduler actors run on the caller's event
-loop; each worker is its own process (`python -m actors.worker_actor`), reached over
-ZeroMQ ipc. The scheduler's inbox is an ipc socket too, so worker results and requests
-from the tokenizer arrive through one typed inbox.
+Layout: the tokenizer, scheduler and block manager actors run on the caller's event loop
+(the block manager reached through the in-process transport); each worker is its own
+process (`python -m actors.worker_actor`), reached over ZeroMQ ipc. The scheduler's inbox
+is an ipc socket too, so worker results and requests from the tokenizer arrive through
+one typed inbox.
 """
 
 from __future__ import annotations
@@ -21,11 +22,13 @@ import zmq
 import zmq.asyncio
 
 from actors.actor import await_ready, send_message
+from actors.block_manager_actor import BlockManagerActor
 from actors.codec import InboxDecoder
 from actors.scheduler_actor import SchedulerActor
 from actors.tokenizer_actor import TokenizerActor
 from actors.transport import inproc_pair, ipc_address, new_run_dir, zmq_inbox, zmq_outbox
 from actors.worker_actor import spawn_worker
+from engine.block_manager import BlockManager
 from engine.config import EngineArgs
 from engine.engine_core import EngineCore
 from engine.messages import (
@@ -66,6 +69,7 @@ class AsyncEngine:
         self._streams: dict[str, asyncio.Queue[OutputDelta]] = {}
         self._ids = itertools.count()
         self.error: str | None = None  # set once the engine is unhealthy
+        self._closing = False
 
     @property
     def is_healthy(self) -> bool:
@@ -104,9 +108,20 @@ class AsyncEngine:
         tokenizer = Tokenizer(load_tokenizer(args.tokenizer or config.model.model_dir))
         to_tokenizer, tokenizer_inbox = inproc_pair()
         to_client, self._client_inbox = inproc_pair()
+        to_blocks, blocks_inbox = inproc_pair()
+        to_replies, replies_inbox = inproc_pair()
         self._to_worker = zmq_outbox(self._ctx, worker_address)
+        self.block_manager = BlockManagerActor(
+            BlockManager(ready.num_blocks, ready.block_size), blocks_inbox, to_replies
+        )
         self.scheduler = SchedulerActor(
-            core, sched_inbox, [self._to_worker], to_tokenizer, pipeline_depth
+            core,
+            sched_inbox,
+            [self._to_worker],
+            to_tokenizer,
+            to_blocks,
+            replies_inbox,
+            pipeline_depth,
         )
         self.tokenizer = TokenizerActor(
             TextProcessor(tokenizer, ready.vocab_size, ready.max_model_len),
@@ -115,6 +130,7 @@ class AsyncEngine:
             {CLIENT_ID: to_client},
         )
         self._to_tokenizer = to_tokenizer
+        await self.block_manager.start()
         await self.scheduler.start()
         await self.tokenizer.start()
         self._reader = asyncio.create_task(self._read_outputs())
@@ -156,9 +172,10 @@ class AsyncEngine:
 
     def stats(self) -> EngineStatsSnapshot:
         s = self.scheduler.core.scheduler
+        blocks = self.block_manager.manager
         return EngineStatsSnapshot(
-            s.kv_cache.num_blocks,
-            s.kv_cache.num_free_blocks,
+            blocks.num_blocks,
+            blocks.num_free_blocks,
             len(s.running),
             len(s.waiting),
             s.num_preemptions,
@@ -167,10 +184,12 @@ class AsyncEngine:
 
     async def shutdown(self, timeout: float = 10.0) -> None:
         """Stops the actors and the worker process; idempotent."""
+        self._closing = True
         with contextlib.suppress(Exception):
             await send_message(self._to_worker, Shutdown("engine shutdown"))
         await self.tokenizer.stop()
         await self.scheduler.stop()
+        await self.block_manager.stop()
         for task in (self._reader, self._watchdog):
             if task is not asyncio.current_task():
                 task.cancel()
@@ -188,11 +207,19 @@ class AsyncEngine:
         shutil.rmtree(self._run_dir, ignore_errors=True)
 
     async def _watch_worker(self, interval: float = 0.2) -> None:
-        """A dead worker ends every open request with finish_reason "error", marks the
-        engine unhealthy and shuts it down cleanly (no restart yet)."""
-        while self._worker.poll() is None:
+        """A dead worker process (or a crashed in-process actor) ends every open request
+        with finish_reason "error", marks the engine unhealthy and shuts it down cleanly
+        (no restart yet)."""
+        actors = (self.tokenizer, self.scheduler, self.block_manager)
+        while self._worker.poll() is None and all(a.is_alive for a in actors):
             await asyncio.sleep(interval)
-        self.error = f"worker process 0 exited with code {self._worker.returncode}"
+        if self._closing:
+            return
+        if self._worker.returncode is not None:
+            self.error = f"worker process 0 exited with code {self._worker.returncode}"
+        else:
+            dead = next(a for a in actors if not a.is_alive)
+            self.error = f"the {dead.name} actor stopped: {dead.crash!r}"
         logger.error("%s; failing %d open requests", self.error, len(self._streams))
         for request_id, queue in self._streams.items():
             queue.put_nowait(OutputDelta(request_id, "", (), "error", None, 0, 0, self.error))

@@ -1,25 +1,39 @@
 """The scheduler actor: one EngineCore, keeping the workers' plan queue full.
 
 After every message it tops the pipeline up: while fewer than `pipeline_depth` plans are
-in flight and the core has work, it sends the next plan to every worker. Depth 2 is
-scheduling one step ahead (plan N+1 goes out before result N is back); depth 1 is the
-synchronous mode, kept so the two can be compared.
+in flight and the core has work, it plans a step, exchanges that step's block traffic
+with the block manager (one ReserveBlocks out, one BlocksReserved back, on a reply inbox
+of its own), and sends the plan to every worker. Depth 2 is scheduling one step ahead
+(plan N+1 goes out before result N is back); depth 1 is the synchronous mode, kept so
+the two can be compared. Frees of requests that ended are exchanged before the actor
+waits again, so an aborted request's blocks are free within the step.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from actors.actor import Actor, send_message
+from actors.codec import InboxDecoder
 from actors.transport import Inbox, Outbox
+from engine.block_ledger import BlockLedgerError
 from engine.engine_core import EngineCore
-from engine.messages import AbortRequest, AddRequest, StepResult
+from engine.messages import INBOXES, AbortRequest, AddRequest, StepResult
 
 logger = logging.getLogger(__name__)
 
 
+class BlockManagerTimeout(RuntimeError):
+    """The block manager did not answer an exchange in time (it is gone or stuck)."""
+
+
 class SchedulerActor(Actor):
-    """Plans steps, sends them to the workers, turns results into TokenDeltas."""
+    """Plans steps, sends them to the workers, turns results into TokenDeltas.
+
+    The block exchange is awaited inside the handler, so no other message is handled
+    while one is open: the ledger and the block manager never see interleaved traffic.
+    """
 
     def __init__(
         self,
@@ -27,7 +41,10 @@ class SchedulerActor(Actor):
         inbox: Inbox,
         workers: list[Outbox],
         tokenizer: Outbox,
+        block_manager: Outbox,
+        block_replies: Inbox,
         pipeline_depth: int = 2,
+        reply_timeout: float = 10.0,
     ) -> None:
         if pipeline_depth not in (1, 2):
             raise ValueError(
@@ -38,13 +55,24 @@ class SchedulerActor(Actor):
             AbortRequest: self.on_abort,
             StepResult: self.on_result,
         }
-        super().__init__("scheduler", inbox, handlers, [*workers, tokenizer])
+        outboxes = [*workers, tokenizer, block_manager]
+        super().__init__("scheduler", inbox, handlers, outboxes, [block_replies])
         self.core = core
         self.workers = workers
         self.tokenizer = tokenizer
+        self.block_manager = block_manager
+        self.block_replies = block_replies
+        self.reply_decoder = InboxDecoder(INBOXES["block_replies"])
         self.pipeline_depth = pipeline_depth
+        self.reply_timeout = reply_timeout
         self.in_flight = 0
         self.num_steps = 0
+        self.num_exchanges = 0
+
+    async def on_handler_error(self, message: object, error: Exception) -> None:
+        """Blocks out of step with the block manager can't be trusted: stop the loop."""
+        if isinstance(error, BlockManagerTimeout | BlockLedgerError):
+            raise error
 
     async def on_add(self, add: AddRequest) -> None:
         self.core.add_request(add)
@@ -67,10 +95,28 @@ class SchedulerActor(Actor):
 
     async def _fill_pipeline(self) -> None:
         while self.in_flight < self.pipeline_depth:
-            plan = self.core.plan()
-            if plan is None:
-                return
+            output = self.core.schedule()
+            if output is None:
+                break
+            await self._exchange_blocks()
+            plan = self.core.build_plan(output)
             for worker in self.workers:
                 await send_message(worker, plan)
             self.in_flight += 1
             self.num_steps += 1
+        await self._exchange_blocks()  # frees of requests that ended, if no step took them
+
+    async def _exchange_blocks(self) -> None:
+        traffic = self.core.block_traffic()
+        if traffic is None:
+            return
+        await send_message(self.block_manager, traffic)
+        try:
+            async with asyncio.timeout(self.reply_timeout):
+                frame = await self.block_replies.recv()
+        except TimeoutError:
+            raise BlockManagerTimeout(
+                f"no answer to block exchange {traffic.step_id} in {self.reply_timeout:g} s"
+            ) from None
+        self.core.on_blocks_reserved(self.reply_decoder.decode(frame))
+        self.num_exchanges += 1

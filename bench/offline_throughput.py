@@ -52,21 +52,44 @@ from workload import SharedDataMissing, sample_workload  # noqa: E402
 def spawn(args, system: str, workdir: Path, batch_size: int | None = None) -> dict:
     tag = system if batch_size is None else f"{system}_b{batch_size}"
     result_file = workdir / f"{tag}.json"
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--system", system,
-           "--workdir", str(workdir), "--result-file", str(result_file),
-           "--dtype", args.dtype, "--threads", str(args.threads),
-           "--max-num-seqs", str(args.max_num_seqs),
-           "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-           "--kv-cache-memory", str(args.kv_cache_memory),
-           "--hf-cb-page-size", str(args.hf_cb_page_size),
-           "--hf-cb-max-requests", str(args.hf_cb_max_requests),
-           "--hf-cb-max-batch-tokens", str(args.hf_cb_max_batch_tokens),
-           "--check-requests", str(args.check_requests),
-           "--check-tokens", str(args.check_tokens)]
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--system",
+        system,
+        "--workdir",
+        str(workdir),
+        "--result-file",
+        str(result_file),
+        "--dtype",
+        args.dtype,
+        "--threads",
+        str(args.threads),
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+        "--max-num-batched-tokens",
+        str(args.max_num_batched_tokens),
+        "--kv-cache-memory",
+        str(args.kv_cache_memory),
+        "--hf-cb-page-size",
+        str(args.hf_cb_page_size),
+        "--hf-cb-max-requests",
+        str(args.hf_cb_max_requests),
+        "--hf-cb-max-batch-tokens",
+        str(args.hf_cb_max_batch_tokens),
+        "--check-requests",
+        str(args.check_requests),
+        "--check-tokens",
+        str(args.check_tokens),
+    ]
     if batch_size is not None:
         cmd += ["--batch-size", str(batch_size)]
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads),
-               TOKENIZERS_PARALLELISM="false")
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS=str(args.threads),
+        MKL_NUM_THREADS=str(args.threads),
+        TOKENIZERS_PARALLELISM="false",
+    )
     log(f"running {tag} ...")
     load_before = _loadavg()
     t0 = time.perf_counter()
@@ -83,12 +106,15 @@ def spawn(args, system: str, workdir: Path, batch_size: int | None = None) -> di
         log(f"{tag} FAILED (exit {returncode})")
         return {"result": {"error": "\n".join(lines), "exit_code": returncode}, "tokens": None}
     data = json.loads(result_file.read_text())
-    data["result"].update(process_wall_s=round(elapsed, 1), load_avg_before=load_before,
-                          load_avg_after=_loadavg())
+    data["result"].update(
+        process_wall_s=round(elapsed, 1), load_avg_before=load_before, load_avg_after=_loadavg()
+    )
     r = data["result"]
     if "output_tokens_per_s" in r:
-        log(f"{tag}: {r['output_tokens_per_s']} output tok/s, {r['requests_per_s']} req/s, "
-            f"wall {r['wall_s']}s, peak RSS {r['peak_rss_mib']} MiB")
+        log(
+            f"{tag}: {r['output_tokens_per_s']} output tok/s, {r['requests_per_s']} req/s, "
+            f"wall {r['wall_s']}s, peak RSS {r['peak_rss_mib']} MiB"
+        )
     else:
         log(f"{tag}: done in {elapsed:.1f}s")
     return data
@@ -106,9 +132,13 @@ def compare_tokens(ours: list[list[int]] | None, other: list[list[int]] | None) 
         frac += n / max(len(a), 1)
         if a != b:
             first_div.append(n)
-    return {"requests": len(other), "exact_matches": exact, "mismatches": len(other) - exact,
-            "mean_common_prefix_fraction": round(frac / len(other), 4),
-            "first_divergence_positions": first_div[:20]}
+    return {
+        "requests": len(other),
+        "exact_matches": exact,
+        "mismatches": len(other) - exact,
+        "mean_common_prefix_fraction": round(frac / len(other), 4),
+        "first_divergence_positions": first_div[:20],
+    }
 
 
 def reference_check(ours_tokens, ref) -> dict | None:
@@ -116,9 +146,13 @@ def reference_check(ours_tokens, ref) -> dict | None:
         return {"error": ref["result"].get("error", "no tokens")}
     ref_tokens = ref["tokens"]
     mismatched = [i for i, r in enumerate(ref_tokens) if ours_tokens[i][: len(r)] != r]
-    return {"requests_checked": len(ref_tokens), "tokens_per_request": max(map(len, ref_tokens)),
-            "mismatches": len(mismatched), "mismatched_requests": mismatched,
-            "against": "HF generate, batch 1, no padding, greedy"}
+    return {
+        "requests_checked": len(ref_tokens),
+        "tokens_per_request": max(map(len, ref_tokens)),
+        "mismatches": len(mismatched),
+        "mismatched_requests": mismatched,
+        "against": "HF generate, batch 1, no padding, greedy",
+    }
 
 
 def summarize(results: dict) -> dict:
@@ -160,9 +194,12 @@ def plot(report: dict, path: Path) -> None:
         ax.set_ylabel(label)
         ax.tick_params(axis="x", labelsize=8)
     c, w = report["config"], report["workload"]
-    fig.suptitle(f"Offline throughput, {w['num_prompts']} {w['dataset']} prompts, "
-                 f"{c['model']['num_params'] / 1e6:.0f}M Llama, {c['dtype']}, "
-                 f"{c['torch_threads']} CPU threads", fontsize=10)
+    fig.suptitle(
+        f"Offline throughput, {w['num_prompts']} {w['dataset']} prompts, "
+        f"{c['model']['num_params'] / 1e6:.0f}M Llama, {c['dtype']}, "
+        f"{c['torch_threads']} CPU threads",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -174,9 +211,14 @@ def main(argv: list[str] | None = None) -> int:
         child_main(args)
         return 0
     try:
-        wl = sample_workload(args.dataset, args.num_prompts, args.seed,
-                             MODEL_SHAPE["max_position_embeddings"], args.output_lengths,
-                             max_output=args.max_output_len)
+        wl = sample_workload(
+            args.dataset,
+            args.num_prompts,
+            args.seed,
+            MODEL_SHAPE["max_position_embeddings"],
+            args.output_lengths,
+            max_output=args.max_output_len,
+        )
     except SharedDataMissing as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -185,14 +227,16 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.kv_cache_memory is None:
         args.kv_cache_memory = default_kv_cache_memory(
-            wl.input_lens, wl.output_lens, args.max_num_seqs, args.dtype)
+            wl.input_lens, wl.output_lens, args.max_num_seqs, args.dtype
+        )
     results: dict[str, dict] = {}
     started, load_at_start = time.time(), _loadavg()
     with tempfile.TemporaryDirectory(prefix="pagedserve-bench-") as tmp:
         workdir = Path(tmp)
         num_params = write_model(workdir, args.seed)
         (workdir / "workload.json").write_text(
-            json.dumps({"prompts": wl.prompts, "output_lens": wl.output_lens}))
+            json.dumps({"prompts": wl.prompts, "output_lens": wl.output_lens})
+        )
         log(f"workload: {json.dumps(wl.summary())}")
         for system in args.systems:
             if system == "hf_static":
@@ -206,33 +250,50 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]) if argv is None else argv,
         "config": {
-            "model": {**{k: v for k, v in MODEL_SHAPE.items() if v is not None},
-                      "architecture": "LlamaForCausalLM", "num_params": num_params,
-                      "weights": f"HF LlamaForCausalLM init, torch.manual_seed({args.seed}), "
-                                 "saved as float32 safetensors, loaded by every system"},
-            "dtype": args.dtype, "torch_threads": args.threads,
-            "torch_version": torch.__version__, "transformers_version": transformers.__version__,
-            "python": platform.python_version(), "cpu": platform.processor() or platform.machine(),
-            "cpu_count": os.cpu_count(), "load_avg_at_start": load_at_start,
-            "quick": args.quick, "seed": args.seed,
-            "ours": {"max_num_seqs": args.max_num_seqs,
-                     "max_num_batched_tokens": args.max_num_batched_tokens,
-                     "kv_cache_memory_bytes": args.kv_cache_memory, "block_size": BLOCK_SIZE,
-                     "attention_backend": "auto (sdpa)"},
+            "model": {
+                **{k: v for k, v in MODEL_SHAPE.items() if v is not None},
+                "architecture": "LlamaForCausalLM",
+                "num_params": num_params,
+                "weights": f"HF LlamaForCausalLM init, torch.manual_seed({args.seed}), "
+                "saved as float32 safetensors, loaded by every system",
+            },
+            "dtype": args.dtype,
+            "torch_threads": args.threads,
+            "torch_version": torch.__version__,
+            "transformers_version": transformers.__version__,
+            "python": platform.python_version(),
+            "cpu": platform.processor() or platform.machine(),
+            "cpu_count": os.cpu_count(),
+            "load_avg_at_start": load_at_start,
+            "quick": args.quick,
+            "seed": args.seed,
+            "ours": {
+                "max_num_seqs": args.max_num_seqs,
+                "max_num_batched_tokens": args.max_num_batched_tokens,
+                "kv_cache_memory_bytes": args.kv_cache_memory,
+                "block_size": BLOCK_SIZE,
+                "attention_backend": "auto (sdpa)",
+            },
             "hf_static_batch_sizes": args.hf_batch_sizes,
-            "hf_cb": {"page_size": args.hf_cb_page_size,
-                      "kv_cache_memory_bytes": args.kv_cache_memory,
-                      "max_batch_tokens": args.hf_cb_max_batch_tokens,
-                      "max_requests_per_batch": args.hf_cb_max_requests},
+            "hf_cb": {
+                "page_size": args.hf_cb_page_size,
+                "kv_cache_memory_bytes": args.kv_cache_memory,
+                "max_batch_tokens": args.hf_cb_max_batch_tokens,
+                "max_requests_per_batch": args.hf_cb_max_requests,
+            },
         },
         "workload": wl.summary(),
         "systems": {k: v["result"] for k, v in results.items() if k != "hf_reference"},
         "summary": summarize(results),
         "correctness": {
             "ours_vs_hf_reference": reference_check(ours_tokens, results["hf_reference"])
-            if "hf_reference" in results else None,
-            **{f"ours_vs_{k}": compare_tokens(ours_tokens, v.get("tokens"))
-               for k, v in results.items() if k not in ("ours", "hf_reference")},
+            if "hf_reference" in results
+            else None,
+            **{
+                f"ours_vs_{k}": compare_tokens(ours_tokens, v.get("tokens"))
+                for k, v in results.items()
+                if k not in ("ours", "hf_reference")
+            },
         },
         "load_avg_at_end": _loadavg(),
         "total_bench_wall_s": round(time.time() - started, 1),

@@ -10,9 +10,17 @@ import time
 from pathlib import Path
 
 MODEL_SHAPE = dict(
-    hidden_size=512, intermediate_size=1376, num_hidden_layers=8, num_attention_heads=8,
-    num_key_value_heads=8, vocab_size=32000, max_position_embeddings=1024,
-    tie_word_embeddings=False, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=None,
+    hidden_size=512,
+    intermediate_size=1376,
+    num_hidden_layers=8,
+    num_attention_heads=8,
+    num_key_value_heads=8,
+    vocab_size=32000,
+    max_position_embeddings=1024,
+    tie_word_embeddings=False,
+    rms_norm_eps=1e-5,
+    bos_token_id=1,
+    eos_token_id=None,
     pad_token_id=0,
 )
 PAD_ID = 0
@@ -23,7 +31,6 @@ WARMUP_TOKENS = 8
 
 def log(msg: str) -> None:
     print(f"[offline_throughput] {msg}", file=sys.stderr, flush=True)
-
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -117,9 +124,15 @@ def run_ours(args, wl: dict) -> tuple[dict, list[list[int]]]:
     from engine import LLM, SamplingParams
 
     llm = LLM(
-        model=str(args.workdir), load_format="auto", skip_tokenizer_init=True, seed=0,
-        dtype=args.dtype, kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, block_size=BLOCK_SIZE,
+        model=str(args.workdir),
+        load_format="auto",
+        skip_tokenizer_init=True,
+        seed=0,
+        dtype=args.dtype,
+        kv_cache_memory=args.kv_cache_memory,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        block_size=BLOCK_SIZE,
     )
     warm = SamplingParams(temperature=0, ignore_eos=True, max_tokens=WARMUP_TOKENS)
     llm.generate(WARMUP_PROMPTS, warm, use_tqdm=False)
@@ -127,8 +140,9 @@ def run_ours(args, wl: dict) -> tuple[dict, list[list[int]]]:
     util = getattr(llm.engine, "utilization", None)
     util0 = (util.tokens, util.slots) if util is not None else None
     rss_before = current_rss_mib()
-    params = [SamplingParams(temperature=0, ignore_eos=True, max_tokens=n)
-              for n in wl["output_lens"]]
+    params = [
+        SamplingParams(temperature=0, ignore_eos=True, max_tokens=n) for n in wl["output_lens"]
+    ]
     t0 = time.perf_counter()
     outs = llm.generate(wl["prompts"], params, use_tqdm=True)
     wall = time.perf_counter() - t0
@@ -145,7 +159,8 @@ def run_ours(args, wl: dict) -> tuple[dict, list[list[int]]]:
         num_steps=after.num_steps - before.num_steps,
         num_kv_blocks=after.num_blocks,
         kv_cache_mib=round(
-            after.num_blocks * BLOCK_SIZE * kv_bytes_per_token(args.dtype) / 2**20, 1),
+            after.num_blocks * BLOCK_SIZE * kv_bytes_per_token(args.dtype) / 2**20, 1
+        ),
         rss_before_run_mib=rss_before,
         finish_reasons=sorted({o.outputs[0].finish_reason for o in outs}),
     )
@@ -164,10 +179,16 @@ def run_hf_static(args, wl: dict) -> tuple[dict, list[list[int]]]:
         ids = torch.full((len(prompts), width), PAD_ID, dtype=torch.long)
         mask = torch.zeros((len(prompts), width), dtype=torch.long)
         for row, p in enumerate(prompts):  # left padding
-            ids[row, width - len(p):] = torch.tensor(p)
-            mask[row, width - len(p):] = 1
-        cfg = GenerationConfig(max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                               eos_token_id=None, pad_token_id=PAD_ID, bos_token_id=1)
+            ids[row, width - len(p) :] = torch.tensor(p)
+            mask[row, width - len(p) :] = 1
+        cfg = GenerationConfig(
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=PAD_ID,
+            bos_token_id=1,
+        )
         with torch.inference_mode():
             out = model.generate(input_ids=ids, attention_mask=mask, generation_config=cfg)
         return out[:, width:].tolist()
@@ -179,18 +200,21 @@ def run_hf_static(args, wl: dict) -> tuple[dict, list[list[int]]]:
     computed = 0
     t0 = time.perf_counter()
     for start in range(0, len(prompts), bs):
-        batch, want = prompts[start:start + bs], lens[start:start + bs]
+        batch, want = prompts[start : start + bs], lens[start : start + bs]
         n = max(want)
         rows = gen(batch, n)
         computed += n * len(batch)
         # only each request's own tokens count; the rest of the batch tail is waste
         tokens += [row[:w] for row, w in zip(rows, want, strict=True)]
-        log(f"hf_static B={bs}: {len(tokens)}/{len(prompts)} requests, "
-            f"{time.perf_counter() - t0:.1f}s")
+        log(
+            f"hf_static B={bs}: {len(tokens)}/{len(prompts)} requests, "
+            f"{time.perf_counter() - t0:.1f}s"
+        )
     wall = time.perf_counter() - t0
     result = throughput(wall, tokens, wl)
-    result.update(batch_size=bs, generated_tokens_incl_batch_tail=computed,
-                  rss_before_run_mib=rss_before)
+    result.update(
+        batch_size=bs, generated_tokens_incl_batch_tail=computed, rss_before_run_mib=rss_before
+    )
     return result, tokens
 
 
@@ -202,16 +226,22 @@ def run_hf_cb(args, wl: dict) -> tuple[dict, list[list[int]]]:
     page = args.hf_cb_page_size
     num_blocks = args.kv_cache_memory // (page * kv_bytes_per_token(args.dtype))
     cb_config = ContinuousBatchingConfig(
-        page_size=page, num_blocks=num_blocks, max_batch_tokens=args.hf_cb_max_batch_tokens,
-        max_requests_per_batch=args.hf_cb_max_requests, seed=0,
+        page_size=page,
+        num_blocks=num_blocks,
+        max_batch_tokens=args.hf_cb_max_batch_tokens,
+        max_requests_per_batch=args.hf_cb_max_requests,
+        seed=0,
     )
-    gen_config = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=PAD_ID,
-                                  max_new_tokens=max(wl["output_lens"]))
+    gen_config = GenerationConfig(
+        do_sample=False, eos_token_id=-1, pad_token_id=PAD_ID, max_new_tokens=max(wl["output_lens"])
+    )
     prompts, lens = wl["prompts"], wl["output_lens"]
 
     def run(mgr, batch, want, tag) -> list[list[int]]:
-        ids = [mgr.add_request(p, request_id=f"{tag}{i}", max_new_tokens=n, eos_token_id=-1)
-               for i, (p, n) in enumerate(zip(batch, want, strict=True))]
+        ids = [
+            mgr.add_request(p, request_id=f"{tag}{i}", max_new_tokens=n, eos_token_id=-1)
+            for i, (p, n) in enumerate(zip(batch, want, strict=True))
+        ]
         done: dict[str, object] = {}
         while len(done) < len(ids):
             res = mgr.get_result(timeout=1)
@@ -228,8 +258,11 @@ def run_hf_cb(args, wl: dict) -> tuple[dict, list[list[int]]]:
     # No inference_mode here: the manager's thread updates its cache tensors in place and
     # runs under no_grad itself.
     with model.continuous_batching_context_manager(
-        generation_config=gen_config, continuous_batching_config=cb_config, block=True,
-        timeout=30, warmup=True,
+        generation_config=gen_config,
+        continuous_batching_config=cb_config,
+        block=True,
+        timeout=30,
+        warmup=True,
     ) as mgr:
         run(mgr, WARMUP_PROMPTS, [WARMUP_TOKENS] * 2, "w")
         rss_before = current_rss_mib()
@@ -238,12 +271,17 @@ def run_hf_cb(args, wl: dict) -> tuple[dict, list[list[int]]]:
         wall = time.perf_counter() - t0
         cache = getattr(getattr(mgr, "batch_processor", None), "cache", None)
     result = throughput(wall, tokens, wl)
-    result.update(page_size=page, num_blocks_requested=num_blocks,
-                  attn_implementation=model.config._attn_implementation,
-                  rss_before_run_mib=rss_before)
+    result.update(
+        page_size=page,
+        num_blocks_requested=num_blocks,
+        attn_implementation=model.config._attn_implementation,
+        rss_before_run_mib=rss_before,
+    )
     if cache is not None:
-        result.update(num_blocks=getattr(cache, "num_blocks", None),
-                      max_batch_tokens=getattr(cache, "max_batch_tokens", None))
+        result.update(
+            num_blocks=getattr(cache, "num_blocks", None),
+            max_batch_tokens=getattr(cache, "max_batch_tokens", None),
+        )
     return result, tokens
 
 
@@ -257,14 +295,24 @@ def run_hf_reference(args, wl: dict) -> tuple[dict, list[list[int]]]:
     for p, n in list(pairs)[: args.check_requests]:
         n = min(n, args.check_tokens)
         with torch.inference_mode():
-            out = model.generate(torch.tensor([p]), max_new_tokens=n, min_new_tokens=n,
-                                 do_sample=False, eos_token_id=None, pad_token_id=PAD_ID)
-        tokens.append(out[0, len(p):].tolist())
+            out = model.generate(
+                torch.tensor([p]),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=PAD_ID,
+            )
+        tokens.append(out[0, len(p) :].tolist())
     return {"num_requests": len(tokens)}, tokens
 
 
-SYSTEMS = {"ours": run_ours, "hf_static": run_hf_static, "hf_cb": run_hf_cb,
-           "hf_reference": run_hf_reference}
+SYSTEMS = {
+    "ours": run_ours,
+    "hf_static": run_hf_static,
+    "hf_cb": run_hf_cb,
+    "hf_reference": run_hf_reference,
+}
 
 
 def child_main(args) -> None:

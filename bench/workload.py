@@ -89,8 +89,13 @@ def _percentiles(values: list[int]) -> dict[str, float]:
     def pct(p: float) -> int:
         return s[min(len(s) - 1, int(p / 100 * len(s)))]
 
-    return {"mean": round(sum(s) / len(s), 1), "p50": pct(50), "p90": pct(90), "max": s[-1],
-            "min": s[0]}
+    return {
+        "mean": round(sum(s) / len(s), 1),
+        "p50": pct(50),
+        "p90": pct(90),
+        "max": s[-1],
+        "min": s[0],
+    }
 
 
 def shared_path(name: str, shared: Path = SHARED) -> Path:
@@ -201,8 +206,15 @@ def clip_to_context(
     max_input = max_model_len - min_output
     if max_output is not None and max_output < min_output:
         raise ValueError(f"max_output ({max_output}) must be >= min_output ({min_output})")
-    clipping = dict.fromkeys(("output_capped_to_max_output", "output_raised_to_min",
-                              "input_truncated", "output_clipped_to_context"), 0)
+    clipping = dict.fromkeys(
+        (
+            "output_capped_to_max_output",
+            "output_raised_to_min",
+            "input_truncated",
+            "output_clipped_to_context",
+        ),
+        0,
+    )
     new_prompts, new_outs = [], []
     for ids, out in zip(prompts, outs, strict=True):
         if max_output is not None and out > max_output:

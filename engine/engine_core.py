@@ -7,17 +7,31 @@ arrives (the worker keeps its own sampled tokens), and whether one or two plans 
 flight is only a question of when the caller delivers results. A request that stops on
 EOS or a stop token while its next plan is in flight costs one discarded token there;
 limits (max_tokens, context) are known at plan time and cost nothing.
+
+The block tables live in the block manager; the core plans on a `BlockLedger` that
+mirrors them, so a step is: `schedule()`, one exchange of `block_traffic()` for a
+`BlocksReserved` (`on_blocks_reserved`), then `build_plan()` with the real block ids.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import replace
 
+from engine.block_ledger import BlockLedger
 from engine.config import SchedulerConfig
-from engine.kv_cache_manager import KVCacheManager
-from engine.messages import AddRequest, StepPlan, StepResult, TokenDelta, TokenDeltas
+from engine.messages import (
+    AddRequest,
+    BlocksReserved,
+    ReserveBlocks,
+    StepPlan,
+    StepResult,
+    TokenDelta,
+    TokenDeltas,
+)
 from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler
+from engine.scheduler_output import SchedulerOutput
 from engine.step_plan_builder import StepPlanBuilder
 from engine.stop_checker import StopChecker
 
@@ -25,7 +39,7 @@ PLACEHOLDER = -1
 
 
 class EngineCore:
-    """Scheduler + block tables + plan diffs + token-level stop checks."""
+    """Scheduler + block ledger + plan diffs + token-level stop checks."""
 
     def __init__(
         self,
@@ -34,7 +48,8 @@ class EngineCore:
         block_size: int,
         eos_token_ids: frozenset[int],
     ) -> None:
-        self.scheduler = Scheduler(config, KVCacheManager(num_blocks, block_size))
+        self.blocks = BlockLedger(num_blocks, block_size)
+        self.scheduler = Scheduler(config, self.blocks)
         self.builder = StepPlanBuilder()
         self.stop_checker = StopChecker(config.max_model_len)
         self.eos_token_ids = eos_token_ids
@@ -61,16 +76,46 @@ class EngineCore:
         if self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED):
             self._finished_ids.append(request_id)
 
-    def plan(self) -> StepPlan | None:
-        """The next step's plan (None when nothing can run until a result arrives)."""
-        plan = self.scheduler.schedule()
-        if plan.is_empty and not self._finished_ids:
+    def schedule(self) -> SchedulerOutput | None:
+        """The next step, its tokens counted as computed (None: nothing to tell the
+        workers until a result arrives). Its new blocks are pending until the exchange."""
+        output = self.scheduler.schedule()
+        if output.is_empty and not self._finished_ids:
             return None
-        self.scheduler.advance(plan)
-        for item in plan.scheduled:
+        self.scheduler.advance(output)
+        for item in output.scheduled:
             if item.samples:
                 item.request.output_token_ids.append(PLACEHOLDER)
-        message = self.builder.build(plan, self._finished_ids)
+        return output
+
+    def block_traffic(self) -> ReserveBlocks | None:
+        """Frees and reservations since the last exchange, or None when there are none."""
+        return self.blocks.take_traffic() if self.blocks.has_traffic else None
+
+    def on_blocks_reserved(self, reply: BlocksReserved) -> None:
+        self.blocks.apply(reply)
+
+    def plan(self, exchange: Callable[[ReserveBlocks], BlocksReserved]) -> StepPlan | None:
+        """schedule + block exchange + build_plan in one call, for a block manager within
+        reach (`exchange=block_manager.reserve`: tests, benchmarks). The exchange also
+        runs when there is no step, so frees of finished requests are never held back."""
+        output = self.schedule()
+        traffic = self.block_traffic()
+        if traffic is not None:
+            self.on_blocks_reserved(exchange(traffic))
+        return None if output is None else self.build_plan(output)
+
+    def build_plan(self, output: SchedulerOutput) -> StepPlan:
+        """The worker message of `output`, once its blocks are exchanged."""
+        resolved = SchedulerOutput(
+            output.step_id,
+            tuple(
+                replace(item, block_table=tuple(self.blocks.block_table(item.request.request_id)))
+                for item in output.scheduled
+            ),
+            output.preempted_ids,
+        )
+        message = self.builder.build(resolved, self._finished_ids)
         self._finished_ids = []
         return message
 

@@ -112,6 +112,9 @@ class WorkerReady:
     vocab_size: int
 
 
+# ---------------------------------------------------------------- scheduler's block_replies inbox
+
+
 @dataclass(frozen=True)
 class BlockGrant:
     """Blocks newly given to a sequence, in block-table order."""
@@ -214,7 +217,8 @@ class OutputDelta:
 
 INBOXES: dict[str, tuple[type, ...]] = {
     "tokenizer": (GenerateRequest, AbortRequest, TokenDeltas, Shutdown),
-    "scheduler": (AddRequest, AbortRequest, StepResult, WorkerReady, BlocksReserved, Shutdown),
+    "scheduler": (AddRequest, AbortRequest, StepResult, WorkerReady, Shutdown),
+    "block_replies": (BlocksReserved,),
     "block_manager": (ReserveBlocks, Shutdown),
     "worker": (StepPlan, Shutdown),
     "client": (OutputDelta,),

@@ -8,7 +8,7 @@ from actors.actor import send_message
 from actors.block_manager_actor import BlockManagerActor
 from actors.codec import InboxDecoder
 from actors.transport import inproc_pair
-from engine.kv_cache_manager import KVCacheManager
+from engine.block_manager import BlockManager
 from engine.messages import (
     INBOXES,
     BlockGrant,
@@ -27,10 +27,11 @@ async def _exchange(outbox, inbox, decoder, message) -> BlocksReserved:
 async def test_one_exchange_per_step_grants_refuses_and_frees():
     to_bm, bm_inbox = inproc_pair()
     reply_out, reply_in = inproc_pair()
-    kv = KVCacheManager(num_blocks=4, block_size=4)
-    actor = BlockManagerActor(kv, bm_inbox, reply_out)
+    manager = BlockManager(num_blocks=4, block_size=4)
+    kv = manager.kv_cache
+    actor = BlockManagerActor(manager, bm_inbox, reply_out)
     await actor.start()
-    decoder = InboxDecoder(INBOXES["scheduler"])
+    decoder = InboxDecoder(INBOXES["block_replies"])
 
     first = await _exchange(
         to_bm,

@@ -8,12 +8,14 @@ import random
 import pytest
 
 from actors.actor import send_message
+from actors.block_manager_actor import BlockManagerActor
 from actors.codec import InboxDecoder
-from actors.scheduler_actor import SchedulerActor
+from actors.scheduler_actor import BlockManagerTimeout, SchedulerActor
 from actors.transport import inproc_pair
 from actors.worker_actor import WorkerActor
 from engine import LLM, SamplingParams
-from engine.config import EngineArgs
+from engine.block_manager import BlockManager
+from engine.config import EngineArgs, SchedulerConfig
 from engine.engine_core import EngineCore
 from engine.messages import INBOXES, AbortRequest, AddRequest, TokenDeltas
 from engine.worker import build_worker
@@ -62,7 +64,14 @@ async def test_actors_reproduce_offline_outputs_and_free_every_block(model_dir, 
     to_worker, worker_inbox = inproc_pair()
     to_tok, tok_inbox = inproc_pair()
     worker_actor = WorkerActor(worker, worker_inbox, to_sched)
-    scheduler = SchedulerActor(core, sched_inbox, [to_worker], to_tok, pipeline_depth=depth)
+    to_blocks, blocks_inbox = inproc_pair()
+    to_replies, replies_inbox = inproc_pair()
+    blocks = BlockManager(ready.num_blocks, ready.block_size)
+    block_manager = BlockManagerActor(blocks, blocks_inbox, to_replies)
+    scheduler = SchedulerActor(
+        core, sched_inbox, [to_worker], to_tok, to_blocks, replies_inbox, pipeline_depth=depth
+    )
+    await block_manager.start()
     await worker_actor.start()
     await scheduler.start()
     for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
@@ -82,7 +91,34 @@ async def test_actors_reproduce_offline_outputs_and_free_every_block(model_dir, 
             break
         await asyncio.sleep(0.01)
     core.scheduler.check_integrity()
-    assert core.scheduler.kv_cache.num_free_blocks == ready.num_blocks
+    blocks.check_integrity()
+    assert blocks.num_free_blocks == ready.num_blocks
+    # One exchange per step at most (decode steps inside their blocks need none), plus
+    # the frees of requests that ended between steps.
+    assert 0 < blocks.num_exchanges == scheduler.num_exchanges
     await scheduler.stop()
     await worker_actor.stop()
+    await block_manager.stop()
     assert scheduler.num_errors == 0 and worker_actor.num_errors == 0
+
+
+async def test_a_silent_block_manager_stops_the_scheduler_instead_of_hanging():
+    core = EngineCore(
+        SchedulerConfig(4, 32, 64), num_blocks=8, block_size=4, eos_token_ids=frozenset()
+    )
+    to_sched, sched_inbox = inproc_pair()
+    to_worker, _worker_inbox = inproc_pair()
+    to_tok, _tok_inbox = inproc_pair()
+    to_blocks, _blocks_inbox = inproc_pair()  # nobody answers
+    _replies_out, replies_inbox = inproc_pair()
+    scheduler = SchedulerActor(
+        core, sched_inbox, [to_worker], to_tok, to_blocks, replies_inbox, reply_timeout=0.2
+    )
+    await scheduler.start()
+    await send_message(to_sched, AddRequest("r", (1, 2, 3), SamplingParams(max_tokens=2), 0.0))
+    for _ in range(100):
+        if not scheduler.is_alive:
+            break
+        await asyncio.sleep(0.02)
+    assert isinstance(scheduler.crash, BlockManagerTimeout)
+    await scheduler.stop()

@@ -8,6 +8,7 @@ from collections import deque
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.block_manager import BlockManager
 from engine.config import EngineArgs
 from engine.engine_core import EngineCore
 from engine.kv_cache import block_bytes
@@ -23,7 +24,9 @@ def model_dir(tmp_path_factory):
     return str(directory)
 
 
-def run_pipelined(core: EngineCore, worker: Worker, depth: int) -> tuple[dict, int]:
+def run_pipelined(
+    core: EngineCore, blocks: BlockManager, worker: Worker, depth: int
+) -> tuple[dict, int]:
     """Up to `depth` plans in flight; results delivered oldest first. Returns outputs and
     the number of tokens the worker computed that were thrown away."""
     in_flight: deque = deque()
@@ -31,7 +34,7 @@ def run_pipelined(core: EngineCore, worker: Worker, depth: int) -> tuple[dict, i
     finish: dict[str, str] = {}
     discarded = 0
     while core.has_unfinished or in_flight:
-        plan = core.plan() if len(in_flight) < depth else None
+        plan = core.plan(blocks.reserve) if len(in_flight) < depth else None
         if plan is not None:
             in_flight.append(worker.execute(plan))
             continue
@@ -43,7 +46,7 @@ def run_pipelined(core: EngineCore, worker: Worker, depth: int) -> tuple[dict, i
             outputs.setdefault(d.request_id, []).extend(d.token_ids)
             if d.finish_reason:
                 finish[d.request_id] = d.finish_reason
-    flush = core.plan()
+    flush = core.plan(blocks.reserve)
     if flush is not None:
         worker.execute(flush)
     return outputs, discarded
@@ -78,7 +81,8 @@ def test_one_step_ahead_matches_offline(model_dir, depth, kv_blocks):
     core = EngineCore(config.scheduler, num_blocks, 4, config.model.eos_token_ids)
     for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
         core.add_request(AddRequest(f"r{i}", tuple(p), sp, 0.0))
-    outputs, discarded = run_pipelined(core, worker, depth)
+    blocks = BlockManager(num_blocks, 4)
+    outputs, discarded = run_pipelined(core, blocks, worker, depth)
 
     assert [outputs[f"r{i}"] for i in range(16)] == [o.outputs[0].token_ids for o in expected]
     stopped_early = sum(o.outputs[0].finish_reason == "stop" for o in expected)
@@ -90,7 +94,8 @@ def test_one_step_ahead_matches_offline(model_dir, depth, kv_blocks):
         # stop cost at most one thrown-away token.
         assert 0 < discarded <= stopped_early
     core.scheduler.check_integrity()
-    assert core.scheduler.kv_cache.num_free_blocks == num_blocks
+    blocks.check_integrity()
+    assert blocks.num_free_blocks == num_blocks == core.blocks.num_free_blocks
     assert not worker.requests
     if kv_blocks:
         assert core.scheduler.num_preemptions > 0
