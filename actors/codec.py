@@ -95,7 +95,12 @@ def _convert(tp: Any, v: Any, path: str) -> Any:  # noqa: C901 - one branch per 
     if tp is Any:
         return v
     if origin in (typing.Union, types.UnionType):
-        for option in args:
+        if v is None and type(None) in args:
+            return None
+        options = [a for a in args if a is not type(None)]
+        if len(options) == 1:  # `X | None`: X's own error says which part is wrong
+            return _convert(options[0], v, path)
+        for option in options:
             try:
                 return _convert(option, v, path)
             except DecodeError:

@@ -23,6 +23,7 @@ from engine.config import SchedulerConfig
 from engine.messages import (
     AddRequest,
     BlocksReserved,
+    LogprobRow,
     ReserveBlocks,
     StepPlan,
     StepResult,
@@ -54,6 +55,7 @@ class EngineCore:
         self.stop_checker = StopChecker(config.max_model_len)
         self.eos_token_ids = eos_token_ids
         self._finished_ids: list[str] = []
+        self._prompt_rows: dict[str, list[LogprobRow]] = {}  # until the first token goes out
         self._arrival = 0
 
     @property
@@ -73,6 +75,7 @@ class EngineCore:
         self.scheduler.add_request(request)
 
     def abort(self, request_id: str) -> None:
+        self._prompt_rows.pop(request_id, None)
         if self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED):
             self._finished_ids.append(request_id)
 
@@ -124,6 +127,9 @@ class EngineCore:
         return TokenDeltas(result.step_id, tuple(deltas))
 
     def _resolve(self, result: StepResult) -> Iterator[TokenDelta | None]:
+        for scored in result.prompt_logprobs:
+            if scored.request_id in self.scheduler.requests:
+                self._prompt_rows.setdefault(scored.request_id, []).extend(scored.rows)
         for sampled in result.sampled:
             request = self.scheduler.requests.get(sampled.request_id)
             if request is None:
@@ -137,7 +143,16 @@ class EngineCore:
                 self.scheduler.finish_request(request.request_id, status)
                 self._finished_ids.append(request.request_id)
             reason = status.finish_reason if status is not None else None
-            yield TokenDelta(request.request_id, (sampled.token_id,), reason, stop_reason)
+            logprobs = None if sampled.logprobs is None else (sampled.logprobs,)
+            prompt = self._prompt_rows.pop(request.request_id, None)
+            yield TokenDelta(
+                request.request_id,
+                (sampled.token_id,),
+                reason,
+                stop_reason,
+                logprobs,
+                None if prompt is None else tuple(prompt),
+            )
 
     def _stop(self, request: Request, token: int, num_outputs: int):
         status, reason = self.stop_checker.check_token(request, token, num_outputs)

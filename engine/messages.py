@@ -30,6 +30,21 @@ class AbortRequest:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """One candidate token at one position: its log-probability, its 1-based rank in the
+    vocabulary, and its text (None until the tokenizer actor fills it in)."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    decoded_token: str | None
+
+
+# The logprobs at one position: the chosen token first, then the top candidates asked for.
+LogprobRow = tuple[TokenLogprob, ...]
+
+
+@dataclass(frozen=True)
 class Shutdown:
     """Stop the receiving actor gracefully; `reason` is logged."""
 
@@ -54,12 +69,17 @@ class GenerateRequest:
 
 @dataclass(frozen=True)
 class TokenDelta:
-    """New token ids of one request after a step; a finish reason when it ended."""
+    """New token ids of one request after a step; a finish reason when it ended.
+    `logprobs`: one row per token id, when the request asked for them. `prompt_logprobs`:
+    rows for prompt positions 1.. (the first prompt token has none), on the request's
+    first delta only."""
 
     request_id: str
     token_ids: tuple[int, ...]
     finish_reason: str | None
     stop_reason: int | str | None
+    logprobs: tuple[LogprobRow, ...] | None = None
+    prompt_logprobs: tuple[LogprobRow, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -85,10 +105,19 @@ class AddRequest:
 
 @dataclass(frozen=True)
 class SampledToken:
-    """The token one request sampled in a step."""
+    """The token one request sampled in a step, with its logprobs row if it asked."""
 
     request_id: str
     token_id: int
+    logprobs: LogprobRow | None = None
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """Prompt positions of one request scored in one step, in prompt order."""
+
+    request_id: str
+    rows: tuple[LogprobRow, ...]
 
 
 @dataclass(frozen=True)
@@ -99,6 +128,7 @@ class StepResult:
     worker_id: int
     sampled: tuple[SampledToken, ...]
     error: str | None
+    prompt_logprobs: tuple[PromptLogprobs, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -203,7 +233,8 @@ class StepPlan:
 
 @dataclass(frozen=True)
 class OutputDelta:
-    """Incremental output of one request to its client; `error` set on failure."""
+    """Incremental output of one request to its client; `error` set on failure.
+    `logprobs` and `prompt_logprobs` as in TokenDelta, with `decoded_token` filled in."""
 
     request_id: str
     text: str
@@ -213,6 +244,8 @@ class OutputDelta:
     num_prompt_tokens: int
     num_output_tokens: int
     error: str | None
+    logprobs: tuple[LogprobRow, ...] | None = None
+    prompt_logprobs: tuple[LogprobRow, ...] | None = None
 
 
 INBOXES: dict[str, tuple[type, ...]] = {

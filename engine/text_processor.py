@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from engine.detokenizer import IncrementalDetokenizer
 from engine.messages import (
     AbortRequest,
     AddRequest,
     GenerateRequest,
+    LogprobRow,
     OutputDelta,
     TokenDelta,
 )
@@ -45,6 +46,7 @@ class TextProcessor:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.states: dict[str, _TextState] = {}
+        self._token_texts: dict[int, str] = {}  # one token's text, for logprobs
 
     def admit(self, request: GenerateRequest, arrival_time: float) -> AddRequest:
         if request.request_id in self.states:
@@ -109,10 +111,27 @@ class TextProcessor:
             state.num_prompt_tokens,
             state.num_output_tokens,
             None,
+            self._decode_rows(delta.logprobs),
+            self._decode_rows(delta.prompt_logprobs),
         )
         if finish is not None:
             del self.states[delta.request_id]
         return out, abort
+
+    def _decode_rows(self, rows: tuple[LogprobRow, ...] | None) -> tuple[LogprobRow, ...] | None:
+        """Fills in each candidate's text (decoded alone, special tokens kept)."""
+        if rows is None:
+            return None
+        return tuple(
+            tuple(replace(c, decoded_token=self._token_text(c.token_id)) for c in row)
+            for row in rows
+        )
+
+    def _token_text(self, token_id: int) -> str:
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id], False)
+        return text
 
     def drop(self, request_id: str) -> None:
         """Forget a request (client abort)."""

@@ -5,8 +5,18 @@ from __future__ import annotations
 import itertools
 
 from engine.config import EngineArgs
-from engine.messages import SampledToken, StepPlan, StepResult, WorkerReady
+from engine.logprobs import Logprob, to_dicts
+from engine.messages import (
+    LogprobRow,
+    PromptLogprobs,
+    SampledToken,
+    StepPlan,
+    StepResult,
+    TokenLogprob,
+    WorkerReady,
+)
 from engine.model_runner import ModelRunner
+from engine.model_runner import StepResult as RunnerResult
 from engine.request import Request, RequestStatus
 from engine.scheduler_output import ScheduledRequest, SchedulerOutput
 
@@ -42,11 +52,33 @@ class Worker:
         result = self.runner.execute(SchedulerOutput(plan.step_id, scheduled, ()))
         for item in scheduled:
             item.request.num_computed_tokens += item.num_scheduled_tokens
+        rows = self._logprob_rows(result)
         sampled = []
         for request_id, token in result.sampled.items():
             self.requests[request_id].output_token_ids.append(token)
-            sampled.append(SampledToken(request_id, token))
-        return StepResult(plan.step_id, self.worker_id, tuple(sampled), None)
+            sampled.append(SampledToken(request_id, token, rows.get(request_id)))
+        prompt = tuple(self._prompt_logprobs(result))
+        return StepResult(plan.step_id, self.worker_id, tuple(sampled), None, prompt)
+
+    def _logprob_rows(self, result: RunnerResult) -> dict[str, LogprobRow]:
+        """Sampled-token logprobs of the requests that asked for them."""
+        if result.logprobs is None:
+            return {}
+        requests = [self.requests[rid] for rid in result.logprob_rows]
+        tokens = [result.sampled[rid] for rid in result.logprob_rows]
+        tops = [r.params.logprobs or 0 for r in requests]
+        return {
+            r.request_id: _wire_row(row)
+            for r, row in zip(requests, to_dicts(result.logprobs, tokens, tops), strict=True)
+            if r.params.logprobs is not None
+        }
+
+    def _prompt_logprobs(self, result: RunnerResult):
+        for rid, (lp, targets) in result.prompt_logprobs.items():
+            request = self.requests[rid]
+            rows = to_dicts(lp, targets, [request.params.prompt_logprobs] * len(targets))
+            request.prompt_logprobs.extend(rows)  # scored once, even if recomputed later
+            yield PromptLogprobs(rid, tuple(_wire_row(r) for r in rows))
 
     def _apply(self, plan: StepPlan) -> None:
         for request_id in plan.finished_ids:
@@ -64,6 +96,8 @@ class Worker:
                 status=RequestStatus.RUNNING,
             )
             request.num_computed_tokens = new.num_computed_tokens
+            if new.params.prompt_logprobs is not None:
+                request.prompt_logprobs = [None]
             self.requests[new.request_id] = request
             self.block_tables[new.request_id] = list(new.block_ids)
         for cached in plan.cached_requests:
@@ -72,6 +106,10 @@ class Worker:
                 table.clear()
             table.extend(cached.new_block_ids)
             self.requests[cached.request_id].num_computed_tokens = cached.num_computed_tokens
+
+
+def _wire_row(row: dict[int, Logprob]) -> LogprobRow:
+    return tuple(TokenLogprob(t, lp.logprob, lp.rank, None) for t, lp in row.items())
 
 
 def build_worker(args: EngineArgs, worker_id: int = 0) -> tuple[Worker, WorkerReady]:

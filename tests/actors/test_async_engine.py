@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+from dataclasses import dataclass, field
 
 import pytest
 
@@ -13,66 +14,83 @@ from engine import LLM, SamplingParams
 from engine.config import EngineArgs
 from tests.conftest import shared_path
 
-
-async def _run(engine, prompt, params, rid):
-    text, tokens, last = "", [], None
-    async for out in engine.generate(prompt, params, rid):
-        text += out.text
-        tokens += out.token_ids
-        last = out
-    return text, tokens, last
+START_TEXTS = ["Once upon a time", "The little dog", "Lily and Ben", "One day", "The sun"]
 
 
-async def test_streams_equal_offline_outputs_on_a_tiny_random_model(tmp_path):
-    """The same check without ../shared: a random model beside an in-test tokenizer."""
+@dataclass(frozen=True)
+class ServedModel:
+    path: str
+    kwargs: dict
+
+
+@pytest.fixture(scope="module", params=["stories260K", "tiny"])
+def served(request, tmp_path_factory) -> ServedModel:
+    """The real stories260K from ../shared (skipped when absent), and always a tiny random
+    Llama beside an in-test tokenizer, so every test here runs on a bare checkout too."""
+    if request.param == "stories260K":
+        model = str(shared_path("models", "stories260K"))
+        return ServedModel(model, dict(kv_cache_memory=16 << 20, max_num_batched_tokens=256))
     from tests.engine.test_detokenizer import sentencepiece_like
     from tests.engine.tiny_models import save_hf_model
 
+    directory = tmp_path_factory.mktemp("tiny-served")
     tokenizer = sentencepiece_like()
-    save_hf_model("llama", tmp_path, vocab_size=tokenizer.vocab_size)
-    tokenizer.hf_tokenizer.save_pretrained(tmp_path)
-    kwargs = dict(kv_cache_memory=1 << 20, max_model_len=96, block_size=4)
-    rng = random.Random(8)
-    prompts = [rng.choice(["hello there", "once upon", "a cafe", "tea time"]) for _ in range(16)]
+    save_hf_model("llama", directory, vocab_size=tokenizer.vocab_size)
+    tokenizer.hf_tokenizer.save_pretrained(directory)
+    return ServedModel(str(directory), dict(kv_cache_memory=2 << 20, block_size=4))
+
+
+@dataclass
+class Streamed:
+    text: str = ""
+    tokens: list = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    prompt_logprobs: list = field(default_factory=list)
+    last: object = None
+
+
+async def _run(engine, prompt, params, rid) -> Streamed:
+    got = Streamed()
+    async for out in engine.generate(prompt, params, rid):
+        got.text += out.text
+        got.tokens += out.token_ids
+        got.logprobs += out.logprobs or []
+        got.prompt_logprobs += out.prompt_logprobs or []
+        got.last = out
+    return got
+
+
+def _same_rows(rows, expected: list[dict]) -> None:
+    """Wire rows (chosen first, then tops) against LLM's Logprob dicts, in order."""
+    assert len(rows) == len(expected)
+    for row, exp in zip(rows, expected, strict=True):
+        assert [c.token_id for c in row] == list(exp)
+        for c in row:
+            want = exp[c.token_id]
+            assert (c.rank, c.decoded_token) == (want.rank, want.decoded_token)
+            assert c.logprob == pytest.approx(want.logprob, abs=1e-4)
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+async def test_streams_equal_offline_outputs(served, depth):
+    """64 mixed requests (greedy and seeded, some with logprobs and prompt logprobs)
+    stream exactly what the offline LLM returns, one step ahead and synchronously."""
+    rng = random.Random(4)
+    prompts = [rng.choice(START_TEXTS) for _ in range(64)]
     params = [
         SamplingParams(
-            temperature=rng.choice([0.0, 1.0]),
+            temperature=rng.choice([0.0, 0.9]),
             seed=i,
-            ignore_eos=True,
-            max_tokens=rng.randint(1, 20),
+            max_tokens=rng.randint(5, 40),
+            logprobs=rng.choice([None, None, 0, 2]),
+            prompt_logprobs=rng.choice([None, None, None, 1]),
         )
-        for i in range(16)
-    ]
-    expected = LLM(str(tmp_path), **kwargs).generate(prompts, params, use_tqdm=False)
-    engine = await AsyncEngine.start(EngineArgs(model=str(tmp_path), **kwargs))
-    try:
-        results = await asyncio.gather(
-            *(
-                _run(engine, p, sp, f"t{i}")
-                for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
-            )
-        )
-        for (text, tokens, _), exp in zip(results, expected, strict=True):
-            assert tokens == exp.outputs[0].token_ids and text == exp.outputs[0].text
-    finally:
-        await engine.shutdown()
-
-
-@pytest.mark.shared
-@pytest.mark.parametrize("depth", [1, 2])
-async def test_streams_equal_offline_outputs(depth):
-    model = str(shared_path("models", "stories260K"))
-    kwargs = dict(kv_cache_memory=16 << 20, max_num_batched_tokens=256)
-    rng = random.Random(4)
-    starts = ["Once upon a time", "The little dog", "Lily and Ben", "One day", "The sun"]
-    prompts = [rng.choice(starts) for _ in range(64)]
-    params = [
-        SamplingParams(temperature=rng.choice([0.0, 0.9]), seed=i, max_tokens=rng.randint(5, 40))
         for i in range(64)
     ]
-    expected = LLM(model, **kwargs).generate(prompts, params, use_tqdm=False)
+    expected = LLM(served.path, **served.kwargs).generate(prompts, params, use_tqdm=False)
 
-    engine = await AsyncEngine.start(EngineArgs(model=model, **kwargs), pipeline_depth=depth)
+    args = EngineArgs(model=served.path, **served.kwargs)
+    engine = await AsyncEngine.start(args, pipeline_depth=depth)
     try:
         results = await asyncio.gather(
             *(
@@ -80,13 +98,22 @@ async def test_streams_equal_offline_outputs(depth):
                 for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
             )
         )
-        for (text, tokens, last), exp in zip(results, expected, strict=True):
-            assert tokens == exp.outputs[0].token_ids
-            assert text == exp.outputs[0].text
-            assert last.finish_reason == exp.outputs[0].finish_reason
-            assert last.num_output_tokens == len(tokens)
+        for got, exp, sp in zip(results, expected, params, strict=True):
+            assert got.tokens == exp.outputs[0].token_ids
+            assert got.text == exp.outputs[0].text
+            assert got.last.finish_reason == exp.outputs[0].finish_reason
+            assert got.last.num_output_tokens == len(got.tokens)
+            if sp.logprobs is not None:
+                _same_rows(got.logprobs, exp.outputs[0].logprobs)
+            else:
+                assert got.logprobs == []
+            if sp.prompt_logprobs is not None:
+                _same_rows(got.prompt_logprobs, exp.prompt_logprobs[1:])
+        assert any(sp.logprobs is not None for sp in params) and any(
+            sp.prompt_logprobs for sp in params
+        )
         bad = await _run(engine, "hi", SamplingParams(logit_bias={10**6: 1.0}), "bad")
-        assert bad[2].finish_reason == "error" and "logit_bias" in bad[2].error
+        assert bad.last.finish_reason == "error" and "logit_bias" in bad.last.error
         stats = engine.stats()
         assert stats.num_running == 0 and stats.num_free_blocks == stats.num_blocks
     finally:
@@ -96,15 +123,13 @@ async def test_streams_equal_offline_outputs(depth):
     assert not os.path.exists(run_dir)  # no stale ipc files
 
 
-@pytest.mark.shared
-async def test_killed_worker_ends_every_request_with_an_error_and_shuts_down():
+async def test_killed_worker_ends_every_request_with_an_error_and_shuts_down(served):
     import signal
     import time
 
-    model = str(shared_path("models", "stories260K"))
-    engine = await AsyncEngine.start(EngineArgs(model=model, kv_cache_memory=16 << 20))
+    engine = await AsyncEngine.start(EngineArgs(model=served.path, **served.kwargs))
     run_dir = engine._run_dir
-    params = SamplingParams(max_tokens=500, ignore_eos=True)
+    params = SamplingParams(max_tokens=80, ignore_eos=True)
     first_token = asyncio.Event()
 
     async def consume(rid):
@@ -134,12 +159,9 @@ async def test_killed_worker_ends_every_request_with_an_error_and_shuts_down():
     assert not os.path.exists(run_dir)
 
 
-@pytest.mark.shared
-async def test_500_requests_with_random_aborts_leave_every_block_free():
-    model = str(shared_path("models", "stories260K"))
-    engine = await AsyncEngine.start(
-        EngineArgs(model=model, kv_cache_memory=8 << 20, max_num_seqs=64)
-    )
+async def test_500_requests_with_random_aborts_leave_every_block_free(served):
+    kwargs = {**served.kwargs, "max_num_seqs": 64}
+    engine = await AsyncEngine.start(EngineArgs(model=served.path, **kwargs))
     rng = random.Random(9)
 
     async def client(i):

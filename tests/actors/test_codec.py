@@ -13,6 +13,8 @@ from actors.codec import DecodeError, InboxDecoder, encode
 from engine import messages as m
 from engine.sampling_params import SamplingParams
 
+ROW = (m.TokenLogprob(42, -0.25, 1, None), m.TokenLogprob(7, -1.5, 2, None))
+DECODED = (m.TokenLogprob(12, -0.5, 3, " once"),)
 PARAMS = SamplingParams(temperature=0.7, top_p=0.9, stop=["\n\n"], logit_bias={5: -2.0}, seed=3)
 
 SAMPLES = [
@@ -25,6 +27,8 @@ SAMPLES = [
     m.AddRequest("r1", (1, 2), PARAMS, 1.5),
     m.StepResult(3, 0, (m.SampledToken("r1", 42),), None),
     m.StepResult(4, 1, (), "worker crashed"),
+    m.StepResult(5, 0, (m.SampledToken("r1", 42, ROW),), None, (m.PromptLogprobs("r1", (ROW,)),)),
+    m.TokenDeltas(8, (m.TokenDelta("r1", (42,), "length", None, (ROW,), (ROW, ROW)),)),
     m.WorkerReady(0, 1024, 16, 2048, 32000),
     m.BlocksReserved(2, (m.BlockGrant("r1", (3, 4)),), ("r2",), 17),
     m.ReserveBlocks(2, ("r0",), (m.BlockReservation("r1", 40),)),
@@ -36,6 +40,7 @@ SAMPLES = [
         ("r9",),
     ),
     m.OutputDelta("r1", " once", (12,), None, None, 3, 1, None),
+    m.OutputDelta("r1", " once", (12,), "stop", None, 3, 1, None, (DECODED,), ()),
 ]
 
 # The wire format: field names in order. Changing this table means a protocol change.
@@ -51,11 +56,20 @@ FIELD_ORDER = {
         "messages",
         "params",
     ],
-    "TokenDelta": ["request_id", "token_ids", "finish_reason", "stop_reason"],
+    "TokenLogprob": ["token_id", "logprob", "rank", "decoded_token"],
+    "TokenDelta": [
+        "request_id",
+        "token_ids",
+        "finish_reason",
+        "stop_reason",
+        "logprobs",
+        "prompt_logprobs",
+    ],
     "TokenDeltas": ["step_id", "deltas"],
     "AddRequest": ["request_id", "prompt_token_ids", "params", "arrival_time"],
-    "SampledToken": ["request_id", "token_id"],
-    "StepResult": ["step_id", "worker_id", "sampled", "error"],
+    "SampledToken": ["request_id", "token_id", "logprobs"],
+    "PromptLogprobs": ["request_id", "rows"],
+    "StepResult": ["step_id", "worker_id", "sampled", "error", "prompt_logprobs"],
     "WorkerReady": ["worker_id", "num_blocks", "block_size", "max_model_len", "vocab_size"],
     "BlockGrant": ["seq_id", "block_ids"],
     "BlocksReserved": ["step_id", "grants", "refused_seq_ids", "num_free_blocks"],
@@ -85,6 +99,8 @@ FIELD_ORDER = {
         "num_prompt_tokens",
         "num_output_tokens",
         "error",
+        "logprobs",
+        "prompt_logprobs",
     ],
     "SamplingParams": [
         "n",
@@ -164,7 +180,9 @@ def _frame(name, fields):
         (_frame("AddRequest", ["r", [1, "x"], [], 0.0]), "prompt_token_ids"),
         (_frame("AddRequest", ["r", [1, True], [], 0.0]), "prompt_token_ids"),
         (_frame("AddRequest", ["r", [1], [1] * 5, 0.0]), "params"),
-        (_frame("StepResult", [1, 0, [["r", 1.5]], None]), "token_id"),
+        (_frame("StepResult", [1, 0, [["r", 1.5, None]], None, []]), "token_id"),
+        (_frame("StepResult", [1, 0, [["r", 1, [[1, -0.5, "x", None]]]], None, []]), "rank"),
+        (_frame("StepResult", [1, 0, [], None]), "expected 5 fields"),
     ],
 )
 def test_garbage_and_wrong_types_are_rejected(frame, reason):
