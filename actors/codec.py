@@ -16,7 +16,7 @@ import dataclasses
 import functools
 import types
 import typing
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import msgpack
@@ -30,21 +30,24 @@ def encode(message: Any) -> bytes:
     """One message -> one msgpack frame."""
     if not dataclasses.is_dataclass(message) or isinstance(message, type):
         raise TypeError(f"only message dataclasses can be encoded, got {type(message).__name__}")
-    return msgpack.packb([type(message).__name__, _fields_of(message)], use_bin_type=True)
+    body = [type(message).__name__, _as_array(message)]
+    return msgpack.packb(body, use_bin_type=True, default=_as_array)
 
 
-def _fields_of(obj: Any) -> list[Any]:
-    return [_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)]
+def _as_array(obj: Any) -> list[Any]:
+    """msgpack's hook for what it can't pack itself: a dataclass becomes its field values
+    (tuples, lists, dicts and scalars are packed natively, in C)."""
+    names = _field_names(type(obj))
+    if names is None:
+        raise TypeError(f"cannot encode {type(obj).__name__}")
+    return [getattr(obj, n) for n in names]
 
 
-def _plain(value: Any) -> Any:
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return _fields_of(value)
-    if isinstance(value, tuple | list):
-        return [_plain(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    return value
+@functools.cache
+def _field_names(cls: type) -> tuple[str, ...] | None:
+    if not dataclasses.is_dataclass(cls):
+        return None
+    return tuple(f.name for f in dataclasses.fields(cls))
 
 
 class InboxDecoder:
@@ -66,81 +69,173 @@ class InboxDecoder:
             raise DecodeError(
                 f"message type {name!r} is not accepted here; accepted: {sorted(self.types)}"
             )
-        return _build(cls, values, name)
+        try:
+            return _converter(cls)(values)
+        except _Mismatch as bad:
+            raise DecodeError(f"{name}{bad.path}: {bad.reason}") from None
 
 
-def _build(cls: type, values: Any, path: str) -> Any:
-    fields = dataclasses.fields(cls)
-    if not isinstance(values, list) or len(values) != len(fields):
-        count = len(values) if isinstance(values, list) else type(values).__name__
-        raise DecodeError(f"{path}: expected {len(fields)} fields, got {count}")
-    hints = _hints(cls)
-    kwargs = {
-        f.name: _convert(hints[f.name], v, f"{path}.{f.name}")
-        for f, v in zip(fields, values, strict=True)
-    }
-    try:
-        return cls(**kwargs)
-    except (TypeError, ValueError) as exc:
-        raise DecodeError(f"{path}: {exc}") from exc
+# ---------------------------------------------------------------- decoding
+# Each annotation compiles once into a converter: value -> checked value, or _Mismatch.
+# The path of a bad value is assembled only on the way out of an error.
+
+
+class _Mismatch(Exception):
+    def __init__(self, reason: str, path: str = "") -> None:
+        self.reason, self.path = reason, path
+
+    def under(self, prefix: str) -> _Mismatch:
+        self.path = prefix + self.path
+        return self
+
+
+Converter = Callable[[Any], Any]
 
 
 @functools.cache
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
-def _convert(tp: Any, v: Any, path: str) -> Any:  # noqa: C901 - one branch per type form
+def _converter(tp: Any) -> Converter:  # noqa: C901 - one branch per type form
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if tp is Any:
-        return v
+        return lambda v: v
     if origin in (typing.Union, types.UnionType):
-        if v is None and type(None) in args:
-            return None
-        options = [a for a in args if a is not type(None)]
-        if len(options) == 1:  # `X | None`: X's own error says which part is wrong
-            return _convert(options[0], v, path)
-        for option in options:
-            try:
-                return _convert(option, v, path)
-            except DecodeError:
-                continue
-        raise DecodeError(f"{path}: {_show(v)} matches none of {tp}")
+        return _union(args)
     if tp is type(None):
-        if v is None:
-            return None
-    elif tp is bool:
-        if isinstance(v, bool):
-            return v
-    elif tp is int:
-        if isinstance(v, int) and not isinstance(v, bool):
-            return v
-    elif tp is float:
-        if isinstance(v, int | float) and not isinstance(v, bool):
-            return float(v)
-    elif tp is str or tp is bytes:
-        if isinstance(v, tp):
-            return v
-    elif origin is typing.Literal:
-        if v in args:
-            return v
-    elif origin in (tuple, list) and isinstance(v, list):
+        return _exact(lambda v: v is None, "None")
+    if tp is bool:
+        return _exact(lambda v: v is True or v is False, "bool")
+    if tp is int:
+        return _exact(lambda v: type(v) is int, "int")
+    if tp is float:
+        return _float
+    if tp is str or tp is bytes:
+        return _exact(lambda v: type(v) is tp, tp.__name__)
+    if origin is typing.Literal:
+        return _exact(lambda v: v in args, f"one of {args}")
+    if origin in (tuple, list):
         if origin is tuple and not (len(args) == 2 and args[1] is Ellipsis):
-            if len(args) != len(v):
-                raise DecodeError(f"{path}: expected {len(args)} items, got {len(v)}")
-            return tuple(
-                _convert(a, x, f"{path}[{i}]") for i, (a, x) in enumerate(zip(args, v, strict=True))
-            )
-        items = [_convert(args[0], x, f"{path}[{i}]") for i, x in enumerate(v)]
-        return tuple(items) if origin is tuple else items
-    elif origin is dict and isinstance(v, dict):
-        kt, vt = args
-        return {
-            _convert(kt, k, f"{path}.key"): _convert(vt, x, f"{path}[{k!r}]") for k, x in v.items()
-        }
-    elif dataclasses.is_dataclass(tp):
-        return _build(tp, v, path)
-    raise DecodeError(f"{path}: expected {getattr(tp, '__name__', tp)}, got {_show(v)}")
+            return _fixed_tuple(args)
+        return _sequence(args[0], origin)
+    if origin is dict:
+        return _dict(*args)
+    if dataclasses.is_dataclass(tp):
+        return _dataclass(tp)
+    raise TypeError(f"the codec cannot decode {tp}")
+
+
+def _exact(test: Callable[[Any], bool], what: str) -> Converter:
+    def convert(v: Any) -> Any:
+        if test(v):
+            return v
+        raise _Mismatch(f"expected {what}, got {_show(v)}")
+
+    return convert
+
+
+def _float(v: Any) -> float:
+    if type(v) is float or type(v) is int:
+        return float(v)
+    raise _Mismatch(f"expected float, got {_show(v)}")
+
+
+def _union(args: tuple[Any, ...]) -> Converter:
+    options = [a for a in args if a is not type(None)]
+    none_ok = len(options) < len(args)
+    if len(options) == 1:  # `X | None`: X's own error says which part is wrong
+        only = _converter(options[0])
+        return lambda v: None if v is None and none_ok else only(v)
+    converters = [_converter(a) for a in options]
+    what = " | ".join(getattr(a, "__name__", str(a)) for a in args)
+
+    def convert(v: Any) -> Any:
+        if v is None and none_ok:
+            return None
+        for c in converters:
+            try:
+                return c(v)
+            except _Mismatch:
+                continue
+        raise _Mismatch(f"{_show(v)} matches none of {what}")
+
+    return convert
+
+
+def _sequence(item_type: Any, origin: type) -> Converter:
+    item = _converter(item_type)
+    fast = {int: int, str: str}.get(item_type)  # scalar items: checked at C speed
+
+    def convert(v: Any) -> Any:
+        if type(v) is not list:
+            raise _Mismatch(f"expected a list, got {_show(v)}")
+        if fast is not None and (not v or set(map(type, v)) == {fast}):
+            return tuple(v) if origin is tuple else v
+        out = []
+        for i, x in enumerate(v):
+            try:
+                out.append(item(x))
+            except _Mismatch as bad:
+                raise bad.under(f"[{i}]") from None
+        return tuple(out) if origin is tuple else out
+
+    return convert
+
+
+def _fixed_tuple(args: tuple[Any, ...]) -> Converter:
+    items = [_converter(a) for a in args]
+
+    def convert(v: Any) -> tuple:
+        if type(v) is not list:
+            raise _Mismatch(f"expected a list, got {_show(v)}")
+        if len(v) != len(items):
+            raise _Mismatch(f"expected {len(items)} items, got {len(v)}")
+        out = []
+        for i, (c, x) in enumerate(zip(items, v, strict=True)):
+            try:
+                out.append(c(x))
+            except _Mismatch as bad:
+                raise bad.under(f"[{i}]") from None
+        return tuple(out)
+
+    return convert
+
+
+def _dict(key_type: Any, value_type: Any) -> Converter:
+    key, value = _converter(key_type), _converter(value_type)
+
+    def convert(v: Any) -> dict:
+        if type(v) is not dict:
+            raise _Mismatch(f"expected a map, got {_show(v)}")
+        out = {}
+        for k, x in v.items():
+            try:
+                out[key(k)] = value(x)
+            except _Mismatch as bad:
+                raise bad.under(f"[{k!r}]") from None
+        return out
+
+    return convert
+
+
+def _dataclass(cls: type) -> Converter:
+    hints = typing.get_type_hints(cls)
+    fields = [(f.name, _converter(hints[f.name])) for f in dataclasses.fields(cls)]
+    n = len(fields)
+
+    def convert(v: Any) -> Any:
+        if type(v) is not list or len(v) != n:
+            count = len(v) if type(v) is list else type(v).__name__
+            raise _Mismatch(f"expected {n} fields, got {count}")
+        values = []
+        for (name, c), x in zip(fields, v, strict=True):
+            try:
+                values.append(c(x))
+            except _Mismatch as bad:
+                raise bad.under(f".{name}") from None
+        try:
+            return cls(*values)
+        except (TypeError, ValueError) as exc:  # the dataclass's own validation
+            raise _Mismatch(str(exc)) from None
+
+    return convert
 
 
 def _show(v: Any) -> str:

@@ -68,6 +68,7 @@ class SchedulerActor(Actor):
         self.in_flight = 0
         self.num_steps = 0
         self.num_exchanges = 0
+        self.worker_busy_seconds = 0.0  # summed over results (worker 0's view of a step)
 
     async def on_handler_error(self, message: object, error: Exception) -> None:
         """Blocks out of step with the block manager can't be trusted: stop the loop."""
@@ -84,12 +85,13 @@ class SchedulerActor(Actor):
 
     async def on_result(self, result: StepResult) -> None:
         self.in_flight -= 1
+        self.worker_busy_seconds += result.busy_seconds
         if result.error is not None:
             logger.error(
                 "step %d failed on worker %d: %s", result.step_id, result.worker_id, result.error
             )
         deltas = self.core.on_result(result)
-        if deltas.deltas:
+        if deltas.request_ids:
             await send_message(self.tokenizer, deltas)
         await self._fill_pipeline()
 

@@ -52,7 +52,7 @@ class TokenizerActor(Actor):
         await send_message(self.scheduler, abort)
 
     async def on_token_deltas(self, message: TokenDeltas) -> None:
-        for delta in message.deltas:
+        for delta in message.deltas():
             client = self.processor.client_of(delta.request_id)
             out, abort = self.processor.on_token_delta(delta)
             if abort is not None:

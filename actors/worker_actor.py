@@ -6,7 +6,8 @@ values found (number of blocks, ...) in a `WorkerReady` message. After that each
 with `StepResult.error` set instead of killing the process.
 
 Run as a process: `python -m actors.worker_actor --engine-args JSON --inbox ADDR
---scheduler ADDR [--worker-id N]` (JSON of `EngineArgs` fields; no pickle).
+--scheduler ADDR [--worker-id N] [--null-worker]` (JSON of `EngineArgs` fields; no
+pickle). Each StepResult carries the seconds the step took to execute (`busy_seconds`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 import traceback
 
 import zmq
@@ -28,7 +30,7 @@ from actors.actor import Actor, send_message
 from actors.transport import Inbox, Outbox, zmq_inbox, zmq_outbox
 from engine.config import EngineArgs
 from engine.messages import StepPlan, StepResult
-from engine.worker import Worker, build_worker
+from engine.worker import Worker, build_null_worker, build_worker
 
 logger = logging.getLogger(__name__)
 
@@ -42,13 +44,15 @@ class WorkerActor(Actor):
         self.scheduler = scheduler
 
     async def on_plan(self, plan: StepPlan) -> None:
+        start = time.perf_counter()
         try:
             result = self.worker.execute(plan)
         except Exception as exc:  # noqa: BLE001 - the scheduler decides what a failed step means
             logger.exception("step %d failed", plan.step_id)
             detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
             result = StepResult(plan.step_id, self.worker.worker_id, (), detail)
-        await send_message(self.scheduler, result)
+        busy = time.perf_counter() - start
+        await send_message(self.scheduler, dataclasses.replace(result, busy_seconds=busy))
 
 
 def engine_args_json(args: EngineArgs) -> str:
@@ -61,8 +65,10 @@ def spawn_worker(
     scheduler: str,
     worker_id: int = 0,
     extra_env: dict[str, str] | None = None,
+    null_worker: bool = False,
 ) -> subprocess.Popen:
-    """Starts `python -m actors.worker_actor` with this repository importable."""
+    """Starts `python -m actors.worker_actor` with this repository importable
+    (`null_worker`: a NullWorker, no model, for control-plane benchmarks)."""
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     path = os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))
     env = dict(os.environ, PYTHONPATH=path, **(extra_env or {}))
@@ -78,18 +84,24 @@ def spawn_worker(
         scheduler,
         "--worker-id",
         str(worker_id),
+        *(["--null-worker"] if null_worker else []),
     ]
     return subprocess.Popen(cmd, env=env)
 
 
 async def serve(
-    args: EngineArgs, inbox_address: str, scheduler_address: str, worker_id: int
+    args: EngineArgs,
+    inbox_address: str,
+    scheduler_address: str,
+    worker_id: int,
+    null_worker: bool = False,
 ) -> None:
     ctx = zmq.asyncio.Context()
     scheduler = zmq_outbox(ctx, scheduler_address)
     inbox = zmq_inbox(ctx, inbox_address)
     try:
-        worker, ready = build_worker(args, worker_id)
+        build = build_null_worker if null_worker else build_worker
+        worker, ready = build(args, worker_id)
         actor = WorkerActor(worker, inbox, scheduler)
         await send_message(scheduler, ready)
         await actor.run()
@@ -105,12 +117,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--inbox", required=True)
     p.add_argument("--scheduler", required=True)
     p.add_argument("--worker-id", type=int, default=0)
+    p.add_argument(
+        "--null-worker", action="store_true", help="no model: sample a fixed token (benchmarks)"
+    )
     ns = p.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO, format=f"worker-{ns.worker_id} %(levelname)s %(message)s"
     )
     args = EngineArgs(**json.loads(ns.engine_args))
-    asyncio.run(serve(args, ns.inbox, ns.scheduler, ns.worker_id))
+    asyncio.run(serve(args, ns.inbox, ns.scheduler, ns.worker_id, ns.null_worker))
     return 0
 
 

@@ -81,13 +81,14 @@ def torch_dtype(name: str):
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
 
 
-def write_model(workdir: Path, seed: int) -> int:
-    """config.json + model.safetensors (HF's seeded init, float32); returns #params."""
+def write_model(workdir: Path, seed: int, shape: dict | None = None) -> int:
+    """config.json + model.safetensors (HF's seeded init, float32) of a Llama of `shape`
+    (default MODEL_SHAPE); returns #params."""
     import torch
     from safetensors.torch import save_file
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(**MODEL_SHAPE, architectures=["LlamaForCausalLM"])
+    config = LlamaConfig(**(shape or MODEL_SHAPE), architectures=["LlamaForCausalLM"])
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).float()
     state = {k: v.detach().contiguous().clone() for k, v in model.state_dict().items()}

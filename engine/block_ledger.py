@@ -49,13 +49,15 @@ class BlockLedger:
         return self._tables.get(seq_id, [])
 
     def allocate_slots(self, seq_id: str, num_tokens: int) -> bool:
-        need = max(0, self.blocks_for(num_tokens) - len(self.block_table(seq_id)))
-        if need > self.num_free_blocks:
+        table = self._tables.get(seq_id)
+        need = -(-num_tokens // self.block_size) - (len(table) if table else 0)
+        if need <= 0:
+            return True  # the common decode step: room left in the last block
+        if need > self.num_blocks - self._num_used:
             return False
-        if need:
-            self._tables.setdefault(seq_id, []).extend([PENDING_BLOCK] * need)
-            self._num_used += need
-            self._reservations[seq_id] = num_tokens
+        self._tables.setdefault(seq_id, []).extend([PENDING_BLOCK] * need)
+        self._num_used += need
+        self._reservations[seq_id] = num_tokens
         return True
 
     def free(self, seq_id: str) -> None:

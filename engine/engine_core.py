@@ -15,8 +15,7 @@ mirrors them, so a step is: `schedule()`, one exchange of `block_traffic()` for 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from dataclasses import replace
+from collections.abc import Callable
 
 from engine.block_ledger import BlockLedger
 from engine.config import SchedulerConfig
@@ -24,10 +23,11 @@ from engine.messages import (
     AddRequest,
     BlocksReserved,
     LogprobRow,
+    RequestFinish,
+    RequestLogprobs,
     ReserveBlocks,
     StepPlan,
     StepResult,
-    TokenDelta,
     TokenDeltas,
 )
 from engine.request import Request, RequestStatus
@@ -52,7 +52,7 @@ class EngineCore:
         self.blocks = BlockLedger(num_blocks, block_size)
         self.scheduler = Scheduler(config, self.blocks)
         self.builder = StepPlanBuilder()
-        self.stop_checker = StopChecker(config.max_model_len)
+        self.stop_checker = StopChecker()
         self.eos_token_ids = eos_token_ids
         self._finished_ids: list[str] = []
         self._prompt_rows: dict[str, list[LogprobRow]] = {}  # until the first token goes out
@@ -85,10 +85,7 @@ class EngineCore:
         output = self.scheduler.schedule()
         if output.is_empty and not self._finished_ids:
             return None
-        self.scheduler.advance(output)
-        for item in output.scheduled:
-            if item.samples:
-                item.request.output_token_ids.append(PLACEHOLDER)
+        self.scheduler.advance(output, placeholder=PLACEHOLDER)
         return output
 
     def block_traffic(self) -> ReserveBlocks | None:
@@ -110,52 +107,46 @@ class EngineCore:
 
     def build_plan(self, output: SchedulerOutput) -> StepPlan:
         """The worker message of `output`, once its blocks are exchanged."""
-        resolved = SchedulerOutput(
-            output.step_id,
-            tuple(
-                replace(item, block_table=tuple(self.blocks.block_table(item.request.request_id)))
-                for item in output.scheduled
-            ),
-            output.preempted_ids,
-        )
-        message = self.builder.build(resolved, self._finished_ids)
+        message = self.builder.build(output, self._finished_ids)  # tables are live: resolved
         self._finished_ids = []
         return message
 
     def on_result(self, result: StepResult) -> TokenDeltas:
-        deltas = [d for d in self._resolve(result) if d is not None]
-        return TokenDeltas(result.step_id, tuple(deltas))
-
-    def _resolve(self, result: StepResult) -> Iterator[TokenDelta | None]:
+        """Resolves the step's placeholders; the tokens that count, column-wise."""
+        requests = self.scheduler.requests
         for scored in result.prompt_logprobs:
-            if scored.request_id in self.scheduler.requests:
+            if scored.request_id in requests:
                 self._prompt_rows.setdefault(scored.request_id, []).extend(scored.rows)
-        for sampled in result.sampled:
-            request = self.scheduler.requests.get(sampled.request_id)
+        ids, tokens, finished, prompt = [], [], [], []
+        for request_id, token in zip(result.sampled_ids, result.sampled_token_ids, strict=True):
+            request = requests.get(request_id)
             if request is None:
                 continue  # finished or aborted while this step was in flight
-            outputs = request.output_token_ids
-            k = outputs.index(PLACEHOLDER)
-            outputs[k] = sampled.token_id
-            status, stop_reason = self._stop(request, sampled.token_id, k + 1)
-            if status is not None:
-                del outputs[k + 1 :]  # drop placeholders of steps that ran past the stop
-                self.scheduler.finish_request(request.request_id, status)
-                self._finished_ids.append(request.request_id)
-            reason = status.finish_reason if status is not None else None
-            logprobs = None if sampled.logprobs is None else (sampled.logprobs,)
-            prompt = self._prompt_rows.pop(request.request_id, None)
-            yield TokenDelta(
-                request.request_id,
-                (sampled.token_id,),
-                reason,
-                stop_reason,
-                logprobs,
-                None if prompt is None else tuple(prompt),
-            )
+            ids.append(request_id)
+            tokens.append(token)
+            finish = self._resolve(request, token)
+            if finish is not None:
+                finished.append(finish)
+            if self._prompt_rows and request_id in self._prompt_rows:
+                rows = self._prompt_rows.pop(request_id)
+                prompt.append(RequestLogprobs(request_id, tuple(rows)))
+        delivered = set(ids) if result.logprobs else ()
+        logprobs = tuple(lp for lp in result.logprobs if lp.request_id in delivered)
+        return TokenDeltas(
+            result.step_id, tuple(ids), tuple(tokens), tuple(finished), logprobs, tuple(prompt)
+        )
 
-    def _stop(self, request: Request, token: int, num_outputs: int):
-        status, reason = self.stop_checker.check_token(request, token, num_outputs)
-        if status is None and self.stop_checker.check_length(request, num_outputs):
-            status = RequestStatus.FINISHED_LENGTH
-        return status, reason
+    def _resolve(self, request: Request, token: int) -> RequestFinish | None:
+        """Puts `token` in the request's oldest placeholder; ends the request if it stops."""
+        outputs = request.output_token_ids
+        k = len(outputs) - request.num_pending_outputs
+        outputs[k] = token
+        request.num_pending_outputs -= 1
+        status, stop_reason = self.stop_checker.check_sampled(request, token, k + 1)
+        if status is None:
+            return None
+        del outputs[k + 1 :]  # drop placeholders of steps that ran past the stop
+        request.num_pending_outputs = 0
+        self.scheduler.finish_request(request.request_id, status)
+        self._finished_ids.append(request.request_id)
+        return RequestFinish(request.request_id, status.finish_reason, stop_reason)

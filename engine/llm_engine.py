@@ -51,7 +51,7 @@ class LLMEngine:
         self.runner.initialize_cache(num_blocks)
         kv = KVCacheManager(num_blocks, config.cache.block_size)
         self.scheduler = Scheduler(config.scheduler, kv)
-        self.stop_checker = StopChecker(config.model.max_model_len)
+        self.stop_checker = StopChecker()
         self.utilization = SlotUtilization()
         self.num_steps = 0
         self._arrivals = itertools.count()

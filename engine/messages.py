@@ -7,6 +7,7 @@ Grouped by the inbox that receives them; each inbox decodes only its own group
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from engine.sampling_params import SamplingParams
@@ -69,10 +70,10 @@ class GenerateRequest:
 
 @dataclass(frozen=True)
 class TokenDelta:
-    """New token ids of one request after a step; a finish reason when it ended.
-    `logprobs`: one row per token id, when the request asked for them. `prompt_logprobs`:
-    rows for prompt positions 1.. (the first prompt token has none), on the request's
-    first delta only."""
+    """One request's part of a TokenDeltas (a view; never sent alone): its new token ids
+    and a finish reason when it ended. `logprobs`: one row per token id, when the request
+    asked for them. `prompt_logprobs`: rows for prompt positions 1.. (the first prompt
+    token has none), on the request's first delta only."""
 
     request_id: str
     token_ids: tuple[int, ...]
@@ -83,11 +84,51 @@ class TokenDelta:
 
 
 @dataclass(frozen=True)
+class RequestFinish:
+    """Why a request ended: finish reason, and the stop token or string that ended it."""
+
+    request_id: str
+    finish_reason: str
+    stop_reason: int | str | None
+
+
+@dataclass(frozen=True)
+class RequestLogprobs:
+    """Logprob rows of one request from one step: its sampled token's row, or the prompt
+    positions scored in that step, in order."""
+
+    request_id: str
+    rows: tuple[LogprobRow, ...]
+
+
+@dataclass(frozen=True)
 class TokenDeltas:
-    """All of one step's token deltas (scheduler -> tokenizer), detokenized there."""
+    """One step's new tokens (scheduler -> tokenizer), detokenized there. Column-wise:
+    request `request_ids[i]` got token `token_ids[i]`; `finished` names those that ended
+    with it; logprob rows only for requests that asked. `deltas()` gives per-request
+    views."""
 
     step_id: int
-    deltas: tuple[TokenDelta, ...]
+    request_ids: tuple[str, ...]
+    token_ids: tuple[int, ...]
+    finished: tuple[RequestFinish, ...]
+    logprobs: tuple[RequestLogprobs, ...]
+    prompt_logprobs: tuple[RequestLogprobs, ...]
+
+    def deltas(self) -> Iterator[TokenDelta]:
+        finished = {f.request_id: f for f in self.finished}
+        logprobs = {lp.request_id: lp.rows for lp in self.logprobs}
+        prompt = {lp.request_id: lp.rows for lp in self.prompt_logprobs}
+        for request_id, token in zip(self.request_ids, self.token_ids, strict=True):
+            f = finished.get(request_id)
+            yield TokenDelta(
+                request_id,
+                (token,),
+                None if f is None else f.finish_reason,
+                None if f is None else f.stop_reason,
+                logprobs.get(request_id),
+                prompt.get(request_id),
+            )
 
 
 # ---------------------------------------------------------------- scheduler inbox
@@ -104,31 +145,20 @@ class AddRequest:
 
 
 @dataclass(frozen=True)
-class SampledToken:
-    """The token one request sampled in a step, with its logprobs row if it asked."""
-
-    request_id: str
-    token_id: int
-    logprobs: LogprobRow | None = None
-
-
-@dataclass(frozen=True)
-class PromptLogprobs:
-    """Prompt positions of one request scored in one step, in prompt order."""
-
-    request_id: str
-    rows: tuple[LogprobRow, ...]
-
-
-@dataclass(frozen=True)
 class StepResult:
-    """What step `step_id` sampled on worker `worker_id`; `error` set if the step failed."""
+    """What step `step_id` did on worker `worker_id`, column-wise: request
+    `sampled_ids[i]` sampled `sampled_token_ids[i]`. `logprobs` holds a one-row entry
+    per sampled request that asked for logprobs, `prompt_logprobs` the prompt rows
+    scored; `error` is set if the step failed; `busy_seconds` is how long it executed."""
 
     step_id: int
     worker_id: int
-    sampled: tuple[SampledToken, ...]
+    sampled_ids: tuple[str, ...]
+    sampled_token_ids: tuple[int, ...]
+    logprobs: tuple[RequestLogprobs, ...]
+    prompt_logprobs: tuple[RequestLogprobs, ...]
     error: str | None
-    prompt_logprobs: tuple[PromptLogprobs, ...] = ()
+    busy_seconds: float
 
 
 @dataclass(frozen=True)
@@ -210,21 +240,17 @@ class CachedRequestData:
 
 
 @dataclass(frozen=True)
-class ScheduledTokens:
-    """How many tokens a request computes in this step."""
-
-    request_id: str
-    num_tokens: int
-
-
-@dataclass(frozen=True)
 class StepPlan:
-    """Step `step_id`: new requests in full, diffs for cached ones, finished ids."""
+    """Step `step_id`: new requests in full; diffs for cached requests whose blocks
+    changed or that resume after preemption (every other cached request just goes on
+    from where the worker's own count says); then, column-wise, request
+    `scheduled_ids[i]` computes `num_scheduled_tokens[i]` tokens; finished ids last."""
 
     step_id: int
     new_requests: tuple[NewRequestData, ...]
     cached_requests: tuple[CachedRequestData, ...]
-    scheduled: tuple[ScheduledTokens, ...]
+    scheduled_ids: tuple[str, ...]
+    num_scheduled_tokens: tuple[int, ...]
     finished_ids: tuple[str, ...]
 
 

@@ -76,6 +76,8 @@ class Request:
     detokenizer: IncrementalDetokenizer | None = None
     output_text: str = ""
     num_preemptions: int = 0
+    max_num_tokens: int | None = None  # prompt + outputs it may reach (Scheduler sets it)
+    num_pending_outputs: int = 0  # trailing output ids that are placeholders (one step ahead)
     error: str | None = None
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.time()))
 

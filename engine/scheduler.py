@@ -10,7 +10,7 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.policies import LatestArrivalFirst, PreemptionPolicy
 from engine.request import Request, RequestStatus
 from engine.scheduler_output import ScheduledRequest, SchedulerOutput
-from engine.stop_checker import length_limit_reached
+from engine.stop_checker import max_num_tokens
 
 
 class Scheduler:
@@ -41,6 +41,9 @@ class Scheduler:
 
     # -- queue ---------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
+        request.max_num_tokens = max_num_tokens(
+            request.params, request.num_prompt_tokens, self.config.max_model_len
+        )
         self.waiting.append(request)
         self.requests[request.request_id] = request
 
@@ -69,28 +72,33 @@ class Scheduler:
         for request in list(self.running):
             if budget == 0:
                 break
-            if request.status != RequestStatus.RUNNING or self._at_limit(request):
-                continue  # preempted earlier in this loop, or only awaits its last result
-            item = self._schedule_running(request, budget, preempted)
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_tokens = len(request.prompt_token_ids) + len(request.output_token_ids)
+            if num_tokens >= request.max_num_tokens:
+                continue  # at its length limit: it only awaits its last result
+            n = min(num_tokens - request.num_computed_tokens, budget)
+            item = self._schedule_running(request, n, preempted)
             if item is not None:
                 scheduled.append(item)
-                budget -= item.num_scheduled_tokens
+                budget -= n
         if not preempted:
             scheduled += self._admit_waiting(budget)
         self._step_id += 1
         return SchedulerOutput(self._step_id, tuple(scheduled), tuple(preempted))
 
     def _schedule_running(
-        self, request: Request, budget: int, preempted: list[str]
+        self, request: Request, n: int, preempted: list[str]
     ) -> ScheduledRequest | None:
-        n = min(request.num_tokens - request.num_computed_tokens, budget)
+        """`n` more tokens for `request`, preempting (maybe itself) until its blocks fit."""
         while not self.kv_cache.allocate_slots(request.request_id, request.num_computed_tokens + n):
             victim = self.preemption.choose_victim(self.running)
             self._preempt(victim)
             preempted.append(victim.request_id)
             if victim is request:
                 return None
-        return self._plan(request, n)
+        table = self.kv_cache.block_table(request.request_id)
+        return ScheduledRequest(request, request.num_computed_tokens, n, table)
 
     def _admit_waiting(self, budget: int) -> list[ScheduledRequest]:
         admitted = []
@@ -111,15 +119,10 @@ class Scheduler:
     def _at_limit(self, request: Request) -> bool:
         """Known tokens (sampled or still pending) already reach the length limit:
         computing more would only make a token that is thrown away."""
-        return length_limit_reached(
-            request.params,
-            request.num_prompt_tokens,
-            request.num_output_tokens,
-            self.config.max_model_len,
-        )
+        return request.num_tokens >= request.max_num_tokens
 
     def _plan(self, request: Request, n: int) -> ScheduledRequest:
-        table = tuple(self.kv_cache.block_table(request.request_id))
+        table = self.kv_cache.block_table(request.request_id)
         return ScheduledRequest(request, request.num_computed_tokens, n, table)
 
     def _preempt(self, request: Request) -> None:
@@ -132,11 +135,19 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     # -- results -------------------------------------------------------------------
-    def advance(self, plan: SchedulerOutput) -> None:
-        """Marks the plan's tokens as computed (called once the step ran)."""
-        for item in plan.scheduled:
-            if item.request.status == RequestStatus.RUNNING:
-                item.request.num_computed_tokens += item.num_scheduled_tokens
+    def advance(self, plan: SchedulerOutput, placeholder: int | None = None) -> None:
+        """Marks the plan's tokens as computed (once the step ran, or at once when planning
+        ahead: then every row that samples also gets `placeholder` as its next output,
+        for the result to fill in)."""
+        running = RequestStatus.RUNNING
+        for request, computed, n, _ in plan.scheduled:
+            if request.status == running:
+                request.num_computed_tokens += n
+            if placeholder is None:
+                continue
+            if computed + n == len(request.prompt_token_ids) + len(request.output_token_ids):
+                request.output_token_ids.append(placeholder)
+                request.num_pending_outputs += 1
 
     def check_integrity(self) -> None:
         """Blocks are consistent with every running request's computed tokens."""

@@ -4,12 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from engine.messages import (
-    CachedRequestData,
-    NewRequestData,
-    ScheduledTokens,
-    StepPlan,
-)
+from engine.messages import CachedRequestData, NewRequestData, StepPlan
 from engine.scheduler_output import SchedulerOutput
 
 
@@ -17,9 +12,10 @@ class StepPlanBuilder:
     """Remembers what the workers have been told about each request.
 
     A request the workers have not seen goes out in full (prompt, params, blocks); after
-    that only its new block ids and computed-token count do. A preempted request comes
-    back with its whole new block table and `resumed_from_preemption`. Finished ids are
-    forgotten here and passed on so workers drop their state too.
+    that a diff goes out only when it got new blocks (those ids and its computed-token
+    count). A preempted request comes back with its whole new block table and
+    `resumed_from_preemption`. Finished ids are forgotten here and passed on so workers
+    drop their state too.
     """
 
     def __init__(self) -> None:
@@ -30,29 +26,28 @@ class StepPlanBuilder:
         for request_id in finished:
             self._sent.pop(request_id, None)
         new, cached = [], []
-        for item in plan.scheduled:
-            r = item.request
+        for r, computed, _, table in plan.scheduled:
             seen = self._sent.get(r.request_id)
             if seen is None:
                 new.append(
                     NewRequestData(
-                        r.request_id,
-                        tuple(r.prompt_token_ids),
-                        r.params,
-                        item.block_table,
-                        item.num_computed_tokens,
+                        r.request_id, tuple(r.prompt_token_ids), r.params, tuple(table), computed
                     )
                 )
+            elif seen[0] == len(table) and seen[1] == r.num_preemptions:
+                continue  # nothing new to say; the worker counts its computed tokens
             else:
                 resumed = seen[1] != r.num_preemptions
                 start = 0 if resumed else seen[0]
                 cached.append(
-                    CachedRequestData(
-                        r.request_id, item.block_table[start:], item.num_computed_tokens, resumed
-                    )
+                    CachedRequestData(r.request_id, tuple(table[start:]), computed, resumed)
                 )
-            self._sent[r.request_id] = (len(item.block_table), r.num_preemptions)
-        scheduled = tuple(
-            ScheduledTokens(s.request.request_id, s.num_scheduled_tokens) for s in plan.scheduled
+            self._sent[r.request_id] = (len(table), r.num_preemptions)
+        return StepPlan(
+            plan.step_id,
+            tuple(new),
+            tuple(cached),
+            tuple(s.request.request_id for s in plan.scheduled),
+            tuple(s.num_scheduled_tokens for s in plan.scheduled),
+            finished,
         )
-        return StepPlan(plan.step_id, tuple(new), tuple(cached), scheduled, finished)

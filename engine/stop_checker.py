@@ -7,22 +7,19 @@ from engine.sampling_params import SamplingParams
 from engine.stop_strings import find_stop
 
 
-def length_limit_reached(
-    params: SamplingParams, num_prompt_tokens: int, num_output_tokens: int, max_model_len: int
-) -> bool:
-    """max_tokens outputs, or the context full: the one length rule, shared by the stop
-    checks and by the scheduler (which stops planning for a request at its limit)."""
-    if params.max_tokens is not None and num_output_tokens >= params.max_tokens:
-        return True
-    return num_prompt_tokens + num_output_tokens >= max_model_len
+def max_num_tokens(params: SamplingParams, num_prompt_tokens: int, max_model_len: int) -> int:
+    """How many tokens (prompt + outputs) a request may reach: max_tokens outputs, or the
+    context full. The one length rule, shared by the stop checks and by the scheduler
+    (which stops planning for a request at its limit)."""
+    if params.max_tokens is None:
+        return max_model_len
+    return min(num_prompt_tokens + params.max_tokens, max_model_len)
 
 
 class StopChecker:
     """Stop rules in vLLM's order: EOS and stop_token_ids (after min_tokens), stop strings
-    found in the newly detokenized text, then max_tokens and the context length."""
-
-    def __init__(self, max_model_len: int) -> None:
-        self.max_model_len = max_model_len
+    found in the newly detokenized text, then max_tokens and the context length (as
+    `Request.max_num_tokens`, which the scheduler sets from `max_num_tokens()`)."""
 
     def check(self, request: Request, new_text_len: int) -> RequestStatus | None:
         """For the last output token of `request` (sets `stop_reason`, trims the text)."""
@@ -48,10 +45,17 @@ class StopChecker:
             return RequestStatus.FINISHED_STOPPED, token
         return None, None
 
+    def check_sampled(
+        self, request: Request, token: int, num_outputs: int
+    ) -> tuple[RequestStatus | None, int | None]:
+        """The token rules, then the length rule, for output number `num_outputs`."""
+        status, reason = self.check_token(request, token, num_outputs)
+        if status is None and len(request.prompt_token_ids) + num_outputs >= request.max_num_tokens:
+            status = RequestStatus.FINISHED_LENGTH
+        return status, reason
+
     def check_length(self, request: Request, num_outputs: int) -> bool:
-        return length_limit_reached(
-            request.params, request.num_prompt_tokens, num_outputs, self.max_model_len
-        )
+        return len(request.prompt_token_ids) + num_outputs >= request.max_num_tokens
 
     @staticmethod
     def _stop_string(request: Request, new_text_len: int) -> bool:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 
 from engine.config import EngineArgs
+from engine.kv_cache import DEFAULT_CPU_KV_CACHE_MEMORY, num_blocks_for
 from engine.logprobs import Logprob, to_dicts
 from engine.messages import (
     LogprobRow,
-    PromptLogprobs,
-    SampledToken,
+    RequestLogprobs,
     StepPlan,
     StepResult,
     TokenLogprob,
@@ -29,62 +30,69 @@ class Worker:
     exactly one plan, cached afterwards, and dropped when it appears in `finished_ids`.
     """
 
-    def __init__(self, runner: ModelRunner, worker_id: int = 0) -> None:
+    def __init__(self, runner: ModelRunner | None, worker_id: int = 0) -> None:
         self.runner = runner
         self.worker_id = worker_id
+        self.eos_token_ids = runner.model_config.eos_token_ids if runner else frozenset()
         self.requests: dict[str, Request] = {}
         self.block_tables: dict[str, list[int]] = {}
         self._arrivals = itertools.count()
 
     def execute(self, plan: StepPlan) -> StepResult:
         self._apply(plan)
-        if not plan.scheduled:  # a plan may only carry finished ids
-            return StepResult(plan.step_id, self.worker_id, (), None)
+        if not plan.scheduled_ids:  # a plan may only carry finished ids
+            return StepResult(plan.step_id, self.worker_id, (), (), (), (), None, 0.0)
         scheduled = tuple(
             ScheduledRequest(
-                self.requests[s.request_id],
-                self.requests[s.request_id].num_computed_tokens,
-                s.num_tokens,
-                tuple(self.block_tables[s.request_id]),
+                self.requests[rid],
+                self.requests[rid].num_computed_tokens,
+                n,
+                self.block_tables[rid],
             )
-            for s in plan.scheduled
+            for rid, n in zip(plan.scheduled_ids, plan.num_scheduled_tokens, strict=True)
         )
-        result = self.runner.execute(SchedulerOutput(plan.step_id, scheduled, ()))
+        result = self._run(SchedulerOutput(plan.step_id, scheduled, ()))
         for item in scheduled:
             item.request.num_computed_tokens += item.num_scheduled_tokens
-        rows = self._logprob_rows(result)
-        sampled = []
         for request_id, token in result.sampled.items():
             self.requests[request_id].output_token_ids.append(token)
-            sampled.append(SampledToken(request_id, token, rows.get(request_id)))
-        prompt = tuple(self._prompt_logprobs(result))
-        return StepResult(plan.step_id, self.worker_id, tuple(sampled), None, prompt)
+        return StepResult(
+            plan.step_id,
+            self.worker_id,
+            tuple(result.sampled),
+            tuple(result.sampled.values()),
+            tuple(self._logprobs(result)),
+            tuple(self._prompt_logprobs(result)),
+            None,
+            0.0,
+        )
 
-    def _logprob_rows(self, result: RunnerResult) -> dict[str, LogprobRow]:
+    def _run(self, step: SchedulerOutput) -> RunnerResult:
+        return self.runner.execute(step)
+
+    def _logprobs(self, result: RunnerResult) -> Iterator[RequestLogprobs]:
         """Sampled-token logprobs of the requests that asked for them."""
         if result.logprobs is None:
-            return {}
+            return
         requests = [self.requests[rid] for rid in result.logprob_rows]
         tokens = [result.sampled[rid] for rid in result.logprob_rows]
         tops = [r.params.logprobs or 0 for r in requests]
-        return {
-            r.request_id: _wire_row(row)
-            for r, row in zip(requests, to_dicts(result.logprobs, tokens, tops), strict=True)
-            if r.params.logprobs is not None
-        }
+        for r, row in zip(requests, to_dicts(result.logprobs, tokens, tops), strict=True):
+            if r.params.logprobs is not None:
+                yield RequestLogprobs(r.request_id, (_wire_row(row),))
 
-    def _prompt_logprobs(self, result: RunnerResult):
+    def _prompt_logprobs(self, result: RunnerResult) -> Iterator[RequestLogprobs]:
         for rid, (lp, targets) in result.prompt_logprobs.items():
             request = self.requests[rid]
             rows = to_dicts(lp, targets, [request.params.prompt_logprobs] * len(targets))
             request.prompt_logprobs.extend(rows)  # scored once, even if recomputed later
-            yield PromptLogprobs(rid, tuple(_wire_row(r) for r in rows))
+            yield RequestLogprobs(rid, tuple(_wire_row(r) for r in rows))
 
     def _apply(self, plan: StepPlan) -> None:
         for request_id in plan.finished_ids:
             self.requests.pop(request_id, None)
             self.block_tables.pop(request_id, None)
-        eos = self.runner.model_config.eos_token_ids
+        eos = self.eos_token_ids
         for new in plan.new_requests:
             request = Request(
                 new.request_id,
@@ -105,7 +113,32 @@ class Worker:
             if cached.resumed_from_preemption:
                 table.clear()
             table.extend(cached.new_block_ids)
-            self.requests[cached.request_id].num_computed_tokens = cached.num_computed_tokens
+            request = self.requests[cached.request_id]
+            if not cached.resumed_from_preemption:
+                _check_in_step(request, cached.num_computed_tokens)
+            request.num_computed_tokens = cached.num_computed_tokens
+
+
+class NullWorker(Worker):
+    """A worker without a model, for control-plane benchmarks and tests: the same plan
+    protocol and per-request cache, but every sampling row "samples" `token_id` at once."""
+
+    def __init__(self, worker_id: int = 0, token_id: int = 0) -> None:
+        super().__init__(None, worker_id)
+        self.token_id = token_id
+
+    def _run(self, step: SchedulerOutput) -> RunnerResult:
+        sampled = {s.request.request_id: self.token_id for s in step.scheduled if s.samples}
+        return RunnerResult(sampled, None, (), {})
+
+
+def _check_in_step(request: Request, num_computed_tokens: int) -> None:
+    """The worker counts computed tokens itself between diffs; a diff must agree."""
+    if request.num_computed_tokens != num_computed_tokens:
+        raise RuntimeError(
+            f"{request.request_id}: the plan says {num_computed_tokens} computed tokens, "
+            f"the worker counted {request.num_computed_tokens}"
+        )
 
 
 def _wire_row(row: dict[int, Logprob]) -> LogprobRow:
@@ -132,3 +165,19 @@ def build_worker(args: EngineArgs, worker_id: int = 0) -> tuple[Worker, WorkerRe
         config.model.vocab_size,
     )
     return Worker(runner, worker_id), ready
+
+
+def build_null_worker(args: EngineArgs, worker_id: int = 0) -> tuple[NullWorker, WorkerReady]:
+    """A NullWorker announcing the blocks `args.kv_cache_memory` would hold for this model
+    (read from config.json only; no weights are loaded)."""
+    config = args.build()
+    budget = config.cache.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY
+    m = config.model
+    ready = WorkerReady(
+        worker_id,
+        num_blocks_for(m, config.cache, budget),
+        config.cache.block_size,
+        m.max_model_len,
+        m.vocab_size,
+    )
+    return NullWorker(worker_id), ready

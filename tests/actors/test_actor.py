@@ -27,18 +27,25 @@ from actors.transport import (
     zmq_inbox,
     zmq_outbox,
 )
-from engine.messages import AbortRequest, SampledToken, Shutdown, StepResult, WorkerReady
+from engine.messages import (
+    AbortRequest,
+    BlockReservation,
+    Shutdown,
+    StepResult,
+    WorkerReady,
+)
 
 TIMEOUT = 5.0
+EMPTY_RESULT = StepResult(1, 0, (), (), (), (), None, 0.0)
 
 
 class EchoActor(Actor):
-    """Echoes AbortRequest back (async handler); counts SampledToken (sync handler).
+    """Echoes AbortRequest back (async handler); records BlockReservation (sync handler).
 
     The request id "boom" makes the echo handler raise."""
 
     def __init__(self, inbox: Inbox, reply: Outbox, **handler_overrides: Any) -> None:
-        handlers = {AbortRequest: self.on_abort, SampledToken: self.on_token}
+        handlers = {AbortRequest: self.on_abort, BlockReservation: self.on_token}
         handlers.update({k: v for k, v in handler_overrides.items() if isinstance(k, type)})
         super().__init__("echo", inbox, handlers, outboxes=[reply])
         self.reply = reply
@@ -49,8 +56,8 @@ class EchoActor(Actor):
             raise RuntimeError("handler failed on purpose")
         await send_message(self.reply, message)
 
-    def on_token(self, message: SampledToken) -> None:
-        self.tokens.append(message.token_id)
+    def on_token(self, message: BlockReservation) -> None:
+        self.tokens.append(message.num_tokens)
 
 
 @dataclass
@@ -111,7 +118,7 @@ def socket_files(run_dir: str | None) -> list[str]:
 
 async def test_messages_are_dispatched_by_type(rig):
     for i in range(50):
-        await rig.send(SampledToken("r", i))
+        await rig.send(BlockReservation("r", i))
         await rig.send(AbortRequest(f"r{i}"))
     assert [(await rig.reply()).request_id for _ in range(50)] == [f"r{i}" for i in range(50)]
     assert rig.actor.tokens == list(range(50))
@@ -130,8 +137,8 @@ def bad_frames() -> list[bytes]:
         msgpack.packb(["AbortRequest", [123]]),  # wrong-typed field
         msgpack.packb(["AbortRequest", []]),  # missing field
         msgpack.packb(["AbortRequest", ["x", "extra"]]),  # extra field
-        msgpack.packb(["SampledToken", ["r", "not an int"]]),
-        msgpack.packb(["SampledToken", ["r", True]]),  # bool is not an int
+        msgpack.packb(["BlockReservation", ["r", "not an int"]]),
+        msgpack.packb(["BlockReservation", ["r", True]]),  # bool is not an int
         msgpack.packb(["WorkerReady", [0, 1, 2, 3, 4]]),  # not accepted by this inbox
         msgpack.packb(["NoSuchMessage", []]),
         msgpack.packb({"type": "AbortRequest"}),
@@ -195,7 +202,7 @@ async def test_stop_lets_the_current_handler_finish():
     _, inbox = pair = inproc_pair()
     actor = Actor("slow", inbox, {StepResult: slow})
     await actor.start()
-    await send_message(pair[0], StepResult(1, 0, (), None))
+    await send_message(pair[0], EMPTY_RESULT)
     await asyncio.sleep(0.01)  # the handler is running now
     await actor.stop(timeout=2.0)
     assert finished == [1]
@@ -209,7 +216,7 @@ async def test_stop_cancels_a_handler_that_overruns_the_timeout():
     outbox, inbox = inproc_pair()
     actor = Actor("stuck", inbox, {StepResult: stuck})
     await actor.start()
-    await send_message(outbox, StepResult(1, 0, (), None))
+    await send_message(outbox, EMPTY_RESULT)
     await asyncio.sleep(0.01)
     started = time.monotonic()
     await actor.stop(timeout=0.2)

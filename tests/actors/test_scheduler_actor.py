@@ -35,7 +35,7 @@ async def _collect(inbox, want: set[str]) -> dict[str, tuple[list[int], str]]:
     while done != want:
         message = decoder.decode(await asyncio.wait_for(inbox.recv(), timeout=30))
         assert isinstance(message, TokenDeltas)
-        for d in message.deltas:
+        for d in message.deltas():
             tokens, _ = got.get(d.request_id, ([], None))
             got[d.request_id] = (tokens + list(d.token_ids), d.finish_reason)
             if d.finish_reason:

@@ -13,7 +13,6 @@ from engine.messages import (
     AbortRequest,
     AddRequest,
     GenerateRequest,
-    TokenDelta,
     TokenDeltas,
 )
 from engine.sampling_params import SamplingParams
@@ -49,12 +48,15 @@ async def test_requests_flow_to_the_scheduler_and_text_to_the_client():
 
     await to_tok.send(b"\x00 not msgpack")  # dropped, counted, the actor goes on
     ids = tuple(tok.encode(" a time", add_special_tokens=False))
-    await send_message(to_tok, TokenDeltas(1, (TokenDelta("r1", ids, None, None),)))
+    for step, token in enumerate(ids):  # one token per step, as the scheduler sends them
+        await send_message(to_tok, TokenDeltas(step, ("r1",), (token,), (), (), ()))
     abort = await _next(sched_inbox, sched)
     assert abort == AbortRequest("r1")  # the stop string ended it here
-    out = await _next(client_inbox, client)
-    assert out.finish_reason == "stop" and out.stop_reason == "time"
-    assert "time" not in out.text and actor.num_dropped == 1
+    outs = [await _next(client_inbox, client)]
+    while outs[-1].finish_reason is None:
+        outs.append(await _next(client_inbox, client))
+    assert outs[-1].finish_reason == "stop" and outs[-1].stop_reason == "time"
+    assert "time" not in "".join(o.text for o in outs) and actor.num_dropped == 1
 
     await send_message(to_tok, AbortRequest("r9"))  # forwarded even if unknown here
     assert await _next(sched_inbox, sched) == AbortRequest("r9")

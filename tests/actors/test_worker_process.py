@@ -66,7 +66,7 @@ async def test_worker_process_matches_offline_engine(model_dir):
             result = decoder.decode(await asyncio.wait_for(inbox.recv(), timeout=60))
             assert isinstance(result, StepResult) and result.error is None
             assert result.step_id == plan.step_id
-            sampled = {s.request_id: s.token_id for s in result.sampled}
+            sampled = dict(zip(result.sampled_ids, result.sampled_token_ids, strict=True))
             done = engine._update(plan, RunnerResult(sampled, None, (), {}))
             finished = [o.request_id for o in done]
             got.update({o.request_id: o.outputs[0].token_ids for o in done})

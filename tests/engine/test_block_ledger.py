@@ -126,7 +126,8 @@ def test_scheduler_on_a_ledger_plans_exactly_as_on_local_tables(seed):
         steps += 1
         tables_b = [tuple(ledger.block_table(s.request.request_id)) for s in b.scheduled]
         plan_a = [
-            (s.request.request_id, s.num_scheduled_tokens, s.block_table) for s in a.scheduled
+            (s.request.request_id, s.num_scheduled_tokens, tuple(s.block_table))
+            for s in a.scheduled
         ]
         plan_b = [
             (s.request.request_id, s.num_scheduled_tokens, t)

@@ -40,9 +40,9 @@ def run_pipelined(
             continue
         result = in_flight.popleft()
         deltas = core.on_result(result)
-        delivered = {d.request_id for d in deltas.deltas}
-        discarded += sum(1 for s in result.sampled if s.request_id not in delivered)
-        for d in deltas.deltas:
+        delivered = set(deltas.request_ids)
+        discarded += sum(1 for s in result.sampled_ids if s not in delivered)
+        for d in deltas.deltas():
             outputs.setdefault(d.request_id, []).extend(d.token_ids)
             if d.finish_reason:
                 finish[d.request_id] = d.finish_reason

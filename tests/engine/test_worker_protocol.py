@@ -31,12 +31,12 @@ def _drive(engine: LLMEngine, worker: Worker) -> dict[str, list[int]]:
     while engine.has_unfinished_requests():
         plan = engine.scheduler.schedule()
         message = worker.execute(builder.build(plan, finished_ids))
-        sampled = {s.request_id: s.token_id for s in message.sampled}
+        sampled = dict(zip(message.sampled_ids, message.sampled_token_ids, strict=True))
         done = engine._update(plan, RunnerResult(sampled, None, (), {}))
         finished_ids = [o.request_id for o in done]
         outputs.update({o.request_id: o.outputs[0].token_ids for o in done})
     flush = worker.execute(builder.build(SchedulerOutput(-1, (), ()), finished_ids))
-    assert flush.sampled == ()
+    assert flush.sampled_ids == ()
     return outputs
 
 
@@ -86,8 +86,8 @@ def test_step_plans_carry_only_what_changed():
     first = builder.build(SchedulerOutput(1, (ScheduledRequest(r, 0, 5, (7, 8)),), ()))
     assert [n.block_ids for n in first.new_requests] == [(7, 8)] and not first.cached_requests
     second = builder.build(SchedulerOutput(2, (ScheduledRequest(r, 5, 1, (7, 8)),), ()))
-    assert not second.new_requests
-    assert second.cached_requests[0].new_block_ids == ()  # nothing new to say
+    assert not second.new_requests and not second.cached_requests  # nothing new to say
+    assert (second.scheduled_ids, second.num_scheduled_tokens) == (("a",), (1,))
     third = builder.build(SchedulerOutput(3, (ScheduledRequest(r, 8, 1, (7, 8, 9)),), ()))
     assert third.cached_requests[0].new_block_ids == (9,)
     r.num_preemptions += 1  # preempted and re-admitted with fresh blocks
