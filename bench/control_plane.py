@@ -35,7 +35,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(Path(__file__).resolve().parent)]
 
-from systems import BLOCK_SIZE, MODEL_SHAPE, write_model  # noqa: E402
+from systems import BLOCK_SIZE, MODEL_SHAPE, WARMUP_PROMPTS, write_model  # noqa: E402
 from workload import SHARED, SharedDataMissing, sample_workload  # noqa: E402
 
 from actors.actor import await_ready, send_message  # noqa: E402
@@ -159,11 +159,12 @@ async def steady_state(rig: Rig, num_seqs: int, seconds: float, vocab: int) -> d
     for i in range(num_seqs):
         await rig.add(f"s{i}", [rng.randrange(3, vocab) for _ in range(PROMPT_LEN)], params)
     scheduler = rig.scheduler.core.scheduler
-    while len(scheduler.running) < num_seqs or scheduler.waiting:
-        await asyncio.sleep(0.005)  # warm-up: every sequence admitted ...
-    steps = rig.scheduler.num_steps
-    while rig.scheduler.num_steps < steps + 8:
-        await asyncio.sleep(0.005)  # ... and past its prefill
+    async with asyncio.timeout(120):
+        while len(scheduler.running) < num_seqs or scheduler.waiting:
+            await asyncio.sleep(0.005)  # warm-up: every sequence admitted ...
+        steps = rig.scheduler.num_steps
+        while rig.scheduler.num_steps < steps + 8:
+            await asyncio.sleep(0.005)  # ... and past its prefill
     t0, steps0, busy0, tok0 = rig.snapshot()
     await asyncio.sleep(seconds)
     t1, steps1, busy1, tok1 = rig.snapshot()
@@ -203,7 +204,14 @@ async def run_workload(model: str, engine_kwargs: dict, wl, depth: int, threads:
     rig = Rig(EngineArgs(model=model, **engine_kwargs), depth, False, threads)
     await rig.start()
     try:
+        rig.expected = len(WARMUP_PROMPTS)  # first forwards are slow: not timed
+        for i, p in enumerate(WARMUP_PROMPTS):
+            await rig.add(f"warm{i}", p, SamplingParams(ignore_eos=True, max_tokens=8))
+        await rig.all_finished.wait()
+        rig.all_finished.clear()
+        rig.finished.clear()
         rig.expected = len(wl.prompts)
+        busy0, steps0 = rig.scheduler.worker_busy_seconds, rig.scheduler.num_steps
         t0 = time.perf_counter()
         for i, (p, n) in enumerate(zip(wl.prompts, wl.output_lens, strict=True)):
             await rig.add(
@@ -212,9 +220,9 @@ async def run_workload(model: str, engine_kwargs: dict, wl, depth: int, threads:
         await rig.all_finished.wait()
         wall = time.perf_counter() - t0
         tokens = [rig.tokens[f"w{i}"] for i in range(len(wl.prompts))]
-        busy = rig.scheduler.worker_busy_seconds
+        busy = rig.scheduler.worker_busy_seconds - busy0
         return _throughput(wall, tokens) | {
-            "num_steps": rig.scheduler.num_steps,
+            "num_steps": rig.scheduler.num_steps - steps0,
             "share_outside_model": round(1 - busy / wall, 4),
             "tokens": tokens,
         }
@@ -229,6 +237,7 @@ def run_offline(model: str, engine_kwargs: dict, wl, threads: int) -> dict:
 
     torch.set_num_threads(threads)
     llm = LLM(model=model, skip_tokenizer_init=True, **engine_kwargs)
+    llm.generate(WARMUP_PROMPTS, SamplingParams(ignore_eos=True, max_tokens=8), use_tqdm=False)
     params = [
         SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n) for n in wl.output_lens
     ]
@@ -274,7 +283,7 @@ async def main_async(a) -> dict:
             kv_cache_memory=_kv_bytes(NULL_SHAPE, max_seqs * 4096 + seq_tokens),
             skip_tokenizer_init=True,
         )
-        for depth in (2, 1):
+        for depth in (2, 1) if "null" in a.parts else ():
             report["null_worker"] += await run_steady(
                 str(null_dir), null_kwargs, True, a.seqs, depth, a
             )
@@ -293,13 +302,9 @@ async def main_async(a) -> dict:
         short_dir.mkdir()
         write_model(short_dir, 0, SHORT_STEP_SHAPE)
         models["short_2layer"] = (str(short_dir), 1024)
-        for name, (path, _) in models.items():
-            kwargs = dict(
-                max_num_seqs=64,
-                block_size=BLOCK_SIZE,
-                kv_cache_memory=64 << 20,
-                skip_tokenizer_init=True,
-            )
+        for name, (path, _) in models.items() if "outside" in a.parts else ():
+            # default KV budget: room for 64 full-length sequences, so none is preempted
+            kwargs = dict(max_num_seqs=64, block_size=BLOCK_SIZE, skip_tokenizer_init=True)
             for depth in (2, 1):
                 for r in await run_steady(path, kwargs, False, [64], depth, a):
                     report["outside_model"].append({"model": name, **r})
@@ -308,7 +313,7 @@ async def main_async(a) -> dict:
             "sharegpt", a.num_prompts, 0, 1024, "alpaca", max_output=a.max_output_len
         )
         report["workload"] = wl.summary()
-        for name in ("short_2layer", "e1_58M"):
+        for name in ("short_2layer", "e1_58M") if "workload" in a.parts else ():
             path = models[name][0]
             kwargs = dict(
                 max_num_seqs=128,
@@ -346,9 +351,26 @@ def plot(report: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = 2 if report["e1_workload"] else 1
-    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4), squeeze=False)
-    ax = axes[0][0]
+    show = [k for k in ("null_worker", "e1_workload") if report[k]]
+    if not show:
+        return
+    fig, axes = plt.subplots(1, len(show), figsize=(5.5 * len(show), 4), squeeze=False)
+    panels = dict(zip(show, axes[0], strict=True))
+    if "null_worker" in panels:
+        _plot_null(panels["null_worker"], report)
+    if "e1_workload" in panels:
+        _plot_workload(panels["e1_workload"], report)
+    fig.suptitle(
+        "Control plane: scheduler + block manager actors, worker process over ipc, "
+        f"{report['machine']['threads']} torch thread(s)",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _plot_null(ax, report: dict) -> None:
     for depth, color in ((2, "tab:green"), (1, "tab:blue")):
         rows = [r for r in report["null_worker"] if r["depth"] == depth]
         ax.plot(
@@ -363,29 +385,24 @@ def plot(report: dict, path: Path) -> None:
     ax.set_xlabel("running sequences")
     ax.set_ylabel("scheduler steps/s (null worker)")
     ax.legend(fontsize=8)
-    if panels == 2:
-        ax = axes[0][1]
-        names, values, colors = [], [], []
-        for model, runs in report["e1_workload"].items():
-            for key, color in (
-                ("offline_llm", "tab:gray"),
-                ("actors_depth1", "tab:blue"),
-                ("actors_depth2", "tab:green"),
-            ):
-                names.append(f"{model}\n{key.replace('actors_', '')}")
-                values.append(runs[key]["output_tokens_per_s"])
-                colors.append(color)
-        bars = ax.bar(names, values, color=colors)
-        ax.bar_label(bars, fmt="%.0f", fontsize=7)
-        ax.set_yscale("log")
-        ax.set_ylabel("output tokens/s (E1 workload)")
-        ax.tick_params(axis="x", labelsize=6)
-    fig.suptitle(
-        "Control plane: scheduler + block manager actors, worker process over ipc", fontsize=10
-    )
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+
+
+def _plot_workload(ax, report: dict) -> None:
+    names, values, colors = [], [], []
+    for model, runs in report["e1_workload"].items():
+        for key, color in (
+            ("offline_llm", "tab:gray"),
+            ("actors_depth1", "tab:blue"),
+            ("actors_depth2", "tab:green"),
+        ):
+            names.append(f"{model}\n{key.replace('actors_', '')}")
+            values.append(runs[key]["output_tokens_per_s"])
+            colors.append(color)
+    bars = ax.bar(names, values, color=colors)
+    ax.bar_label(bars, fmt="%.0f", fontsize=7)
+    ax.set_yscale("log")
+    ax.set_ylabel("output tokens/s (E1 workload)")
+    ax.tick_params(axis="x", labelsize=6)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -393,6 +410,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "control_plane.json")
     p.add_argument("--quick", action="store_true", help="short windows, 40 prompts")
     p.add_argument("--null-only", action="store_true", help="part 1 only (no ../shared needed)")
+    p.add_argument(
+        "--parts",
+        type=lambda s: set(s.split(",")),
+        default={"null", "outside", "workload"},
+        help="which parts to run (default null,outside,workload)",
+    )
     p.add_argument("--seqs", type=lambda s: [int(x) for x in s.split(",")], default=[1, 64, 256])
     p.add_argument("--window", type=float, default=None, help="seconds per steady-state point")
     p.add_argument("--num-prompts", type=int, default=None)

@@ -120,8 +120,8 @@ class EngineCore:
         ids, tokens, finished, prompt = [], [], [], []
         for request_id, token in zip(result.sampled_ids, result.sampled_token_ids, strict=True):
             request = requests.get(request_id)
-            if request is None:
-                continue  # finished or aborted while this step was in flight
+            if request is None or not request.num_pending_outputs:
+                continue  # ended while this step was in flight (its id may be reused)
             ids.append(request_id)
             tokens.append(token)
             finish = self._resolve(request, token)
