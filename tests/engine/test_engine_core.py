@@ -99,3 +99,22 @@ def test_one_step_ahead_matches_offline(model_dir, depth, kv_blocks):
     assert not worker.requests
     if kv_blocks:
         assert core.scheduler.num_preemptions > 0
+
+
+def test_null_worker_drives_the_core_without_a_model():
+    """The control-plane benchmark's worker: same plan protocol, a fixed token, no model."""
+    from engine.config import SchedulerConfig
+    from engine.worker import NullWorker
+
+    core = EngineCore(
+        SchedulerConfig(8, 64, 128), num_blocks=64, block_size=4, eos_token_ids=frozenset()
+    )
+    blocks, worker = BlockManager(64, 4), NullWorker(token_id=7)
+    lengths = [1, 5, 12, 30]
+    for i, n in enumerate(lengths):
+        core.add_request(AddRequest(f"n{i}", (1, 2, 3), SamplingParams(max_tokens=n), 0.0))
+    outputs, discarded = run_pipelined(core, blocks, worker, depth=2)
+    assert [outputs[f"n{i}"] for i in range(4)] == [[7] * n for n in lengths]
+    assert discarded == 0  # length limits are known at plan time: nothing runs past them
+    blocks.check_integrity()
+    assert blocks.num_free_blocks == 64 and not worker.requests
