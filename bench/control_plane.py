@@ -35,7 +35,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(Path(__file__).resolve().parent)]
 
-from systems import BLOCK_SIZE, MODEL_SHAPE, WARMUP_PROMPTS, write_model  # noqa: E402
+from systems import (  # noqa: E402
+    BLOCK_SIZE,
+    MODEL_SHAPE,
+    WARMUP_PROMPTS,
+    kv_bytes_per_token,
+    write_model,
+)
 from workload import SHARED, SharedDataMissing, sample_workload  # noqa: E402
 
 from actors.actor import await_ready, send_message  # noqa: E402
@@ -254,9 +260,8 @@ def _throughput(wall: float, tokens: list[list[int]]) -> dict:
 
 
 def _kv_bytes(shape: dict, tokens: int) -> int:
-    head = shape["hidden_size"] // shape["num_attention_heads"]
-    per_token = 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * head * 4
-    return -(-tokens // BLOCK_SIZE) * BLOCK_SIZE * per_token
+    """float32 KV bytes of `tokens` tokens, rounded up to whole blocks."""
+    return -(-tokens // BLOCK_SIZE) * BLOCK_SIZE * kv_bytes_per_token("float32", shape)
 
 
 async def main_async(a) -> dict:

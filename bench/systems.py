@@ -59,9 +59,10 @@ def current_rss_mib() -> float | None:
     return None
 
 
-def kv_bytes_per_token(dtype: str) -> int:
-    head_dim = MODEL_SHAPE["hidden_size"] // MODEL_SHAPE["num_attention_heads"]
-    per = 2 * MODEL_SHAPE["num_hidden_layers"] * MODEL_SHAPE["num_key_value_heads"] * head_dim
+def kv_bytes_per_token(dtype: str, shape: dict | None = None) -> int:
+    shape = shape or MODEL_SHAPE
+    head_dim = shape["hidden_size"] // shape["num_attention_heads"]
+    per = 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * head_dim
     return per * (4 if dtype == "float32" else 2)
 
 

@@ -50,7 +50,7 @@ class BlockLedger:
 
     def allocate_slots(self, seq_id: str, num_tokens: int) -> bool:
         table = self._tables.get(seq_id)
-        need = -(-num_tokens // self.block_size) - (len(table) if table else 0)
+        need = self.blocks_for(num_tokens) - (len(table) if table else 0)
         if need <= 0:
             return True  # the common decode step: room left in the last block
         if need > self.num_blocks - self._num_used:

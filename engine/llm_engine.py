@@ -9,7 +9,7 @@ import time
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache_manager import KVCacheManager
-from engine.logprobs import Logprob, to_dicts
+from engine.logprobs import Logprob
 from engine.model_runner import ModelRunner, StepResult
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.request import Request, RequestStatus
@@ -170,25 +170,13 @@ class LLMEngine:
             request.stop_reason = match.stop
 
     def _store_logprobs(self, result: StepResult) -> None:
-        if result.logprobs is None:
-            return
-        requests = [self.scheduler.requests[rid] for rid in result.logprob_rows]
-        tokens = [result.sampled[rid] for rid in result.logprob_rows]
-        tops = [r.params.logprobs or 0 for r in requests]
-        for request, row, lp in zip(
-            requests,
-            to_dicts(result.logprobs, tokens, tops),
-            result.logprobs.token_logprobs.tolist(),
-            strict=True,
-        ):
+        for request, row, lp in result.sample_logprob_dicts(self.scheduler.requests):
             if request.logprobs is not None:
                 request.logprobs.append(self._decode_logprobs(row))
                 request.cumulative_logprob += lp
 
     def _store_prompt_logprobs(self, result: StepResult) -> None:
-        for rid, (lp, targets) in result.prompt_logprobs.items():
-            request = self.scheduler.requests[rid]
-            rows = to_dicts(lp, targets, [request.params.prompt_logprobs] * len(targets))
+        for request, rows in result.prompt_logprob_dicts(self.scheduler.requests):
             request.prompt_logprobs.extend(self._decode_logprobs(r) for r in rows)
 
     def _decode_logprobs(self, row: dict[int, Logprob]) -> dict[int, Logprob]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -18,8 +19,9 @@ from engine.kv_cache import (
     cuda_budget_bytes,
     num_blocks_for,
 )
-from engine.logprobs import TokenLogprobs, compute_token_logprobs
+from engine.logprobs import Logprob, TokenLogprobs, compute_token_logprobs, to_dicts
 from engine.model_loader import load_model
+from engine.request import Request
 from engine.sampler import Sampler
 from engine.sampling_metadata import SamplingMetadata, SamplingRow
 from engine.scheduler_output import SchedulerOutput
@@ -36,6 +38,27 @@ class StepResult:
     logprobs: TokenLogprobs | None  # rows in the order of `logprob_rows`
     logprob_rows: tuple[str, ...]
     prompt_logprobs: dict[str, tuple[TokenLogprobs, tuple[int, ...]]]
+
+    def sample_logprob_dicts(
+        self, requests: Mapping[str, Request]
+    ) -> Iterator[tuple[Request, dict[int, Logprob], float]]:
+        """Per logprobs row: the request, its sampled token's dict (that token first,
+        then the request's own top `params.logprobs`), and that token's logprob."""
+        if self.logprobs is None:
+            return
+        rows = [requests[rid] for rid in self.logprob_rows]
+        tokens = [self.sampled[rid] for rid in self.logprob_rows]
+        tops = [r.params.logprobs or 0 for r in rows]
+        dicts = to_dicts(self.logprobs, tokens, tops)
+        yield from zip(rows, dicts, self.logprobs.token_logprobs.tolist(), strict=True)
+
+    def prompt_logprob_dicts(
+        self, requests: Mapping[str, Request]
+    ) -> Iterator[tuple[Request, list[dict[int, Logprob]]]]:
+        """Per request that scored prompt positions in this step: one dict per position."""
+        for rid, (lp, targets) in self.prompt_logprobs.items():
+            request = requests[rid]
+            yield request, to_dicts(lp, targets, [request.params.prompt_logprobs] * len(targets))
 
 
 class ModelRunner:

@@ -97,8 +97,7 @@ class Scheduler:
             preempted.append(victim.request_id)
             if victim is request:
                 return None
-        table = self.kv_cache.block_table(request.request_id)
-        return ScheduledRequest(request, request.num_computed_tokens, n, table)
+        return self._plan(request, n)
 
     def _admit_waiting(self, budget: int) -> list[ScheduledRequest]:
         admitted = []

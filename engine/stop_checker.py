@@ -50,7 +50,7 @@ class StopChecker:
     ) -> tuple[RequestStatus | None, int | None]:
         """The token rules, then the length rule, for output number `num_outputs`."""
         status, reason = self.check_token(request, token, num_outputs)
-        if status is None and len(request.prompt_token_ids) + num_outputs >= request.max_num_tokens:
+        if status is None and self.check_length(request, num_outputs):
             status = RequestStatus.FINISHED_LENGTH
         return status, reason
 

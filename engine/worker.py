@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 from engine.config import EngineArgs
 from engine.kv_cache import DEFAULT_CPU_KV_CACHE_MEMORY, num_blocks_for
-from engine.logprobs import Logprob, to_dicts
+from engine.logprobs import Logprob
 from engine.messages import (
     LogprobRow,
     RequestLogprobs,
@@ -72,21 +72,14 @@ class Worker:
 
     def _logprobs(self, result: RunnerResult) -> Iterator[RequestLogprobs]:
         """Sampled-token logprobs of the requests that asked for them."""
-        if result.logprobs is None:
-            return
-        requests = [self.requests[rid] for rid in result.logprob_rows]
-        tokens = [result.sampled[rid] for rid in result.logprob_rows]
-        tops = [r.params.logprobs or 0 for r in requests]
-        for r, row in zip(requests, to_dicts(result.logprobs, tokens, tops), strict=True):
+        for r, row, _ in result.sample_logprob_dicts(self.requests):
             if r.params.logprobs is not None:
                 yield RequestLogprobs(r.request_id, (_wire_row(row),))
 
     def _prompt_logprobs(self, result: RunnerResult) -> Iterator[RequestLogprobs]:
-        for rid, (lp, targets) in result.prompt_logprobs.items():
-            request = self.requests[rid]
-            rows = to_dicts(lp, targets, [request.params.prompt_logprobs] * len(targets))
+        for request, rows in result.prompt_logprob_dicts(self.requests):
             request.prompt_logprobs.extend(rows)  # scored once, even if recomputed later
-            yield RequestLogprobs(rid, tuple(_wire_row(r) for r in rows))
+            yield RequestLogprobs(request.request_id, tuple(_wire_row(r) for r in rows))
 
     def _apply(self, plan: StepPlan) -> None:
         for request_id in plan.finished_ids:
