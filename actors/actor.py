@@ -139,7 +139,8 @@ class Actor:
             return self.decoder.decode(frame)
         except DecodeError as exc:
             self.num_dropped += 1
-            log.warning("actor %s dropped a %d-byte frame: %s", self.name, len(frame), exc)
+            what = f"{len(frame)}-byte frame" if isinstance(frame, bytes) else "message"
+            log.warning("actor %s dropped a %s: %s", self.name, what, exc)
             return None
 
     async def _dispatch(self, message: Any) -> None:
@@ -174,8 +175,8 @@ class Actor:
 
 
 async def send_message(outbox: Outbox, message: Any) -> None:
-    """Encode one message and send it as one frame."""
-    await outbox.send(encode(message))
+    """Send one message: as one encoded frame, or as itself over an in-process queue."""
+    await outbox.send(message if outbox.carries_messages else encode(message))
 
 
 async def await_ready(

@@ -56,7 +56,14 @@ class InboxDecoder:
     def __init__(self, message_types: Iterable[type]) -> None:
         self.types = {cls.__name__: cls for cls in message_types}
 
-    def decode(self, frame: bytes) -> Any:
+    def decode(self, frame: bytes | Any) -> Any:
+        if type(frame) is not bytes:  # a message object from an in-process queue
+            if self.types.get(type(frame).__name__) is not type(frame):
+                raise DecodeError(
+                    f"message type {type(frame).__name__!r} is not accepted here; "
+                    f"accepted: {sorted(self.types)}"
+                )
+            return frame
         try:
             raw = msgpack.unpackb(frame, raw=False, strict_map_key=False, use_list=True)
         except Exception as exc:  # noqa: BLE001 - msgpack raises several unrelated types

@@ -11,9 +11,12 @@ Three kinds of channel, one interface:
   dropped and a send never waits on a slow receiver. LINGER is 0, so closing never hangs
   and frames still queued at close are discarded (the peer is shutting down anyway).
   An ipc inbox removes a stale socket file before it binds and unlinks its file on close.
-- In-process (`inproc_pair`): an `asyncio.Queue` of encoded frames for two actors that
-  share a process and an event loop. Frames are still encoded bytes, so the same codec
-  path (and its validation) runs whichever transport an actor uses.
+- In-process (`inproc_pair`): an `asyncio.Queue` for two actors that share a process and
+  an event loop. It carries bytes frames like the others, and also the message objects
+  themselves (`carries_messages`): messages are frozen dataclasses, so sharing one is
+  safe, and `send_message` skips msgpack on the hot in-process hops (scheduler <-> block
+  manager, scheduler -> tokenizer). The receiving `InboxDecoder` still checks that an
+  object is one of the inbox's message types.
 
 Closing is idempotent; `recv`/`send` after `close()` raise `TransportClosed`. Close a
 channel only when no `recv` is pending on it (an `Actor` cancels its recv first).
@@ -22,6 +25,7 @@ channel only when no `recv` is pending on it (an `Actor` cancels its recv first)
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import stat
 import tempfile
@@ -51,6 +55,8 @@ class Inbox:
 
 class Outbox:
     """The sending end of a channel."""
+
+    carries_messages = False  # True: `send` also takes message objects, not just bytes
 
     async def send(self, frame: bytes) -> None:
         """Queue `frame` for the receiver; raises TypeError unless it is `bytes`."""
@@ -204,13 +210,16 @@ class _QueueInbox(Inbox):
 
 
 class _QueueOutbox(Outbox):
+    carries_messages = True
+
     def __init__(self, queue: asyncio.Queue[bytes], peer: _QueueInbox) -> None:
         self._queue = queue
         self._peer = peer
         self._closed = False
 
-    async def send(self, frame: bytes) -> None:
-        _check_frame(frame)
+    async def send(self, frame: bytes | object) -> None:
+        if not (isinstance(frame, bytes) or dataclasses.is_dataclass(frame)):
+            raise TypeError(f"a frame must be bytes or a message, got {type(frame).__name__}")
         if self._closed:
             raise TransportClosed("in-process outbox is closed")
         if not self._peer.closed:  # like ZeroMQ, a sender cannot tell the receiver is gone
@@ -223,9 +232,9 @@ class _QueueOutbox(Outbox):
 def inproc_pair(maxsize: int = 0) -> tuple[Outbox, Inbox]:
     """An (outbox, inbox) pair over an asyncio.Queue, for two actors in one process and loop.
 
-    Frames are still encoded bytes so the codec runs exactly as over ZeroMQ. `maxsize` > 0
+    Frames are bytes or message objects (see the module doc). `maxsize` > 0
     bounds the queue: `send` then waits while it is full (0 = unbounded, like the ZeroMQ
     channels). Use it only from the event loop that runs both actors."""
-    queue: asyncio.Queue[bytes] = asyncio.Queue(maxsize)
+    queue: asyncio.Queue[bytes | object] = asyncio.Queue(maxsize)
     inbox = _QueueInbox(queue)
     return _QueueOutbox(queue, inbox), inbox

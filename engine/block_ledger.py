@@ -15,7 +15,7 @@ class BlockLedger:
     """Stands in for a `KVCacheManager` inside the scheduler when the blocks live in a
     block manager actor.
 
-    It offers the same calls the scheduler makes (`allocate_slots`, `free`,
+    It offers the same calls the scheduler makes (`grow`, `allocate_slots`, `free`,
     `block_table`, `num_free_blocks`) and makes the same decisions, because it does the
     same arithmetic on block counts; but a new block shows up as `PENDING_BLOCK` until the
     block manager names it. Everything that changed since the last exchange is that
@@ -49,16 +49,24 @@ class BlockLedger:
         return self._tables.get(seq_id, [])
 
     def allocate_slots(self, seq_id: str, num_tokens: int) -> bool:
+        return self.grow(seq_id, num_tokens) is not None
+
+    def grow(self, seq_id: str, num_tokens: int) -> list[int] | None:
+        """`allocate_slots` returning the live table (None: blocks ran out, no change)."""
         table = self._tables.get(seq_id)
-        need = self.blocks_for(num_tokens) - (len(table) if table else 0)
-        if need <= 0:
-            return True  # the common decode step: room left in the last block
+        if table is None:
+            table = []
+        elif -(-num_tokens // self.block_size) <= len(table):
+            return table  # the common decode step: room left in the last block
+        need = -(-num_tokens // self.block_size) - len(table)
         if need > self.num_blocks - self._num_used:
-            return False
-        self._tables.setdefault(seq_id, []).extend([PENDING_BLOCK] * need)
-        self._num_used += need
-        self._reservations[seq_id] = num_tokens
-        return True
+            return None
+        if need:
+            table.extend([PENDING_BLOCK] * need)
+            self._tables[seq_id] = table
+            self._num_used += need
+            self._reservations[seq_id] = num_tokens
+        return table
 
     def free(self, seq_id: str) -> None:
         table = self._tables.pop(seq_id, None)

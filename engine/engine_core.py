@@ -56,6 +56,7 @@ class EngineCore:
         self.eos_token_ids = eos_token_ids
         self._finished_ids: list[str] = []
         self._prompt_rows: dict[str, list[LogprobRow]] = {}  # until the first token goes out
+        self._may_stop = set(eos_token_ids)  # every token that can end some request
         self._arrival = 0
 
     @property
@@ -72,6 +73,7 @@ class EngineCore:
             self._arrival,
             eos_token_ids=self.eos_token_ids,
         )
+        self._may_stop.update(add.params.stop_token_ids)
         self.scheduler.add_request(request)
 
     def abort(self, request_id: str) -> None:
@@ -118,34 +120,36 @@ class EngineCore:
             if scored.request_id in requests:
                 self._prompt_rows.setdefault(scored.request_id, []).extend(scored.rows)
         ids, tokens, finished, prompt = [], [], [], []
+        may_stop, prompt_rows = self._may_stop, self._prompt_rows
         for request_id, token in zip(result.sampled_ids, result.sampled_token_ids, strict=True):
             request = requests.get(request_id)
             if request is None or not request.num_pending_outputs:
                 continue  # ended while this step was in flight (its id may be reused)
             ids.append(request_id)
             tokens.append(token)
-            finish = self._resolve(request, token)
-            if finish is not None:
-                finished.append(finish)
-            if self._prompt_rows and request_id in self._prompt_rows:
-                rows = self._prompt_rows.pop(request_id)
-                prompt.append(RequestLogprobs(request_id, tuple(rows)))
+            outputs = request.output_token_ids  # the oldest placeholder takes the token:
+            k = len(outputs) - request.num_pending_outputs
+            outputs[k] = token
+            request.num_pending_outputs -= 1
+            if token in may_stop or len(request.prompt_token_ids) + k + 1 >= request.max_num_tokens:
+                finish = self._check_stop(request, token, k + 1)
+                if finish is not None:
+                    finished.append(finish)
+            if prompt_rows and request_id in prompt_rows:
+                prompt.append(RequestLogprobs(request_id, tuple(prompt_rows.pop(request_id))))
         delivered = set(ids) if result.logprobs else ()
         logprobs = tuple(lp for lp in result.logprobs if lp.request_id in delivered)
         return TokenDeltas(
             result.step_id, tuple(ids), tuple(tokens), tuple(finished), logprobs, tuple(prompt)
         )
 
-    def _resolve(self, request: Request, token: int) -> RequestFinish | None:
-        """Puts `token` in the request's oldest placeholder; ends the request if it stops."""
-        outputs = request.output_token_ids
-        k = len(outputs) - request.num_pending_outputs
-        outputs[k] = token
-        request.num_pending_outputs -= 1
-        status, stop_reason = self.stop_checker.check_sampled(request, token, k + 1)
+    def _check_stop(self, request: Request, token: int, num_outputs: int) -> RequestFinish | None:
+        """The full stop rules for output number `num_outputs` (`token`, just resolved);
+        a request that stops loses the placeholders of steps that ran past it."""
+        status, stop_reason = self.stop_checker.check_sampled(request, token, num_outputs)
         if status is None:
             return None
-        del outputs[k + 1 :]  # drop placeholders of steps that ran past the stop
+        del request.output_token_ids[num_outputs:]
         request.num_pending_outputs = 0
         self.scheduler.finish_request(request.request_id, status)
         self._finished_ids.append(request.request_id)

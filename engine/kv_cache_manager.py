@@ -40,13 +40,17 @@ class KVCacheManager:
 
     def allocate_slots(self, seq_id: str, num_tokens: int) -> bool:
         """Grows the table to hold `num_tokens` tokens; False (nothing changed) if it can't."""
+        return self.grow(seq_id, num_tokens) is not None
+
+    def grow(self, seq_id: str, num_tokens: int) -> list[int] | None:
+        """`allocate_slots` returning the live table (None: blocks ran out, no change)."""
         need = self.num_new_blocks(seq_id, num_tokens)
         if not self.pool.can_allocate(need):
-            return False
+            return None
         table = self._tables.setdefault(seq_id, [])
         if need:
             table.extend(self.pool.allocate(need))
-        return True
+        return table
 
     def free(self, seq_id: str) -> None:
         table = self._tables.pop(seq_id, None)

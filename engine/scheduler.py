@@ -69,35 +69,44 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
-        for request in list(self.running):
-            if budget == 0:
-                break
-            if request.status != RequestStatus.RUNNING:
+        grow = self.kv_cache.grow
+        running = RequestStatus.RUNNING
+        for request in list(self.running):  # the hot loop: one pass, no helper calls
+            if request.status != running:
                 continue  # preempted earlier in this loop
             num_tokens = len(request.prompt_token_ids) + len(request.output_token_ids)
             if num_tokens >= request.max_num_tokens:
                 continue  # at its length limit: it only awaits its last result
-            n = min(num_tokens - request.num_computed_tokens, budget)
-            item = self._schedule_running(request, n, preempted)
-            if item is not None:
-                scheduled.append(item)
-                budget -= n
+            computed = request.num_computed_tokens
+            n = min(num_tokens - computed, budget)
+            table = grow(request.request_id, computed + n)
+            if table is None:
+                table = self._preempt_until_fits(request, computed + n, preempted)
+                if table is None:
+                    continue  # it was the victim itself
+            scheduled.append(ScheduledRequest(request, computed, n, table))
+            budget -= n
+            if budget == 0:
+                break
         if not preempted:
             scheduled += self._admit_waiting(budget)
         self._step_id += 1
         return SchedulerOutput(self._step_id, tuple(scheduled), tuple(preempted))
 
-    def _schedule_running(
-        self, request: Request, n: int, preempted: list[str]
-    ) -> ScheduledRequest | None:
-        """`n` more tokens for `request`, preempting (maybe itself) until its blocks fit."""
-        while not self.kv_cache.allocate_slots(request.request_id, request.num_computed_tokens + n):
+    def _preempt_until_fits(
+        self, request: Request, num_tokens: int, preempted: list[str]
+    ) -> list[int] | None:
+        """Preempts victims until `request`'s table holds `num_tokens`; None if the
+        request itself had to go."""
+        while True:
             victim = self.preemption.choose_victim(self.running)
             self._preempt(victim)
             preempted.append(victim.request_id)
             if victim is request:
                 return None
-        return self._plan(request, n)
+            table = self.kv_cache.grow(request.request_id, num_tokens)
+            if table is not None:
+                return table
 
     def _admit_waiting(self, budget: int) -> list[ScheduledRequest]:
         admitted = []
@@ -106,12 +115,13 @@ class Scheduler:
             if self._at_limit(request):
                 break  # its pending result will finish it; FCFS keeps the rest waiting
             n = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self.kv_cache.allocate_slots(request.request_id, n):
+            table = self.kv_cache.grow(request.request_id, n)
+            if table is None:
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=lambda r: r.arrival_index)
-            admitted.append(self._plan(request, n))
+            admitted.append(ScheduledRequest(request, request.num_computed_tokens, n, table))
             budget -= n
         return admitted
 
@@ -119,10 +129,6 @@ class Scheduler:
         """Known tokens (sampled or still pending) already reach the length limit:
         computing more would only make a token that is thrown away."""
         return request.num_tokens >= request.max_num_tokens
-
-    def _plan(self, request: Request, n: int) -> ScheduledRequest:
-        table = self.kv_cache.block_table(request.request_id)
-        return ScheduledRequest(request, request.num_computed_tokens, n, table)
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -141,11 +147,12 @@ class Scheduler:
         running = RequestStatus.RUNNING
         for request, computed, n, _ in plan.scheduled:
             if request.status == running:
-                request.num_computed_tokens += n
+                request.num_computed_tokens = computed + n
             if placeholder is None:
                 continue
-            if computed + n == len(request.prompt_token_ids) + len(request.output_token_ids):
-                request.output_token_ids.append(placeholder)
+            outputs = request.output_token_ids
+            if computed + n == len(request.prompt_token_ids) + len(outputs):
+                outputs.append(placeholder)
                 request.num_pending_outputs += 1
 
     def check_integrity(self) -> None:

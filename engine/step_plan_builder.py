@@ -25,13 +25,17 @@ class StepPlanBuilder:
         finished = tuple(finished_ids)
         for request_id in finished:
             self._sent.pop(request_id, None)
-        new, cached = [], []
-        for r, computed, _, table in plan.scheduled:
-            seen = self._sent.get(r.request_id)
+        new, cached, ids, counts = [], [], [], []
+        sent = self._sent
+        for r, computed, n, table in plan.scheduled:
+            request_id = r.request_id
+            ids.append(request_id)
+            counts.append(n)
+            seen = sent.get(request_id)
             if seen is None:
                 new.append(
                     NewRequestData(
-                        r.request_id, tuple(r.prompt_token_ids), r.params, tuple(table), computed
+                        request_id, tuple(r.prompt_token_ids), r.params, tuple(table), computed
                     )
                 )
             elif seen[0] == len(table) and seen[1] == r.num_preemptions:
@@ -39,15 +43,8 @@ class StepPlanBuilder:
             else:
                 resumed = seen[1] != r.num_preemptions
                 start = 0 if resumed else seen[0]
-                cached.append(
-                    CachedRequestData(r.request_id, tuple(table[start:]), computed, resumed)
-                )
-            self._sent[r.request_id] = (len(table), r.num_preemptions)
+                cached.append(CachedRequestData(request_id, tuple(table[start:]), computed, resumed))
+            sent[request_id] = (len(table), r.num_preemptions)
         return StepPlan(
-            plan.step_id,
-            tuple(new),
-            tuple(cached),
-            tuple(s.request.request_id for s in plan.scheduled),
-            tuple(s.num_scheduled_tokens for s in plan.scheduled),
-            finished,
+            plan.step_id, tuple(new), tuple(cached), tuple(ids), tuple(counts), finished
         )
