@@ -43,7 +43,9 @@ class StepPlanBuilder:
             else:
                 resumed = seen[1] != r.num_preemptions
                 start = 0 if resumed else seen[0]
-                cached.append(CachedRequestData(request_id, tuple(table[start:]), computed, resumed))
+                cached.append(
+                    CachedRequestData(request_id, tuple(table[start:]), computed, resumed)
+                )
             sent[request_id] = (len(table), r.num_preemptions)
         return StepPlan(
             plan.step_id, tuple(new), tuple(cached), tuple(ids), tuple(counts), finished
