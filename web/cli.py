@@ -1,4 +1,8 @@
-"""`pagedserve` command line. `generate` runs an offline batch through `engine.LLM`."""
+"""`pagedserve` command line.
+
+`serve` runs the HTTP/WebSocket server (the built-in tiny model when no --model is
+given), `chat` is a terminal chat client of a running server, `generate` runs an offline
+batch through `engine.LLM`."""
 
 from __future__ import annotations
 
@@ -12,8 +16,15 @@ from collections.abc import Sequence
 DEFAULT_PROMPTS = ("Once upon a time", "The little dog", "Lily and Ben went to the park")
 
 
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="local HF directory or hub id")
+def _add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> None:
+    if model_required:
+        p.add_argument("--model", required=True, help="local HF directory or hub id")
+    else:
+        p.add_argument(
+            "--model",
+            default=None,
+            help="local HF directory or hub id (default: the built-in tiny random model)",
+        )
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=256)
@@ -35,7 +46,38 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--json", action="store_true", help="print one JSON object per output")
+    _add_serve_parser(sub)
+    _add_chat_parser(sub)
     return parser
+
+
+def _add_serve_parser(sub) -> None:
+    serve = sub.add_parser("serve", help="serve a model over WebSocket and OpenAI HTTP")
+    _add_engine_args(serve, model_required=False)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument(
+        "--api-key", action="append", default=[], help="required bearer key (repeatable)"
+    )
+    serve.add_argument("--max-queued-requests", type=int, default=256)
+    serve.add_argument("--max-requests-per-connection", type=int, default=64)
+    serve.add_argument("--max-message-bytes", type=int, default=1 << 20)
+    serve.add_argument("--default-max-tokens", type=int, default=256)
+    serve.add_argument("--session-ttl", type=float, default=1800.0, help="seconds")
+    serve.add_argument("--session-max-chars", type=int, default=32_000)
+    serve.add_argument("--served-model-name", default=None)
+    serve.add_argument(
+        "--pipeline-depth", type=int, default=2, choices=[1, 2], help="2: plan one step ahead"
+    )
+
+
+def _add_chat_parser(sub) -> None:
+    chat = sub.add_parser("chat", help="terminal chat with a running server")
+    chat.add_argument("--url", default="ws://127.0.0.1:8000")
+    chat.add_argument("--api-key", default=None)
+    chat.add_argument("--system", default=None, help="system prompt")
+    chat.add_argument("--temperature", type=float, default=0.7)
+    chat.add_argument("--max-tokens", type=int, default=256)
 
 
 def _engine_kwargs(args: argparse.Namespace) -> dict:
@@ -75,11 +117,72 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from engine.config import EngineArgs
+    from web.app import create_app
+    from web.server_config import ServerConfig
+
+    builtin = args.model is None
+    if builtin:
+        from engine.builtin_model import BUILTIN_MODEL_NAME, builtin_model_dir
+
+        args.model = str(builtin_model_dir())
+        print(
+            f"pagedserve: no --model given: serving the built-in {BUILTIN_MODEL_NAME} "
+            "(random weights, byte-level tokenizer; its replies are noise). "
+            "Pass --model DIR_OR_HUB_ID for a real model.",
+            file=sys.stderr,
+        )
+    name = args.served_model_name or (BUILTIN_MODEL_NAME if builtin else args.model)
+    config = ServerConfig(
+        model_name=name,
+        builtin=builtin,
+        host=args.host,
+        port=args.port,
+        api_keys=frozenset(args.api_key),
+        max_queued_requests=args.max_queued_requests,
+        max_requests_per_connection=args.max_requests_per_connection,
+        max_message_bytes=args.max_message_bytes,
+        default_max_tokens=args.default_max_tokens,
+        session_ttl_s=args.session_ttl,
+        session_max_chars=args.session_max_chars,
+        pipeline_depth=args.pipeline_depth,
+    )
+    engine_args = EngineArgs(model=args.model, **_engine_kwargs(args))
+    engine_args.build()  # configuration errors surface here, before the server starts
+    app = create_app(engine_args, config)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=config.host,
+            port=config.port,
+            ws_max_size=config.max_message_bytes,
+            timeout_graceful_shutdown=5,
+            log_level="info",
+        )
+    )
+    server.run()
+    return 0
+
+
+def _chat(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from web.chat_cli import run_chat
+
+    return asyncio.run(
+        run_chat(args.url, args.api_key, args.system, args.temperature, args.max_tokens)
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    commands = {"generate": _generate, "serve": _serve, "chat": _chat}
     try:
-        return _generate(args)
+        return commands[args.command](args)
     except ValueError as exc:  # configuration errors: one clear line, no traceback
         print(f"pagedserve: error: {exc}", file=sys.stderr)
         return 2

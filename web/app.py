@@ -1,0 +1,161 @@
+"""The Starlette app: WebSocket streaming, OpenAI HTTP, health, metrics, the chat page.
+
+`create_app(engine_args, config)` starts the AsyncEngine in the app's lifespan and shuts
+it down (aborting open requests, stopping the worker) when the server stops.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import FileResponse, JSONResponse, Response
+from starlette.routing import Route, WebSocketRoute
+from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.websockets import WebSocket
+
+from actors.async_engine import AsyncEngine
+from engine.config import EngineArgs
+from web.errors import ApiError
+from web.generation import Admission, Generator
+from web.metrics import Metrics
+from web.openai_routes import OpenAIRoutes
+from web.server_config import ServerConfig
+from web.sessions import SessionStore
+from web.ws_connection import StreamConnection, StreamLimits
+
+logger = logging.getLogger(__name__)
+STATIC = Path(__file__).parent / "static"
+
+
+class ApiKeyMiddleware:
+    """With API keys configured, every HTTP route but /health (and the static chat page)
+    needs `Authorization: Bearer KEY`; WebSockets check their own (header or first
+    message)."""
+
+    def __init__(self, app: ASGIApp, api_keys: frozenset[str]) -> None:
+        self.app, self.api_keys = app, api_keys
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not self.api_keys or _is_open(scope["path"]):
+            await self.app(scope, receive, send)
+            return
+        header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+        if header.lower().startswith("bearer ") and header[7:].strip() in self.api_keys:
+            await self.app(scope, receive, send)
+            return
+        err = ApiError("unauthorized", "invalid or missing API key (Authorization: Bearer KEY)")
+        await JSONResponse(err.openai_body(), err.status)(scope, receive, send)
+
+
+def _is_open(path: str) -> bool:
+    return path == "/" or path == "/health" or path.startswith("/static/")
+
+
+class Server:
+    """The app's state: the engine and the web-side objects around it."""
+
+    def __init__(self, engine: AsyncEngine, config: ServerConfig) -> None:
+        self.engine, self.config = engine, config
+        self.admission = Admission(config.max_queued_requests)
+        self.metrics = Metrics(engine.stats, lambda: self.admission.queued)
+        self.generator = Generator(engine, self.metrics, self.admission)
+        self.sessions = SessionStore(config.session_ttl_s, config.session_max_chars)
+        self.openai = OpenAIRoutes(self.generator, config)
+        self.limits = StreamLimits(config.max_requests_per_connection, config.default_max_tokens)
+
+    async def health(self, request: Request) -> Response:
+        if self.engine.is_healthy:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "unhealthy", "error": self.engine.error}, 503)
+
+    async def models(self, request: Request) -> Response:
+        card = {
+            "id": self.config.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "pagedserve",
+            "builtin": self.config.builtin,
+        }
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def metrics_route(self, request: Request) -> Response:
+        return Response(self.metrics.render(), media_type=self.metrics.content_type)
+
+    async def stream(self, ws: WebSocket) -> None:
+        binary = ws.query_params.get("encoding") == "msgpack"
+        conn = StreamConnection(
+            ws, self.generator, self.sessions, self.limits, self.config.api_keys, binary
+        )
+        await conn.serve()
+
+    async def completions(self, request: Request) -> Response:
+        return await self.openai.completions(request)
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self.openai.chat_completions(request)
+
+    async def page(self, request: Request) -> Response:
+        return FileResponse(STATIC / "index.html")
+
+    async def info(self, request: Request) -> Response:
+        return JSONResponse(
+            {
+                "model": self.config.model_name,
+                "builtin": self.config.builtin,
+                "auth": bool(self.config.api_keys),
+            }
+        )
+
+
+def _endpoint(name: str):
+    """A route calling `name` on the app's Server (bound in the lifespan)."""
+
+    async def endpoint(conn):  # a Request or a WebSocket
+        return await getattr(conn.app.state.server, name)(conn)
+
+    endpoint.__name__ = name
+    return endpoint
+
+
+def build_app(config: ServerConfig, lifespan=None, server: Server | None = None) -> Starlette:
+    """The routes; the Server comes from `lifespan` (or is given, for an engine that is
+    already running)."""
+    routes = [
+        Route("/health", _endpoint("health")),
+        Route("/v1/models", _endpoint("models")),
+        Route("/v1/info", _endpoint("info")),
+        Route("/metrics", _endpoint("metrics_route")),
+        Route("/v1/completions", _endpoint("completions"), methods=["POST"]),
+        Route("/v1/chat/completions", _endpoint("chat_completions"), methods=["POST"]),
+        Route("/", _endpoint("page")),
+        WebSocketRoute("/v1/stream", _endpoint("stream")),
+    ]
+    middleware = [Middleware(ApiKeyMiddleware, api_keys=config.api_keys)]
+    app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan)
+    if server is not None:
+        app.state.server = server
+    return app
+
+
+def create_app(engine_args: EngineArgs, config: ServerConfig) -> Starlette:
+    """The app with the engine's lifetime tied to the server's: started in the lifespan,
+    shut down (open requests aborted, worker stopped) when the server stops."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        engine = await AsyncEngine.start(engine_args, pipeline_depth=config.pipeline_depth)
+        app.state.server = Server(engine, config)
+        note = " (built-in random-weight model: replies are noise)" if config.builtin else ""
+        logger.info("serving %s%s", config.model_name, note)
+        try:
+            yield
+        finally:
+            await engine.shutdown()
+
+    return build_app(config, lifespan)

@@ -1,0 +1,80 @@
+"""Prometheus metrics of one server (its own registry: no process-wide globals)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from actors.async_engine import EngineStatsSnapshot
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+
+
+class Metrics:
+    """Counters and latency histograms observed by the web layer, plus engine gauges
+    read from `stats()` at scrape time. `render()` is the /metrics body."""
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, stats: Callable[[], EngineStatsSnapshot], queued: Callable[[], int]):
+        self.registry = r = CollectorRegistry()
+        self.ttft = Histogram(
+            "pagedserve_time_to_first_token_seconds",
+            "Time to first token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.inter_token = Histogram(
+            "pagedserve_inter_token_latency_seconds",
+            "Time between streamed tokens",
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "pagedserve_e2e_request_latency_seconds",
+            "End-to-end request latency",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "pagedserve_prompt_tokens", "Prompt tokens processed", registry=r
+        )
+        self.generation_tokens = Counter(
+            "pagedserve_generation_tokens", "Tokens generated", registry=r
+        )
+        self.requests = Counter(
+            "pagedserve_requests", "Finished requests by reason", ["finish_reason"], registry=r
+        )
+        self.rejected = Counter(
+            "pagedserve_rejected_requests", "Requests refused, by error code", ["code"], registry=r
+        )
+        gauges = {
+            "pagedserve_num_requests_running": ("Requests running", lambda s: s.num_running),
+            "pagedserve_num_requests_waiting": (
+                "Requests waiting in the scheduler",
+                lambda s: s.num_waiting,
+            ),
+            "pagedserve_kv_blocks_used": (
+                "KV cache blocks in use",
+                lambda s: s.num_blocks - s.num_free_blocks,
+            ),
+            "pagedserve_kv_blocks_total": ("KV cache blocks", lambda s: s.num_blocks),
+            "pagedserve_num_preemptions": ("Preemptions so far", lambda s: s.num_preemptions),
+        }
+        for name, (doc, read) in gauges.items():
+            Gauge(name, doc, registry=r).set_function(lambda read=read: read(stats()))
+        Gauge(
+            "pagedserve_num_requests_queued", "Requests admitted, no token yet", registry=r
+        ).set_function(queued)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,84 @@
+"""Request bodies -> SamplingParams: the field names of OpenAI's API and vLLM's extras,
+checked before anything reaches the engine. Every error names its field."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.sampling_params import SamplingParams
+from web.errors import invalid
+
+# Body fields passed through to SamplingParams under the same name.
+SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "ignore_eos",
+    "min_tokens",
+    "skip_special_tokens",
+    "include_stop_str_in_output",
+    "spaces_between_special_tokens",
+)
+MAX_N = 16
+
+
+def sampling_params(body: dict[str, Any], *, chat: bool, default_max_tokens: int) -> SamplingParams:
+    """The SamplingParams of one OpenAI-style body (`chat`: the chat completions
+    flavour of logprobs); n is left at 1 (the caller fans out `n`)."""
+    kwargs: dict[str, Any] = {k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None}
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    kwargs["max_tokens"] = default_max_tokens if max_tokens is None else max_tokens
+    if body.get("logit_bias") is not None:
+        kwargs["logit_bias"] = _logit_bias(body["logit_bias"])
+    kwargs.update(_logprobs(body, chat))
+    try:
+        return SamplingParams(**kwargs)
+    except ValueError as exc:
+        raise invalid(str(exc), _field_of(str(exc))) from None
+
+
+def num_choices(body: dict[str, Any]) -> int:
+    n = body.get("n", 1)
+    if n is None:
+        return 1
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
+        raise invalid(f"n must be an int in [1, {MAX_N}], got {n!r}", "n")
+    return n
+
+
+def _logit_bias(value: Any) -> dict[int, float]:
+    if not isinstance(value, dict):
+        raise invalid(f"logit_bias must be a map of token id -> bias, got {value!r}", "logit_bias")
+    out = {}
+    for key, bias in value.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            raise invalid(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
+        out[token] = bias
+    return out
+
+
+def _logprobs(body: dict[str, Any], chat: bool) -> dict[str, Any]:
+    if chat:  # chat: logprobs is a bool, top_logprobs the count
+        wanted, top = body.get("logprobs"), body.get("top_logprobs")
+        if wanted is not None and not isinstance(wanted, bool):
+            raise invalid(f"logprobs must be a bool, got {wanted!r}", "logprobs")
+        if top is not None and not wanted:
+            raise invalid("top_logprobs needs logprobs=true", "top_logprobs")
+        return {"logprobs": top or 0} if wanted else {}
+    count = body.get("logprobs")  # completions: logprobs is the count
+    return {} if count is None else {"logprobs": count}
+
+
+def _field_of(message: str) -> str | None:
+    """SamplingParams errors start with the field name."""
+    head = message.split(" ", 1)[0]
+    return head if head.isidentifier() else None

@@ -1,0 +1,33 @@
+"""What `pagedserve serve` is configured with (frozen once built)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Server-side settings; the engine's own live in EngineArgs.
+
+    `model_name` is what /v1/models lists and responses echo; `builtin` marks the
+    built-in random-weight model (the chat page says so)."""
+
+    model_name: str
+    builtin: bool = False
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_keys: frozenset[str] = field(default_factory=frozenset)
+    max_queued_requests: int = 256
+    max_requests_per_connection: int = 64
+    max_message_bytes: int = 1 << 20  # WebSocket frames and HTTP bodies
+    default_max_tokens: int = 256
+    session_ttl_s: float = 1800.0
+    session_max_chars: int = 32_000
+    pipeline_depth: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("max_queued_requests", "max_requests_per_connection", "max_message_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
