@@ -160,7 +160,11 @@ class OpenAIRoutes:
         choices = []
         for index in sorted(finals):
             out, text = finals[index], "".join(texts[index])
-            logprobs = self._logprobs(rows[index], chat) if job.top_logprobs is not None else None
+            logprobs = (
+                self._logprobs(rows[index], chat, job.top_logprobs)
+                if job.top_logprobs is not None
+                else None
+            )
             if chat:
                 choice = {"index": index, "message": {"role": "assistant", "content": text}}
             else:
@@ -219,7 +223,9 @@ class OpenAIRoutes:
                 started.add(index)
                 rows = out.logprobs or ()
                 choice["logprobs"] = (
-                    self._logprobs(rows, chat) if job.top_logprobs is not None and rows else None
+                    self._logprobs(rows, chat, job.top_logprobs)
+                    if job.top_logprobs is not None and rows
+                    else None
                 )
                 choice["finish_reason"] = _finish(out)
                 if out.finish_reason is not None:
@@ -235,19 +241,22 @@ class OpenAIRoutes:
         finally:
             await items.aclose()
 
-    def _logprobs(self, rows, chat: bool) -> dict[str, Any]:
+    def _logprobs(self, rows, chat: bool, k: int) -> dict[str, Any]:
         if chat:
-            return {"content": [_chat_logprob(row, self._top(row)) for row in rows]}
+            return {"content": [_chat_logprob(row, self._top(row, k)) for row in rows]}
         return {
             "tokens": [row[0].decoded_token for row in rows],
             "token_logprobs": [row[0].logprob for row in rows],
-            "top_logprobs": [{c.decoded_token: c.logprob for c in self._top(row)} for row in rows],
+            "top_logprobs": [
+                {c.decoded_token: c.logprob for c in self._top(row, k)} for row in rows
+            ],
             "text_offset": None,
         }
 
     @staticmethod
-    def _top(row: LogprobRow) -> list:
-        return sorted((c for c in row if c.rank is not None and c.rank > 0), key=lambda c: c.rank)
+    def _top(row: LogprobRow, k: int) -> list:
+        """The row's top-k candidates by rank (the sampled token may rank below them)."""
+        return sorted((c for c in row if c.rank is not None and c.rank <= k), key=lambda c: c.rank)
 
 
 def _chat_logprob(row: LogprobRow, top: list) -> dict[str, Any]:

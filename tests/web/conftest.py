@@ -1,4 +1,5 @@
-"""Real servers on 127.0.0.1: `pagedserve serve` in a subprocess, one per module."""
+"""Real servers on 127.0.0.1: `pagedserve serve` in a subprocess (one per session and
+configuration)."""
 
 from __future__ import annotations
 
@@ -93,7 +94,7 @@ def stop_server(server: RunningServer) -> None:
         server.process.wait()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def builtin_server() -> Iterator[RunningServer]:
     """The built-in tiny model (no ../shared needed)."""
     server = start_server()
@@ -101,7 +102,7 @@ def builtin_server() -> Iterator[RunningServer]:
     stop_server(server)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def stories_server() -> Iterator[RunningServer]:
     if not STORIES.is_dir():
         pytest.skip("needs ../shared/models/stories260K")

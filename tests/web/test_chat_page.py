@@ -1,0 +1,195 @@
+"""The chat page at `/` in headless Chromium, driven over the DevTools protocol.
+
+Streams a reply, stops it (the server frees its KV blocks), then runs a second turn.
+Needs a Chromium binary (Debian: `apt-get install chromium`); skipped without one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import queue
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from websockets.asyncio.client import connect
+
+BROWSER = next(
+    (p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None
+)
+pytestmark = pytest.mark.skipif(
+    BROWSER is None, reason="needs Debian chromium (apt-get install chromium)"
+)
+
+
+class Browser:
+    """A headless Chromium process and its DevTools WebSocket URL."""
+
+    def __init__(self, binary: str, profile: Path) -> None:
+        args = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"]
+        args += ["--no-first-run", "--remote-debugging-port=0", f"--user-data-dir={profile}"]
+        self.process = subprocess.Popen(
+            [binary, *args, "about:blank"],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,  # its helper processes share our kill below
+        )
+        self.lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._drain, daemon=True).start()
+
+    def _drain(self) -> None:  # keeps the pipe empty so the browser never blocks on it
+        for line in self.process.stderr:
+            self.lines.put(line)
+
+    def devtools_url(self, timeout: float = 20) -> str:
+        deadline, seen = time.monotonic() + timeout, []
+        while time.monotonic() < deadline:
+            try:
+                line = self.lines.get(timeout=0.2)
+            except queue.Empty:
+                if self.process.poll() is not None:
+                    break
+                continue
+            seen.append(line)
+            if line.startswith("DevTools listening on "):
+                return line.split(" on ", 1)[1].strip()
+        raise RuntimeError("chromium gave no DevTools URL; stderr:\n" + "".join(seen[-20:]))
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.process.wait(10)
+
+
+class Page:
+    """One tab over a flattened DevTools session; events are ignored."""
+
+    def __init__(self, ws, session_id: str) -> None:
+        self.ws, self.session_id, self.next_id = ws, session_id, 0
+
+    @classmethod
+    async def open(cls, ws) -> Page:
+        browser = cls(ws, "")
+        target = await browser.call("Target.createTarget", url="about:blank")
+        attached = await browser.call(
+            "Target.attachToTarget", targetId=target["targetId"], flatten=True
+        )
+        return cls(ws, attached["sessionId"])
+
+    async def call(self, method: str, **params: Any) -> dict[str, Any]:
+        self.next_id += 1
+        command = {"id": self.next_id, "method": method, "params": params}
+        if self.session_id:
+            command["sessionId"] = self.session_id
+        await self.ws.send(json.dumps(command))
+        while True:
+            reply = json.loads(await self.ws.recv())
+            if reply.get("id") == self.next_id and reply.get("sessionId", "") == self.session_id:
+                if "error" in reply:
+                    raise RuntimeError(f"{method}: {reply['error']}")
+                return reply["result"]
+
+    async def eval(self, expression: str) -> Any:
+        result = await self.call(
+            "Runtime.evaluate", expression=expression, returnByValue=True, awaitPromise=True
+        )
+        if "exceptionDetails" in result:
+            raise AssertionError(f"{expression}: {result['exceptionDetails']}")
+        return result["result"].get("value")
+
+    async def wait_for(self, expression: str, timeout: float = 10) -> Any:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            value = await self.eval(expression)
+            if value:
+                return value
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"timed out after {timeout} s waiting for {expression}")
+
+    async def fill(self, selector: str, value: str) -> None:
+        await self.eval(
+            f"(() => {{ const el = document.querySelector({json.dumps(selector)});"
+            f" el.value = {json.dumps(value)};"
+            " el.dispatchEvent(new Event('input', {bubbles: true}));"
+            " el.dispatchEvent(new Event('change', {bubbles: true})); })()"
+        )
+
+    async def click(self, selector: str) -> None:
+        await self.eval(f"document.querySelector({json.dumps(selector)}).click()")
+
+
+ASSISTANT = "document.querySelectorAll('#messages .msg.assistant')"
+LAST_REPLY = f"[...{ASSISTANT}].at(-1)"
+STREAMING = "document.querySelector('#messages [data-streaming=\"true\"]') !== null"
+
+
+@pytest.fixture
+def browser(tmp_path: Path) -> Iterator[Browser]:
+    chromium = Browser(BROWSER, tmp_path / "profile")
+    try:
+        yield chromium
+    finally:
+        chromium.kill()
+
+
+async def wait_metric(server, name: str, value: float, timeout: float = 5) -> None:
+    deadline = time.monotonic() + timeout
+    while (got := await asyncio.to_thread(server.metric, name)) != value:
+        assert time.monotonic() < deadline, f"{name} is {got}, expected {value}"
+        await asyncio.sleep(0.1)
+
+
+async def test_chat_page_streams_stops_and_continues(builtin_server, browser: Browser) -> None:
+    async with connect(browser.devtools_url(), max_size=None, proxy=None) as ws:
+        page = await Page.open(ws)
+        await page.call("Page.navigate", url=builtin_server.http + "/")
+        await page.wait_for("document.readyState === 'complete'")
+        note = "document.getElementById('builtin-note')"
+        await page.wait_for(f"!{note}.hidden && getComputedStyle({note}).display !== 'none'")
+        assert "noise" in await page.eval(f"{note}.textContent")
+        assert await page.eval("document.getElementById('error').hidden")
+
+        # Greedy decoding from this prompt runs the builtin model to max_tokens (no EOS),
+        # a few seconds of streaming on a CPU.
+        await page.fill("#temperature", "0")
+        await page.fill("#max-tokens", "1500")
+        await page.fill("#prompt", "hello there")
+        await page.click("#send")
+        lengths: list[int] = []
+        deadline = time.monotonic() + 10
+        while len(set(lengths)) < 3:
+            assert time.monotonic() < deadline, f"reply did not stream: lengths {lengths}"
+            assert await page.eval(STREAMING), f"reply ended before it streamed: {lengths}"
+            length = await page.eval(f"({LAST_REPLY}?.textContent ?? '').length")
+            assert not lengths or length >= lengths[-1]
+            lengths.append(length)
+            await asyncio.sleep(0.1)
+        assert lengths[-1] > 0
+
+        await page.click("#stop")
+        await page.wait_for(f"!({STREAMING})", timeout=5)
+        assert "(stopped)" in await page.eval(f"{LAST_REPLY}.textContent")
+        await wait_metric(builtin_server, "pagedserve_kv_blocks_used", 0)
+
+        await page.fill("#max-tokens", "20")
+        await page.fill("#prompt", "and again")
+        await page.click("#send")
+        await page.wait_for(f"{ASSISTANT}.length === 2 && !({STREAMING})", timeout=10)
+        users = await page.eval("document.querySelectorAll('#messages .msg.user').length")
+        assert users == 2
+        assert "(stopped)" not in await page.eval(f"{LAST_REPLY}.textContent")
+        assert await page.eval("document.getElementById('error').hidden")
+        roles = await page.eval("transcript.map((m) => m.role)")
+        assert roles == ["user", "assistant", "user", "assistant"]

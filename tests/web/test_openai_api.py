@@ -1,0 +1,122 @@
+"""The official `openai` package against a running server; greedy text equals the
+offline `LLM` on the same weights (the built-in model anywhere, stories260K with
+../shared)."""
+
+from __future__ import annotations
+
+import pytest
+from openai import AsyncOpenAI, BadRequestError
+
+from engine import LLM, SamplingParams
+
+PROMPT = "Once upon a time"
+
+
+@pytest.fixture(params=["builtin", "stories"])
+def served(request):
+    return request.getfixturevalue(f"{request.param}_server")
+
+
+def offline_text(server, prompt: str | None = None, messages=None, max_tokens: int = 16) -> str:
+    from engine.builtin_model import builtin_model_dir
+
+    model = server.model_dir or str(builtin_model_dir())
+    llm = LLM(model=model, kv_cache_memory=16 << 20)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    if messages is not None:
+        return llm.chat(messages, params, use_tqdm=False)[0].outputs[0].text
+    return llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].text
+
+
+def client(server) -> AsyncOpenAI:
+    return AsyncOpenAI(base_url=f"{server.http}/v1", api_key=server.api_key or "none")
+
+
+async def test_completion_greedy_equals_offline(served) -> None:
+    api = client(served)
+    out = await api.completions.create(
+        model=served.model, prompt=PROMPT, max_tokens=16, temperature=0
+    )
+    assert out.choices[0].text == offline_text(served, PROMPT)
+    assert out.choices[0].finish_reason in ("stop", "length")
+    streamed = await api.completions.create(
+        model=served.model,
+        prompt=PROMPT,
+        max_tokens=16,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    text, usage = "", None
+    async for chunk in streamed:
+        if chunk.choices:
+            text += chunk.choices[0].text
+        usage = chunk.usage or usage
+    assert text == out.choices[0].text
+    assert usage.completion_tokens == out.usage.completion_tokens
+
+
+async def test_chat_greedy_equals_offline(served) -> None:
+    api = client(served)
+    messages = [{"role": "user", "content": "Tell me a story."}]
+    out = await api.chat.completions.create(
+        model=served.model, messages=messages, max_tokens=16, temperature=0
+    )
+    assert out.choices[0].message.role == "assistant"
+    assert out.choices[0].message.content == offline_text(served, messages=messages)
+    stream = await api.chat.completions.create(
+        model=served.model, messages=messages, max_tokens=16, temperature=0, stream=True
+    )
+    parts = [c.choices[0].delta.content or "" async for c in stream if c.choices]
+    assert "".join(parts) == out.choices[0].message.content
+
+
+async def test_n2_seed_logprobs_stop(served) -> None:
+    api = client(served)
+    kwargs = dict(model=served.model, prompt=PROMPT, max_tokens=12, temperature=1.0, seed=3)
+    a = await api.completions.create(n=2, logprobs=2, **kwargs)
+    b = await api.completions.create(n=2, logprobs=2, **kwargs)
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]  # seeded: reproducible
+    assert [c.index for c in a.choices] == [0, 1]
+    for choice in a.choices:
+        lp = choice.logprobs
+        assert len(lp.token_logprobs) == len(lp.tokens) > 0
+        assert all(v <= 0 for v in lp.token_logprobs)
+        assert all(len(top) <= 2 for top in lp.top_logprobs)
+    chat = await api.chat.completions.create(
+        model=served.model,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=6,
+        logprobs=True,
+        top_logprobs=3,
+        n=2,
+        seed=5,
+    )
+    assert len(chat.choices) == 2
+    content = chat.choices[0].logprobs.content
+    assert content and all(len(t.top_logprobs) <= 3 for t in content)
+    # stop: the greedy text cut at a substring of itself
+    full = (
+        (
+            await api.completions.create(
+                model=served.model, prompt=PROMPT, max_tokens=16, temperature=0
+            )
+        )
+        .choices[0]
+        .text
+    )
+    stop = full[4:6]
+    if stop.strip():
+        cut = await api.completions.create(
+            model=served.model, prompt=PROMPT, max_tokens=16, temperature=0, stop=[stop]
+        )
+        assert cut.choices[0].text == full[: full.index(stop)]
+        assert cut.choices[0].finish_reason == "stop"
+
+
+async def test_models_and_errors(builtin_server) -> None:
+    api = client(builtin_server)
+    models = await api.models.list()
+    assert [m.id for m in models.data] == [builtin_server.model]
+    with pytest.raises(BadRequestError, match="top_p"):
+        await api.completions.create(model=builtin_server.model, prompt="x", top_p=1.5)

@@ -1,0 +1,90 @@
+"""The async SDK against a real server: streaming, cancel, multiplexing, sessions."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from web.client import AsyncClient, InvalidRequestError
+
+pytestmark = pytest.mark.asyncio(loop_scope="function")
+
+
+async def wait_blocks_free(server, timeout: float = 5.0) -> float:
+    """Seconds until the server reports no KV blocks in use."""
+    start = time.monotonic()
+    while server.metric("pagedserve_kv_blocks_used") != 0:
+        assert time.monotonic() - start < timeout, "blocks still in use"
+        await asyncio.sleep(0.05)
+    return time.monotonic() - start
+
+
+async def test_stream_and_complete(builtin_server) -> None:
+    async with AsyncClient(builtin_server.ws) as client:
+        deltas = [d async for d in client.stream("Once upon a time", max_tokens=12, temperature=0)]
+        assert sum(len(d.token_ids) for d in deltas) == 12
+        result = await client.complete("Once upon a time", max_tokens=12, temperature=0)
+        assert result.finish_reason == "length"
+        assert result.token_ids == [t for d in deltas for t in d.token_ids]
+        assert result.text == "".join(d.text for d in deltas)
+        assert result.usage.completion_tokens == 12 and result.timing["ttft_s"] > 0
+
+
+async def test_cancel_mid_stream_frees_blocks(builtin_server) -> None:
+    async with AsyncClient(builtin_server.ws) as client:
+        stream = client.stream("Hello", max_tokens=1500, ignore_eos=True)
+        n = 0
+        async for delta in stream:
+            n += len(delta.token_ids)
+            if n >= 5:
+                await stream.cancel()
+        assert stream.result.finish_reason == "abort"
+        assert stream.result.usage is None or stream.result.usage.completion_tokens < 1500
+        await wait_blocks_free(builtin_server)
+        # leaving a loop early cancels too
+        async with client.stream("Hello", max_tokens=1500, ignore_eos=True) as s2:
+            async for _ in s2:
+                break
+        await wait_blocks_free(builtin_server)
+
+
+async def test_32_concurrent_requests_equal_running_alone(builtin_server) -> None:
+    prompts = [f"story number {i}:" for i in range(32)]
+    kinds = [dict(temperature=0), dict(temperature=1.0, seed=7)]
+    async with AsyncClient(builtin_server.ws) as client:
+        alone = []
+        for i, p in enumerate(prompts):
+            alone.append(await client.complete(p, max_tokens=16, **kinds[i % 2]))
+        together = await asyncio.gather(
+            *(client.complete(p, max_tokens=16, **kinds[i % 2]) for i, p in enumerate(prompts))
+        )
+    assert [r.token_ids for r in together] == [r.token_ids for r in alone]
+    assert [r.text for r in together] == [r.text for r in alone]
+
+
+async def test_five_turn_session(builtin_server) -> None:
+    async with AsyncClient(builtin_server.ws) as client:
+        chat = client.chat_session(system="You tell short stories.")
+        prompt_sizes, replies = [], []
+        for turn in range(5):
+            stream = chat.send(f"turn {turn}: tell me more", max_tokens=8, temperature=0)
+            text = "".join([d.text async for d in stream])
+            assert stream.result.finish_reason in ("stop", "length")
+            assert stream.result.text == text
+            prompt_sizes.append(stream.result.usage.prompt_tokens)
+            replies.append(stream.result)
+        # each turn's prompt holds the previous prompt, its reply and the new message
+        for k in range(1, 5):
+            grew = prompt_sizes[k] - prompt_sizes[k - 1]
+            assert grew >= replies[k - 1].usage.completion_tokens + len("turn k: tell me more")
+        await chat.close()
+
+
+async def test_validation_error_is_typed_and_connection_survives(builtin_server) -> None:
+    async with AsyncClient(builtin_server.ws) as client:
+        with pytest.raises(InvalidRequestError, match="temperature"):
+            await client.complete("hi", temperature=-1)
+        result = await client.complete("hi", max_tokens=3)
+        assert len(result.token_ids) == 3
