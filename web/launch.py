@@ -1,0 +1,78 @@
+"""Run `pagedserve serve` as a child process and wait until it is healthy (tests,
+benchmarks, scripts that need a real server on 127.0.0.1)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import IO
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`python -m web.cli serve --port PORT *args` with this repository importable.
+
+    `start()` returns once GET /health answers 200 (raises RuntimeError, with the log
+    tail when `log` is a file, if the process exits or the timeout passes); `stop()`
+    sends SIGTERM (the server's graceful shutdown), then SIGKILL after 30 s."""
+
+    def __init__(
+        self,
+        args: list[str],
+        port: int | None = None,
+        env: dict[str, str] | None = None,
+        log: IO[bytes] | None = None,
+    ) -> None:
+        self.port = port or free_port()
+        self.cmd = [sys.executable, "-m", "web.cli", "serve", "--port", str(self.port), *args]
+        self.env = dict(os.environ, PYTHONPATH=str(REPO), **(env or {}))
+        self.log = log
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 120.0) -> None:
+        out = self.log if self.log is not None else None
+        err = subprocess.STDOUT if self.log is not None else None
+        self.proc = subprocess.Popen(self.cmd, cwd=REPO, env=self.env, stdout=out, stderr=err)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}{self._tail()}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=1) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"server not healthy after {timeout:.0f} s{self._tail()}")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def _tail(self, lines: int = 30) -> str:
+        if self.log is None or not hasattr(self.log, "name"):
+            return ""
+        text = Path(self.log.name).read_text(errors="replace").splitlines()[-lines:]
+        return ":\n" + "\n".join(text)
