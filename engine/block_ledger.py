@@ -54,18 +54,16 @@ class BlockLedger:
     def grow(self, seq_id: str, num_tokens: int) -> list[int] | None:
         """`allocate_slots` returning the live table (None: blocks ran out, no change)."""
         table = self._tables.get(seq_id)
-        if table is None:
-            table = []
-        elif -(-num_tokens // self.block_size) <= len(table):
-            return table  # the common decode step: room left in the last block
-        need = -(-num_tokens // self.block_size) - len(table)
+        need = -(-num_tokens // self.block_size) - (0 if table is None else len(table))
+        if need <= 0:
+            return [] if table is None else table  # decode step: room in the last block
         if need > self.num_blocks - self._num_used:
             return None
-        if need:
-            table.extend([PENDING_BLOCK] * need)
-            self._tables[seq_id] = table
-            self._num_used += need
-            self._reservations[seq_id] = num_tokens
+        if table is None:
+            table = self._tables[seq_id] = []
+        table.extend([PENDING_BLOCK] * need)
+        self._num_used += need
+        self._reservations[seq_id] = num_tokens
         return table
 
     def free(self, seq_id: str) -> None:

@@ -357,26 +357,30 @@ class AsyncClient:
             if stream is not None:
                 stream._deliver(event)
             return
-        future = self._waiters.get("pong" if kind == "pong" else kind)
         if kind == "error":  # a connection-level error answers the pending control call
             future = next((f for f in self._waiters.values() if not f.done()), None)
             if future is not None:
                 future.set_exception(_error(event, None))
             return
+        future = self._waiters.get(kind)
         if future is not None and not future.done():
             future.set_result(event)
 
     def _closed_error(self, exc: websockets.ConnectionClosed) -> PagedServeError:
         rcvd = exc.rcvd
-        if rcvd is not None and rcvd.code == 1008:
-            return AuthenticationError(rcvd.reason or "invalid API key")
-        return ConnectionLostError(f"connection to {self.url} lost: {exc}")
+        lost = f"connection to {self.url} lost: {exc}"
+        return _close_error(rcvd and rcvd.code, rcvd and rcvd.reason, lost)
 
     def _closed_error_from(self, ws: Any) -> PagedServeError:
-        code = getattr(ws, "close_code", None)
-        if code == 1008:
-            return AuthenticationError(ws.close_reason or "invalid API key")
-        return ConnectionLostError(f"connection to {self.url} closed (code {code})")
+        lost = f"connection to {self.url} closed (code {ws.close_code})"
+        return _close_error(ws.close_code, ws.close_reason, lost)
+
+
+def _close_error(code: int | None, reason: str | None, lost: str) -> PagedServeError:
+    """1008 (policy: a wrong or missing key) is an auth failure; any other close a loss."""
+    if code == 1008:
+        return AuthenticationError(reason or "invalid API key")
+    return ConnectionLostError(lost)
 
 
 def _error(event: dict[str, Any], request_id: str | None) -> PagedServeError:

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -21,9 +22,8 @@ from engine.messages import LogprobRow, OutputDelta
 from engine.sampling_params import SamplingParams
 from web.errors import ApiError, invalid
 from web.generation import Generator, PromptInput, Timing
-from web.params import SAMPLING_FIELDS, num_choices, sampling_params
+from web.params import SAMPLING_FIELDS, chat_messages, num_choices, sampling_params
 from web.server_config import ServerConfig
-from web.ws_connection import _messages
 
 _COMMON = {"model", "n", "stream", "stream_options", "max_tokens", "logit_bias", "user"}
 _COMMON |= set(SAMPLING_FIELDS)
@@ -95,7 +95,7 @@ class OpenAIRoutes:
             raise invalid("stream_options must be an object", "stream_options")
         base = sampling_params(body, chat=chat, default_max_tokens=self.config.default_max_tokens)
         params = [_with_seed(base, i) for i in range(n)]
-        prompts = [_messages(body.get("messages"))] if chat else _prompts(body.get("prompt"))
+        prompts = [chat_messages(body.get("messages"))] if chat else _prompts(body.get("prompt"))
         top = body.get("top_logprobs") if chat else body.get("logprobs")
         if chat and not body.get("logprobs"):
             top = None
@@ -270,8 +270,6 @@ def _chat_logprob(row: LogprobRow, top: list) -> dict[str, Any]:
 def _with_seed(params: SamplingParams, index: int) -> SamplingParams:
     if index == 0 or params.seed is None:
         return params
-    import dataclasses
-
     return dataclasses.replace(params, seed=params.seed + index)
 
 
@@ -302,7 +300,7 @@ def _finish(out: OutputDelta) -> str | None:
 
 
 def _usage(finals: dict[int, OutputDelta]) -> dict[str, int]:
-    prompt = sum({i: o.num_prompt_tokens for i, o in finals.items()}.values())
+    prompt = sum(o.num_prompt_tokens for o in finals.values())
     completion = sum(o.num_output_tokens for o in finals.values())
     return {
         "prompt_tokens": prompt,

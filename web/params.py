@@ -82,3 +82,20 @@ def _field_of(message: str) -> str | None:
     """SamplingParams errors start with the field name."""
     head = message.split(" ", 1)[0]
     return head if head.isidentifier() else None
+
+
+def chat_messages(value: Any) -> list[dict[str, str]]:
+    """OpenAI chat messages -> [{role, content}] (text content parts joined)."""
+    if not isinstance(value, list) or not value:
+        raise invalid("messages must be a non-empty list of {role, content}", "messages")
+    out = []
+    for i, m in enumerate(value):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str)):
+            raise invalid(f"messages[{i}] must be an object with a role", "messages")
+        content = m.get("content")
+        if isinstance(content, list):  # OpenAI content parts: text only
+            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        if not isinstance(content, str):
+            raise invalid(f"messages[{i}].content must be a string", "messages")
+        out.append({"role": m["role"], "content": content})
+    return out

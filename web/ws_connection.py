@@ -36,7 +36,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from web.errors import ApiError, invalid
 from web.generation import Generator, Timing
-from web.params import SAMPLING_FIELDS, sampling_params
+from web.params import SAMPLING_FIELDS, chat_messages, sampling_params
 from web.sessions import SessionStore
 
 logger = logging.getLogger(__name__)
@@ -221,7 +221,7 @@ class StreamConnection:
         ):
             raise invalid("prompt_token_ids must be a list of ints", "prompt_token_ids")
         if given[0] == "messages":
-            value = _messages(value)
+            value = chat_messages(value)
         return value, None
 
     async def _run(self, rid: str, prompt, params, turn) -> None:
@@ -323,22 +323,6 @@ def _check_params(body: dict[str, Any]) -> dict[str, Any]:
             sorted(unknown)[0],
         )
     return body
-
-
-def _messages(value: Any) -> list[dict[str, str]]:
-    if not isinstance(value, list) or not value:
-        raise invalid("messages must be a non-empty list of {role, content}", "messages")
-    out = []
-    for i, m in enumerate(value):
-        if not (isinstance(m, dict) and isinstance(m.get("role"), str)):
-            raise invalid(f"messages[{i}] must be an object with a role", "messages")
-        content = m.get("content")
-        if isinstance(content, list):  # OpenAI content parts: text only
-            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-        if not isinstance(content, str):
-            raise invalid(f"messages[{i}].content must be a string", "messages")
-        out.append({"role": m["role"], "content": content})
-    return out
 
 
 def _delta_event(rid: str, out) -> dict[str, Any]:
