@@ -8,16 +8,22 @@ with `StepResult.error` set instead of killing the process.
 Run as a process: `python -m actors.worker_actor --engine-args JSON --inbox ADDR
 --scheduler ADDR [--worker-id N] [--null-worker]` (JSON of `EngineArgs` fields; no
 pickle). Each StepResult carries the seconds the step took to execute (`busy_seconds`).
+
+The engine process owns the worker's lifetime: the worker ignores SIGINT (a terminal's
+Ctrl-C reaches the whole process group; the engine's graceful shutdown stops the worker
+with a `Shutdown` message), and exits by itself when the engine process is gone.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -104,11 +110,25 @@ async def serve(
         worker, ready = build(args, worker_id)
         actor = WorkerActor(worker, inbox, scheduler)
         await send_message(scheduler, ready)
-        await actor.run()
+        await _run_while_parent_lives(actor.run(), os.getppid())
     finally:
         inbox.close()
         scheduler.close()
         ctx.term()
+
+
+async def _run_while_parent_lives(run, parent: int, interval: float = 0.5) -> None:
+    """Runs the actor until it stops or the engine process `parent` is gone (then this
+    process was re-parented: an orphan has nobody to serve)."""
+    actor = asyncio.ensure_future(run)
+    while not actor.done():
+        await asyncio.wait({actor}, timeout=interval)
+        if os.getppid() != parent:
+            logger.error("engine process %d is gone; the worker exits", parent)
+            actor.cancel()
+            break
+    with contextlib.suppress(asyncio.CancelledError):
+        await actor
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -125,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO, format=f"worker-{ns.worker_id} %(levelname)s %(message)s"
     )
     args = EngineArgs(**json.loads(ns.engine_args))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine process stops us
     asyncio.run(serve(args, ns.inbox, ns.scheduler, ns.worker_id, ns.null_worker))
     return 0
 

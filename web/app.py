@@ -6,6 +6,7 @@ it down (aborting open requests, stopping the worker) when the server stops.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
@@ -27,7 +28,7 @@ from web.metrics import Metrics
 from web.openai_routes import OpenAIRoutes
 from web.server_config import ServerConfig
 from web.sessions import SessionStore
-from web.ws_connection import StreamConnection, StreamLimits
+from web.ws_connection import SHUTDOWN_CLOSE, StreamConnection, StreamLimits
 
 logger = logging.getLogger(__name__)
 STATIC = Path(__file__).parent / "static"
@@ -58,7 +59,9 @@ def _is_open(path: str) -> bool:
 
 
 class Server:
-    """The app's state: the engine and the web-side objects around it."""
+    """The app's state: the engine and the web-side objects around it.
+
+    `drain()` is the graceful shutdown (run on SIGINT/SIGTERM before the engine stops)."""
 
     def __init__(self, engine: AsyncEngine, config: ServerConfig) -> None:
         self.engine, self.config = engine, config
@@ -68,8 +71,22 @@ class Server:
         self.sessions = SessionStore(config.session_ttl_s, config.session_max_chars)
         self.openai = OpenAIRoutes(self.generator, config)
         self.limits = StreamLimits(config.max_requests_per_connection, config.default_max_tokens)
+        self.connections: set[StreamConnection] = set()
+
+    async def drain(self) -> None:
+        """Refuses new requests, lets the live ones finish within the configured grace,
+        aborts the rest (each stream still ends with its `done` / final chunk), then
+        closes the WebSockets with 1001 (going away)."""
+        grace = self.config.shutdown_grace_s
+        logger.info("draining %d requests (grace %.1f s)", len(self.generator.live), grace)
+        aborted = await self.generator.drain(grace)
+        closing = [c.close(SHUTDOWN_CLOSE, "server shutting down") for c in self.connections]
+        await asyncio.gather(*closing)
+        logger.info("drained: %d requests aborted, %d WebSockets closed", aborted, len(closing))
 
     async def health(self, request: Request) -> Response:
+        if self.generator.draining:
+            return JSONResponse({"status": "draining"}, 503)
         if self.engine.is_healthy:
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "unhealthy", "error": self.engine.error}, 503)
@@ -89,10 +106,17 @@ class Server:
 
     async def stream(self, ws: WebSocket) -> None:
         binary = ws.query_params.get("encoding") == "msgpack"
+        if self.generator.draining:
+            await ws.close(SHUTDOWN_CLOSE)  # refused before the handshake completes
+            return
         conn = StreamConnection(
             ws, self.generator, self.sessions, self.limits, self.config.api_keys, binary
         )
-        await conn.serve()
+        self.connections.add(conn)
+        try:
+            await conn.serve()
+        finally:
+            self.connections.discard(conn)
 
     async def completions(self, request: Request) -> Response:
         return await self.openai.completions(request)

@@ -69,6 +69,13 @@ def _add_serve_parser(sub) -> None:
     serve.add_argument(
         "--pipeline-depth", type=int, default=2, choices=[1, 2], help="2: plan one step ahead"
     )
+    serve.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=5.0,
+        help="seconds in-flight requests get to finish on SIGINT/SIGTERM before they are "
+        "aborted (default 5)",
+    )
 
 
 def _add_chat_parser(sub) -> None:
@@ -122,6 +129,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from engine.config import EngineArgs
     from web.app import create_app
+    from web.draining_server import DrainingServer
     from web.server_config import ServerConfig
 
     builtin = args.model is None
@@ -149,20 +157,20 @@ def _serve(args: argparse.Namespace) -> int:
         session_ttl_s=args.session_ttl,
         session_max_chars=args.session_max_chars,
         pipeline_depth=args.pipeline_depth,
+        shutdown_grace_s=args.shutdown_grace,
     )
     engine_args = EngineArgs(model=args.model, **_engine_kwargs(args))
     engine_args.build()  # configuration errors surface here, before the server starts
     app = create_app(engine_args, config)
-    server = uvicorn.Server(
-        uvicorn.Config(
-            app,
-            host=config.host,
-            port=config.port,
-            ws_max_size=config.max_message_bytes,
-            timeout_graceful_shutdown=5,
-            log_level="info",
-        )
+    uv_config = uvicorn.Config(
+        app,
+        host=config.host,
+        port=config.port,
+        ws_max_size=config.max_message_bytes,
+        timeout_graceful_shutdown=5,  # after the app's own drain (DrainingServer)
+        log_level="info",
     )
+    server = DrainingServer(uv_config, app)
     server.run()
     return 0
 

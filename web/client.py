@@ -44,7 +44,8 @@ class InvalidRequestError(PagedServeError):
 
 
 class OverloadedError(PagedServeError):
-    """The server's queue (or this connection's request cap) is full: retry later."""
+    """The server's queue (or this connection's request cap) is full, or the server is
+    shutting down: retry later (or elsewhere)."""
 
     code = "overloaded"
 
@@ -61,11 +62,18 @@ class ConnectionLostError(PagedServeError):
     code = "connection_lost"
 
 
-_ERRORS = {
+_ERRORS: dict[str, type[PagedServeError]] = {
     cls.code: cls
-    for cls in (AuthenticationError, InvalidRequestError, OverloadedError, NotFoundError)
+    for cls in (
+        AuthenticationError,
+        InvalidRequestError,
+        OverloadedError,
+        NotFoundError,
+        EngineError,
+        ConnectionLostError,
+    )
 }
-_ERRORS |= {"too_many_requests": OverloadedError, "engine_error": EngineError}
+_ERRORS |= {"too_many_requests": OverloadedError, "shutting_down": OverloadedError}
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ STATUS_OF_CODE = {
     "not_found": 404,
     "too_many_requests": 429,
     "overloaded": 503,
+    "shutting_down": 503,
     "engine_error": 500,
 }
 _OPENAI_TYPE = {

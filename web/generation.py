@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -53,18 +54,41 @@ class Admission:
 
 
 class Generator:
-    """Runs requests on the engine for the web routes (HTTP and WebSocket alike)."""
+    """Runs requests on the engine for the web routes (HTTP and WebSocket alike).
+
+    `live` holds the ids of the requests being streamed; after `drain()` starts, new
+    requests are refused with `shutting_down`."""
 
     def __init__(self, engine: AsyncEngine, metrics: Metrics, admission: Admission) -> None:
         self.engine = engine
         self.metrics = metrics
         self.admission = admission
+        self.live: set[str] = set()
+        self.draining = False
+
+    async def drain(self, grace_s: float, poll_s: float = 0.02) -> int:
+        """Refuses new requests, gives the live ones `grace_s` seconds to finish, then
+        aborts the rest (their streams end with finish_reason "abort"); returns how many
+        were aborted."""
+        self.draining = True
+        deadline = time.monotonic() + grace_s
+        while self.live and time.monotonic() < deadline:
+            await asyncio.sleep(poll_s)
+        aborted = list(self.live)
+        for request_id in aborted:
+            await self.engine.abort(request_id)
+        deadline = time.monotonic() + 2.0  # the streams take their abort deltas
+        while self.live and time.monotonic() < deadline:
+            await asyncio.sleep(poll_s)
+        return len(aborted)
 
     async def stream(
         self, prompt: PromptInput, params: SamplingParams, request_id: str, timing: Timing
     ) -> AsyncIterator[OutputDelta]:
         """Yields the engine's deltas; raises ApiError for a refused request (validation,
         overload, an unhealthy engine). Leaving the loop early aborts the request."""
+        if self.draining:
+            raise ApiError("shutting_down", "the server is shutting down; retry elsewhere")
         if not self.engine.is_healthy:
             raise ApiError("engine_error", f"the engine is not healthy: {self.engine.error}")
         try:
@@ -73,6 +97,7 @@ class Generator:
             self.metrics.rejected.labels("overloaded").inc()
             raise
         queued = True
+        self.live.add(request_id)
         try:
             async for out in self.engine.generate(prompt, params, request_id):
                 if out.error is not None and out.num_prompt_tokens == 0 and self.engine.is_healthy:
@@ -84,6 +109,7 @@ class Generator:
                 self._observe(out, timing)
                 yield out
         finally:
+            self.live.discard(request_id)
             if queued:
                 self.admission.leave()
 

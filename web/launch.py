@@ -26,7 +26,9 @@ class ServerProcess:
 
     `start()` returns once GET /health answers 200 (raises RuntimeError, with the log
     tail when `log` is a file, if the process exits or the timeout passes); `stop()`
-    sends SIGTERM (the server's graceful shutdown), then SIGKILL after 30 s."""
+    sends SIGTERM (the server's graceful shutdown), then SIGKILL after 30 s.
+    `own_group`: the server leads a process group of its own (with its worker), as a
+    server started from a terminal does; a terminal's Ctrl-C is SIGINT to that group."""
 
     def __init__(
         self,
@@ -34,11 +36,13 @@ class ServerProcess:
         port: int | None = None,
         env: dict[str, str] | None = None,
         log: IO[bytes] | None = None,
+        own_group: bool = False,
     ) -> None:
         self.port = port or free_port()
         self.cmd = [sys.executable, "-m", "web.cli", "serve", "--port", str(self.port), *args]
         self.env = dict(os.environ, PYTHONPATH=str(REPO), **(env or {}))
         self.log = log
+        self.own_group = own_group
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -48,7 +52,14 @@ class ServerProcess:
     def start(self, timeout: float = 120.0) -> None:
         out = self.log if self.log is not None else None
         err = subprocess.STDOUT if self.log is not None else None
-        self.proc = subprocess.Popen(self.cmd, cwd=REPO, env=self.env, stdout=out, stderr=err)
+        self.proc = subprocess.Popen(
+            self.cmd,
+            cwd=REPO,
+            env=self.env,
+            stdout=out,
+            stderr=err,
+            start_new_session=self.own_group,
+        )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -24,10 +24,13 @@ class ServerConfig:
     session_ttl_s: float = 1800.0
     session_max_chars: int = 32_000
     pipeline_depth: int = 2
+    shutdown_grace_s: float = 5.0  # in-flight requests' time to finish on SIGINT/SIGTERM
 
     def __post_init__(self) -> None:
         for name in ("max_queued_requests", "max_requests_per_connection", "max_message_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.shutdown_grace_s <= 3600:
+            raise ValueError(f"shutdown_grace_s must be in [0, 3600], got {self.shutdown_grace_s}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")

@@ -43,6 +43,8 @@ logger = logging.getLogger(__name__)
 _conn_ids = itertools.count()
 MAX_ID_LEN = 128
 MAX_CONTROL_EVENTS = 1024  # unsent non-delta events before a connection is closed
+SLOW_READER_CLOSE = 4008  # close code: the client left MAX_CONTROL_EVENTS events unread
+SHUTDOWN_CLOSE = 1001  # close code ("going away"): the server is shutting down
 GENERATE_KEYS = {"type", "id", "prompt", "messages", "prompt_token_ids", "session_id"}
 GENERATE_KEYS |= {"message", "params"}
 
@@ -56,14 +58,21 @@ class StreamLimits:
 
 
 class EventBuffer:
-    """Events waiting for a slow client, in order; a request's unsent deltas coalesce."""
+    """Events waiting for a slow client, in order; a request's unsent deltas coalesce.
+
+    Deltas merge, so only the other events (done, error, pong, session) can pile up:
+    past MAX_CONTROL_EVENTS of them `push` refuses (returns False) from then on, and the
+    connection is closed with SLOW_READER_CLOSE."""
 
     def __init__(self) -> None:
         self.events: deque[dict[str, Any]] = deque()
         self.open_delta: dict[str, dict[str, Any]] = {}  # id -> its unsent delta event
         self.ready = asyncio.Event()
+        self.overflowed = False
 
-    def push(self, event: dict[str, Any]) -> None:
+    def push(self, event: dict[str, Any]) -> bool:
+        if self.overflowed:
+            return False
         rid = event.get("id")
         if event["type"] == "delta":
             pending = self.open_delta.get(rid)
@@ -72,14 +81,16 @@ class EventBuffer:
                 pending["token_ids"] += event["token_ids"]
                 if "logprobs" in event:
                     pending.setdefault("logprobs", []).extend(event["logprobs"])
-                return
+                return True
             self.open_delta[rid] = event
         else:
             self.open_delta.pop(rid, None)  # later deltas must not merge before this
-            if len(self.events) - len(self.open_delta) > MAX_CONTROL_EVENTS:
-                raise ApiError("too_many_requests", "client is not reading its events")
+            if len(self.events) - len(self.open_delta) >= MAX_CONTROL_EVENTS:
+                self.overflowed = True
+                return False
         self.events.append(event)
         self.ready.set()
+        return True
 
     def pop(self) -> dict[str, Any] | None:
         if not self.events:
@@ -109,19 +120,42 @@ class StreamConnection:
         self.buffer = EventBuffer()
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self.authorized = not api_keys or _bearer(ws.headers.get("authorization")) in api_keys
+        self.closing = False
+        self._writer: asyncio.Task[None] | None = None
+        self._closer: asyncio.Task[None] | None = None
 
     async def serve(self) -> None:
+        """Runs until the client disconnects or `close()` is called."""
         await self.ws.accept()
-        writer = asyncio.create_task(self._write())
+        self._writer = asyncio.create_task(self._write())
         try:
             await self._read()
         finally:
-            for task in self.tasks.values():
-                task.cancel()  # their generators abort the engine requests
-            await asyncio.gather(*self.tasks.values(), return_exceptions=True)
-            writer.cancel()
+            await self._cancel_requests()
+            self._writer.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
-                await writer
+                await self._writer
+
+    async def close(self, code: int, reason: str, flush_s: float = 1.0) -> None:
+        """Ends the connection: open requests are aborted (each gets its `done` with
+        finish_reason "abort"), the events already queued get `flush_s` seconds to
+        reach the client, then the socket closes with `code`."""
+        if self.closing:
+            return
+        self.closing = True
+        await self._cancel_requests()
+        self.buffer.ready.set()
+        if self._writer is not None:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await asyncio.wait_for(asyncio.shield(self._writer), flush_s)
+            self._writer.cancel()
+        with contextlib.suppress(Exception):
+            await self.ws.close(code, reason)
+
+    async def _cancel_requests(self) -> None:
+        for task in self.tasks.values():
+            task.cancel()  # their generators abort the engine requests
+        await asyncio.gather(*self.tasks.values(), return_exceptions=True)
 
     # -- reading -----------------------------------------------------------------
     async def _read(self) -> None:
@@ -130,7 +164,7 @@ class StreamConnection:
                 frame = await self.ws.receive()
             except (WebSocketDisconnect, RuntimeError):
                 return
-            if frame["type"] == "websocket.disconnect":
+            if frame["type"] == "websocket.disconnect" or self.closing:
                 return
             try:
                 message = _parse(frame)
@@ -249,7 +283,7 @@ class StreamConnection:
                         done["session_id"] = turn[0].session_id
                     self._emit(done)
         except asyncio.CancelledError:
-            self._emit_safe(
+            self._emit(
                 {
                     "type": "done",
                     "id": rid,
@@ -260,10 +294,10 @@ class StreamConnection:
                 }
             )
         except ApiError as err:
-            self._emit_safe(err.event(rid))
+            self._emit(err.event(rid))
         except Exception as exc:  # noqa: BLE001 - one request's failure stays its own
             logger.exception("request %s failed", rid)
-            self._emit_safe(ApiError("engine_error", str(exc)).event(rid))
+            self._emit(ApiError("engine_error", str(exc)).event(rid))
         finally:
             self.tasks.pop(rid, None)
             if turn is not None:
@@ -271,13 +305,14 @@ class StreamConnection:
 
     # -- writing -----------------------------------------------------------------
     def _emit(self, event: dict[str, Any]) -> None:
-        self.buffer.push(event)
-
-    def _emit_safe(self, event: dict[str, Any]) -> None:
-        with contextlib.suppress(ApiError):
-            self.buffer.push(event)
+        if not self.buffer.push(event) and self._closer is None:
+            logger.warning("%s: client is not reading its events; closing", self.prefix)
+            reason = f"client left {MAX_CONTROL_EVENTS} events unread"
+            self._closer = asyncio.create_task(self.close(SLOW_READER_CLOSE, reason, 0.0))
 
     async def _write(self) -> None:
+        """Sends the buffered events at the client's pace; after `close()` starts, ends
+        once the buffer is empty."""
         while True:
             await self.buffer.ready.wait()
             while (event := self.buffer.pop()) is not None:
@@ -285,6 +320,8 @@ class StreamConnection:
                     await self.ws.send_bytes(msgpack.packb(event, use_bin_type=True))
                 else:
                     await self.ws.send_text(json.dumps(event, ensure_ascii=False))
+            if self.closing:
+                return
 
 
 def _parse(frame: dict[str, Any]) -> dict[str, Any]:

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from web.client import AsyncClient, InvalidRequestError
+from web.client import AsyncClient, ConnectionLostError, InvalidRequestError
 
 pytestmark = pytest.mark.asyncio(loop_scope="function")
 
@@ -88,3 +88,64 @@ async def test_validation_error_is_typed_and_connection_survives(builtin_server)
             await client.complete("hi", temperature=-1)
         result = await client.complete("hi", max_tokens=3)
         assert len(result.token_ids) == 3
+
+
+class TcpProxy:
+    """Forwards 127.0.0.1:port to the server; `cut()` drops every open connection, as a
+    network blip would, while new connections still go through."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.writers: list[asyncio.StreamWriter] = []
+        self.server: asyncio.Server | None = None
+
+    async def __aenter__(self) -> TcpProxy:
+        self.server = await asyncio.start_server(self._pipe_both, "127.0.0.1", 0)
+        self.port = self.server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.cut()
+        self.server.close()
+
+    def cut(self) -> None:
+        for writer in self.writers:
+            writer.transport.abort()
+        self.writers.clear()
+
+    async def _pipe_both(self, reader, writer) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        self.writers += [writer, up_writer]
+        await asyncio.gather(
+            self._pipe(reader, up_writer), self._pipe(up_reader, writer), return_exceptions=True
+        )
+
+    @staticmethod
+    async def _pipe(reader, writer) -> None:
+        try:
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+        finally:
+            writer.transport.abort()
+
+
+@pytest.mark.parametrize("reconnect", [True, False])
+async def test_lost_connection_fails_in_flight_and_reconnects_for_new(
+    builtin_server, reconnect: bool
+) -> None:
+    async with TcpProxy(builtin_server.port) as proxy:
+        url = f"ws://127.0.0.1:{proxy.port}"
+        async with AsyncClient(url, reconnect=reconnect) as client:
+            expected = await client.complete("Once", max_tokens=8, temperature=0)
+            stream = client.stream("Hello", max_tokens=1500, ignore_eos=True)
+            with pytest.raises(ConnectionLostError):
+                async for _ in stream:
+                    proxy.cut()
+            await wait_blocks_free(builtin_server)  # the server aborted it
+            if reconnect:
+                again = await client.complete("Once", max_tokens=8, temperature=0)
+                assert again.token_ids == expected.token_ids
+            else:
+                with pytest.raises(ConnectionLostError):
+                    await client.complete("Once", max_tokens=8, temperature=0)
