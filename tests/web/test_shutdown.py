@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -158,9 +159,19 @@ async def test_worker_exits_when_the_server_process_is_killed() -> None:
     server.start(timeout=120)
     workers = children_of(server.proc.pid)
     assert workers
-    server.proc.kill()  # no graceful shutdown: the worker is orphaned
-    server.proc.wait()
-    deadline = time.monotonic() + 5
-    while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
-        await asyncio.sleep(0.1)
-    assert not any(alive(pid) for pid in workers), "an orphaned worker kept running"
+    run_dirs = {Path(a.split("://", 1)[1]).parent for a in ipc_addresses(workers)}
+    try:
+        server.proc.kill()  # no graceful shutdown: the worker is orphaned
+        server.proc.wait()
+        deadline = time.monotonic() + 5
+        while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        assert not any(alive(pid) for pid in workers), "an orphaned worker kept running"
+    finally:
+        for run_dir in run_dirs:  # the killed server could not remove its socket dir
+            shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def ipc_addresses(pids: list[int]) -> list[str]:
+    args = [a for pid in pids for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")]
+    return [a.decode() for a in args if a.startswith(b"ipc://")]
