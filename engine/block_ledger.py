@@ -51,6 +51,15 @@ class BlockLedger:
     def allocate_slots(self, seq_id: str, num_tokens: int) -> bool:
         return self.grow(seq_id, num_tokens) is not None
 
+    # The prefix cache is not mirrored yet: the actor engine computes every prompt.
+    enable_prefix_caching = False
+
+    def match_prefix(self, seq_id: str, token_ids) -> int:
+        return 0
+
+    def cache_computed(self, seq_id: str, tokens, num_computed: int) -> None:
+        pass
+
     def grow(self, seq_id: str, num_tokens: int) -> list[int] | None:
         """`allocate_slots` returning the live table (None: blocks ran out, no change)."""
         table = self._tables.get(seq_id)

@@ -88,6 +88,7 @@ class CacheConfig:
         None  # bytes, CPU (default: min(2 GiB, max_num_seqs full sequences))
     )
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of total device memory
+    enable_prefix_caching: bool = True  # reuse cached full blocks across requests
 
     def __post_init__(self) -> None:
         if not 1 <= self.block_size <= 1024:
@@ -162,6 +163,7 @@ class EngineArgs:
     device: str | None = None
     attention_backend: str = "auto"
     skip_tokenizer_init: bool = False
+    enable_prefix_caching: bool = True
 
     def build(self) -> EngineConfig:
         from engine.model_loader import build_model_config
@@ -176,7 +178,12 @@ class EngineArgs:
         )
         return EngineConfig(
             model=model_config,
-            cache=CacheConfig(self.block_size, self.kv_cache_memory, self.gpu_memory_utilization),
+            cache=CacheConfig(
+                self.block_size,
+                self.kv_cache_memory,
+                self.gpu_memory_utilization,
+                self.enable_prefix_caching,
+            ),
             scheduler=scheduler,
             device=DeviceConfig(device, self.attention_backend),
             tokenizer=self.tokenizer,

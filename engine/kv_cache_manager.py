@@ -1,25 +1,47 @@
-"""Block tables: which physical blocks hold each sequence's tokens."""
+"""Block tables: which physical blocks hold each sequence's tokens, and which are shared."""
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 
 from engine.block_pool import BlockPool
+from engine.prefix_hash import BlockHash, TokenSlice, extend_hashes
+
+BlockCopy = tuple[int, int]  # (source block id, destination block id)
 
 
 class KVCacheManager:
-    """Owns every sequence's block table and allocates blocks on demand.
+    """Owns every sequence's block table; allocates, shares and caches blocks.
 
-    Protocol: `allocate_slots(seq_id, num_tokens)` makes the table large enough for
-    `num_tokens` tokens (all or nothing, False when blocks run out); `free(seq_id)`
-    returns the table's blocks at once. A table never holds a block beyond what its
-    tokens need, so waste per sequence stays below one block.
+    The primitives every decoding algorithm is built from:
+    - `grow(seq_id, num_tokens)`: the table holds `num_tokens` tokens (all or nothing;
+      None when blocks run out). A table never holds a block beyond what its tokens
+      need, so waste per sequence stays below one block.
+    - `fork(parent, child)`: the child's table is the parent's, every block shared.
+    - `copy_on_write(seq_id, start)`: before a step writes positions >= `start`, every
+      shared block it would write is replaced by a private copy; the (src, dst) pairs are
+      for the worker to copy, all of a step in one batched operation.
+    - `free(seq_id)`: one owner fewer for each block of the table.
+
+    With prefix caching, full computed blocks are registered under their prefix hash
+    (`cache_computed`), and a new sequence's table starts with every cached block its
+    tokens match (`match_prefix`), so those tokens are not computed again.
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = False,
+        extra_key: int = 0,
+    ) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
+        self.enable_prefix_caching = enable_prefix_caching
+        self.extra_key = extra_key
         self._tables: dict[str, list[int]] = {}
+        self._hashes: dict[str, list[BlockHash]] = {}  # hashes of the leading full blocks
 
     @property
     def num_blocks(self) -> int:
@@ -38,6 +60,7 @@ class KVCacheManager:
     def num_new_blocks(self, seq_id: str, num_tokens: int) -> int:
         return max(0, self.blocks_for(num_tokens) - len(self.block_table(seq_id)))
 
+    # -- the primitives ------------------------------------------------------------------
     def allocate_slots(self, seq_id: str, num_tokens: int) -> bool:
         """Grows the table to hold `num_tokens` tokens; False (nothing changed) if it can't."""
         return self.grow(seq_id, num_tokens) is not None
@@ -52,17 +75,98 @@ class KVCacheManager:
             table.extend(self.pool.allocate(need))
         return table
 
-    def free(self, seq_id: str) -> None:
-        table = self._tables.pop(seq_id, None)
-        if table:
-            self.pool.free(table)
+    def fork(self, parent_id: str, child_id: str) -> list[int]:
+        """A new sequence sharing every block of `parent_id` (ref counts up)."""
+        if child_id in self._tables:
+            raise ValueError(f"sequence {child_id!r} already has a block table")
+        table = list(self.block_table(parent_id))
+        self.pool.fork(table)
+        self._tables[child_id] = table
+        self._hashes[child_id] = list(self._hashes.get(parent_id, ()))
+        return table
 
+    def copy_on_write(self, seq_id: str, start: int) -> list[BlockCopy] | None:
+        """Gives `seq_id` private copies of the shared blocks holding positions >= `start`;
+        the copies to make, or None (nothing changed) when blocks run out."""
+        table = self._tables.get(seq_id)
+        if not table:
+            return []
+        ref = self.pool.ref_count
+        shared = [i for i in range(start // self.block_size, len(table)) if ref(table[i]) > 1]
+        if not self.pool.can_allocate(len(shared)):
+            return None
+        copies = []
+        for i, dst in zip(shared, self.pool.allocate(len(shared)), strict=True):
+            src = table[i]
+            self.pool.free([src])  # still owned by the other tables
+            table[i] = dst
+            copies.append((src, dst))
+        return copies
+
+    def free(self, seq_id: str) -> None:
+        """Drops the table. Its tail blocks go first, so under memory pressure a cached
+        prefix's later blocks are evicted before its earlier (more shared) ones."""
+        table = self._tables.pop(seq_id, None)
+        self._hashes.pop(seq_id, None)
+        if table:
+            self.pool.free(reversed(table))
+
+    # -- the prefix cache ------------------------------------------------------------------
+    def match_prefix(self, seq_id: str, token_ids: Sequence[int]) -> int:
+        """Starts the (empty) table of `seq_id` with the cached blocks matching the start
+        of `token_ids`; returns how many tokens they hold. The block holding the last
+        token is never matched: its logits must be computed. `free(seq_id)` undoes it."""
+        if not self.enable_prefix_caching or seq_id in self._tables:
+            return 0
+        hashes: list[BlockHash] = []
+        last = len(token_ids) - 1
+        extend_hashes(hashes, lambda a, b: token_ids[a:b], last, self.block_size, self.extra_key)
+        hits = []
+        for h in hashes:
+            block = self.pool.lookup(h)
+            if block is None:
+                break
+            hits.append(block)
+        if hits:
+            self.pool.touch(hits)
+            self._tables[seq_id] = hits
+            self._hashes[seq_id] = hashes[: len(hits)]
+        return len(hits) * self.block_size
+
+    def cache_computed(self, seq_id: str, tokens: TokenSlice, num_computed: int) -> None:
+        """Registers the blocks of `seq_id` that its first `num_computed` tokens (computed:
+        their KV is in the cache; `tokens(start, end)` gives their ids) have filled since
+        the last call."""
+        if not self.enable_prefix_caching:
+            return
+        table = self._tables.get(seq_id)
+        if not table:
+            return
+        hashes = self._hashes.setdefault(seq_id, [])
+        num_full = min(num_computed, len(table) * self.block_size)
+        if num_full // self.block_size <= len(hashes):
+            return  # no block filled since the last call
+        first = len(hashes)
+        new = extend_hashes(hashes, tokens, num_full, self.block_size, self.extra_key)
+        for i, h in enumerate(new, first):
+            self.pool.cache(table[i], h)  # False: another block holds it; this one stays
+
+    def reset_prefix_cache(self) -> int:
+        """Forgets every cached prefix; returns how many blocks were dropped from it."""
+        return self.pool.reset_prefix_cache()
+
+    # -- accounting ---------------------------------------------------------------------------
     def num_allocated_slots(self) -> int:
         return sum(len(t) for t in self._tables.values()) * self.block_size
 
+    def num_table_blocks(self) -> int:
+        """Blocks the tables would hold with no sharing at all."""
+        return sum(len(t) for t in self._tables.values())
+
     def check_integrity(self, num_tokens: dict[str, int] | None = None) -> None:
-        """Every block is free or owned, ref counts match the tables, and (given each
-        sequence's stored token count) every table is exactly as long as it needs."""
+        """Every block is free, cached, or referenced exactly as many times as block
+        tables hold it, and (given each sequence's stored token count) every table is
+        exactly as long as it needs."""
         owners: Counter[int] = Counter()
         for table in self._tables.values():
             owners.update(table)
@@ -70,3 +174,5 @@ class KVCacheManager:
         for seq_id, n in (num_tokens or {}).items():
             have = len(self.block_table(seq_id))
             assert have == self.blocks_for(n), f"{seq_id}: {have} blocks for {n} tokens"
+        for seq_id, hashes in self._hashes.items():
+            assert len(hashes) <= len(self.block_table(seq_id)), f"{seq_id}: hashes past table"

@@ -63,6 +63,10 @@ class LLM:
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
+    def reset_prefix_cache(self) -> int:
+        """Forgets every cached prefix; returns how many cached blocks were dropped."""
+        return self.engine.reset_prefix_cache()
+
     def _run(
         self, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool
     ) -> list[RequestOutput]:

@@ -49,7 +49,7 @@ class LLMEngine:
         )
         num_blocks = self.runner.num_blocks()
         self.runner.initialize_cache(num_blocks)
-        kv = KVCacheManager(num_blocks, config.cache.block_size)
+        kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, kv)
         self.stop_checker = StopChecker()
         self.utilization = SlotUtilization()
@@ -232,4 +232,13 @@ class LLMEngine:
             num_steps=self.num_steps,
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
+            prefix_cache_queried_tokens=self.scheduler.prefix_stats.queried_tokens,
+            prefix_cache_hit_tokens=self.scheduler.prefix_stats.hit_tokens,
+            num_cached_blocks=kv.pool.num_cached,
+            num_cache_evictions=kv.pool.num_evictions,
         )
+
+    def reset_prefix_cache(self) -> int:
+        """Forgets every cached prefix (later requests compute their prompts in full);
+        returns how many cached blocks were dropped."""
+        return self.scheduler.kv_cache.reset_prefix_cache()

@@ -10,6 +10,7 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.policies import LatestArrivalFirst, PreemptionPolicy
 from engine.request import Request, RequestStatus
 from engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from engine.stats import PrefixCacheStats
 from engine.stop_checker import max_num_tokens
 
 
@@ -22,6 +23,11 @@ class Scheduler:
     the front, are re-admitted before anything new). When a running request cannot get
     its blocks, the preemption policy picks a victim whose blocks are all freed; it is
     recomputed later from its known tokens.
+
+    With prefix caching (`kv_cache.enable_prefix_caching`), an admitted request starts
+    with the cached blocks its known tokens match, counted as computed; and every block
+    a step fills is registered once its tokens are known (at once in the synchronous
+    engine). Requests asking for prompt logprobs compute their whole prompt.
     """
 
     def __init__(
@@ -37,6 +43,7 @@ class Scheduler:
         self.running: list[Request] = []  # sorted by arrival_index
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.prefix_stats = PrefixCacheStats()
         self._step_id = 0
 
     # -- queue ---------------------------------------------------------------------
@@ -114,16 +121,32 @@ class Scheduler:
             request = self.waiting[0]
             if self._at_limit(request):
                 break  # its pending result will finish it; FCFS keeps the rest waiting
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
-            table = self.kv_cache.grow(request.request_id, n)
+            computed = self._match_prefix(request)
+            n = min(request.num_tokens - computed, budget)
+            table = self.kv_cache.grow(request.request_id, computed + n)
             if table is None:
+                self.kv_cache.free(request.request_id)  # gives the prefix hits back
                 break
             self.waiting.popleft()
+            if self.kv_cache.enable_prefix_caching:
+                self.prefix_stats.record(request.num_tokens, computed)
+            request.num_computed_tokens = computed
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=lambda r: r.arrival_index)
-            admitted.append(ScheduledRequest(request, request.num_computed_tokens, n, table))
+            admitted.append(ScheduledRequest(request, computed, n, table))
             budget -= n
         return admitted
+
+    def _match_prefix(self, request: Request) -> int:
+        """Tokens of `request` already in cached blocks (0 without prefix caching)."""
+        if (
+            request.num_computed_tokens
+            or not self.kv_cache.enable_prefix_caching
+            or request.params.prompt_logprobs is not None
+        ):
+            return request.num_computed_tokens
+        tokens = request.token_ids(0, request.num_tokens)
+        return self.kv_cache.match_prefix(request.request_id, tokens)
 
     def _at_limit(self, request: Request) -> bool:
         """Known tokens (sampled or still pending) already reach the length limit:
@@ -145,10 +168,12 @@ class Scheduler:
         ahead: then every row that samples also gets `placeholder` as its next output,
         for the result to fill in)."""
         running = RequestStatus.RUNNING
+        cache_computed = self.kv_cache.cache_computed
         for request, computed, n, _ in plan.scheduled:
             if request.status == running:
                 request.num_computed_tokens = computed + n
             if placeholder is None:
+                cache_computed(request.request_id, request.token_ids, computed + n)
                 continue
             outputs = request.output_token_ids
             if computed + n == len(request.prompt_token_ids) + len(outputs):

@@ -1,4 +1,4 @@
-"""Engine statistics: KV block usage, slot utilization, preemptions."""
+"""Engine statistics: KV block usage, slot utilization, preemptions, prefix cache hits."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class EngineStats:
     """A snapshot. `kv_slot_utilization` = token slots holding real tokens / slots
-    allocated, now; `mean_kv_slot_utilization` is the same ratio summed over all steps."""
+    allocated, now; `mean_kv_slot_utilization` is the same ratio summed over all steps.
+    Prefix cache: prompt tokens looked up / found, cached blocks now, evictions so far."""
 
     num_blocks: int
     num_used_blocks: int
@@ -19,6 +20,15 @@ class EngineStats:
     num_steps: int
     num_running: int
     num_waiting: int
+    prefix_cache_queried_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
+    num_cached_blocks: int = 0
+    num_cache_evictions: int = 0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        q = self.prefix_cache_queried_tokens
+        return self.prefix_cache_hit_tokens / q if q else 0.0
 
 
 class SlotUtilization:
@@ -38,3 +48,20 @@ class SlotUtilization:
     @property
     def mean(self) -> float:
         return self.tokens / self.slots if self.slots else 1.0
+
+
+@dataclass
+class PrefixCacheStats:
+    """Tokens of admitted requests looked up in the prefix cache, and how many were
+    found there (so not computed)."""
+
+    queried_tokens: int = 0
+    hit_tokens: int = 0
+
+    def record(self, queried: int, hit: int) -> None:
+        self.queried_tokens += queried
+        self.hit_tokens += hit
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0

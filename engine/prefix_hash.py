@@ -1,0 +1,40 @@
+"""Prefix hashes: the identity of a full block's KV, chained from the block before it.
+
+Two blocks hold the same KV exactly when they hold the same tokens at the same
+positions after the same earlier tokens, under the same model; so a block's hash covers
+its own token ids, its parent's hash (which covers everything before it) and an
+`extra_key` for whatever else changes the KV (model, revision, dtype). The hash of
+a tuple of ints is the same in every process (no hash randomization for ints), which
+the block manager actor's replica relies on. It is 64 bits: two different prefixes
+collide with odds about n^2 / 2^65 for n cached blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+BlockHash = int
+TokenSlice = Callable[[int, int], Sequence[int]]  # (start, end) -> those token ids
+
+
+def hash_block(parent: BlockHash | None, token_ids: tuple[int, ...], extra_key: int) -> BlockHash:
+    return hash((parent, token_ids, extra_key))
+
+
+def extend_hashes(
+    hashes: list[BlockHash],
+    tokens: TokenSlice,
+    num_tokens: int,
+    block_size: int,
+    extra_key: int,
+) -> list[BlockHash]:
+    """Appends to `hashes` (the chain of the first len(hashes) blocks) the hash of every
+    further block that the first `num_tokens` tokens fill; returns the new ones."""
+    new = []
+    parent = hashes[-1] if hashes else None
+    for i in range(len(hashes), num_tokens // block_size):
+        block = tuple(tokens(i * block_size, (i + 1) * block_size))
+        parent = hash_block(parent, block, extra_key)
+        new.append(parent)
+    hashes.extend(new)
+    return new
