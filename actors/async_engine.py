@@ -50,7 +50,7 @@ CLIENT_ID = "async-engine"
 
 @dataclass(frozen=True)
 class EngineStatsSnapshot:
-    """What `AsyncEngine.stats()` reports."""
+    """What `AsyncEngine.stats()` reports (free blocks include cached ones nobody holds)."""
 
     num_blocks: int
     num_free_blocks: int
@@ -58,6 +58,15 @@ class EngineStatsSnapshot:
     num_waiting: int
     num_preemptions: int
     num_steps: int
+    prefix_cache_queried_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
+    num_cached_blocks: int = 0
+    num_cache_evictions: int = 0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        q = self.prefix_cache_queried_tokens
+        return self.prefix_cache_hit_tokens / q if q else 0.0
 
 
 class AsyncEngine:
@@ -102,8 +111,13 @@ class AsyncEngine:
             shutil.rmtree(self._run_dir, ignore_errors=True)
             raise
         config = args.build()  # reads config.json only; the worker holds the weights
+        caching = config.cache.enable_prefix_caching
         core = EngineCore(
-            config.scheduler, ready.num_blocks, ready.block_size, config.model.eos_token_ids
+            config.scheduler,
+            ready.num_blocks,
+            ready.block_size,
+            config.model.eos_token_ids,
+            caching,
         )
         tokenizer = Tokenizer(load_tokenizer(args.tokenizer or config.model.model_dir))
         to_tokenizer, tokenizer_inbox = inproc_pair()
@@ -112,7 +126,7 @@ class AsyncEngine:
         to_replies, replies_inbox = inproc_pair()
         self._to_worker = zmq_outbox(self._ctx, worker_address)
         self.block_manager = BlockManagerActor(
-            BlockManager(ready.num_blocks, ready.block_size), blocks_inbox, to_replies
+            BlockManager(ready.num_blocks, ready.block_size, caching), blocks_inbox, to_replies
         )
         self.scheduler = SchedulerActor(
             core,
@@ -180,6 +194,10 @@ class AsyncEngine:
             len(s.waiting),
             s.num_preemptions,
             self.scheduler.num_steps,
+            s.prefix_stats.queried_tokens,
+            s.prefix_stats.hit_tokens,
+            blocks.kv_cache.pool.num_cached,
+            blocks.kv_cache.pool.num_evictions,
         )
 
     async def shutdown(self, timeout: float = 10.0) -> None:

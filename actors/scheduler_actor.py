@@ -2,7 +2,7 @@
 
 After every message it tops the pipeline up: while fewer than `pipeline_depth` plans are
 in flight and the core has work, it plans a step, exchanges that step's block traffic
-with the block manager (one ReserveBlocks out, one BlocksReserved back, on a reply inbox
+with the block manager (one ApplyBlockOps out, one BlockOpsApplied back, on a reply inbox
 of its own), and sends the plan to every worker. Depth 2 is scheduling one step ahead
 (plan N+1 goes out before result N is back); depth 1 is the synchronous mode, kept so
 the two can be compared. Frees of requests that ended are exchanged before the actor
@@ -118,7 +118,7 @@ class SchedulerActor(Actor):
                 frame = await self.block_replies.recv()
         except TimeoutError:
             raise BlockManagerTimeout(
-                f"no answer to block exchange {traffic.step_id} in {self.reply_timeout:g} s"
+                f"no answer to block exchange {traffic.exchange_id} in {self.reply_timeout:g} s"
             ) from None
         self.core.on_blocks_reserved(self.reply_decoder.decode(frame))
         self.num_exchanges += 1

@@ -100,12 +100,13 @@ class Rig:
         ready, _ = await await_ready(inbox, decoder, WorkerReady, 300, sender="worker")
         config = self.args.build()
         eos = config.model.eos_token_ids
-        core = EngineCore(config.scheduler, ready.num_blocks, ready.block_size, eos)
+        caching = config.cache.enable_prefix_caching  # as served: on by default
+        core = EngineCore(config.scheduler, ready.num_blocks, ready.block_size, eos, caching)
         to_sink, self.sink_inbox = inproc_pair()
         to_blocks, blocks_inbox = inproc_pair()
         to_replies, replies_inbox = inproc_pair()
         self.blocks = BlockManagerActor(
-            BlockManager(ready.num_blocks, ready.block_size), blocks_inbox, to_replies
+            BlockManager(ready.num_blocks, ready.block_size, caching), blocks_inbox, to_replies
         )
         self.to_worker = zmq_outbox(self.ctx, work)
         self.scheduler = SchedulerActor(

@@ -1,133 +1,121 @@
-"""The scheduler's mirror of the block manager: counts blocks now, learns their ids later."""
+"""The scheduler's replica of the block manager's tables, and the log of its changes."""
 
 from __future__ import annotations
 
-from engine.messages import BlockReservation, BlocksReserved, ReserveBlocks
-
-PENDING_BLOCK = -1
+from engine.block_ops import CACHE, COW, FORK, FREE, GROW, MATCH, RESET
+from engine.kv_cache_manager import BlockCopy, KVCacheManager
+from engine.messages import ApplyBlockOps, BlockOp, BlockOpsApplied
+from engine.prefix_hash import BlockHash
 
 
 class BlockLedgerError(RuntimeError):
-    """The block manager's answer disagrees with the ledger (a bug, never load)."""
+    """The block manager's account disagrees with the replica (a bug, never load)."""
 
 
-class BlockLedger:
-    """Stands in for a `KVCacheManager` inside the scheduler when the blocks live in a
-    block manager actor.
+class BlockLedger(KVCacheManager):
+    """A `KVCacheManager` inside the scheduler that logs every change it makes.
 
-    It offers the same calls the scheduler makes (`grow`, `allocate_slots`, `free`,
-    `block_table`, `num_free_blocks`) and makes the same decisions, because it does the
-    same arithmetic on block counts; but a new block shows up as `PENDING_BLOCK` until the
-    block manager names it. Everything that changed since the last exchange is that
-    exchange's traffic: `take_traffic()` packs it into ONE `ReserveBlocks` (frees, then
-    the latest reservation per sequence), `apply(reply)` fills the pending ids in.
-
-    The block manager runs the frees before the reservations, so at every reservation it
-    has at least as many free blocks as the ledger had when it decided: it never refuses
-    what the ledger granted, and after the exchange both count the same free blocks.
-    `apply` checks both and raises `BlockLedgerError` if not.
+    The scheduler plans on it exactly as on local tables: block ids, prefix hits and
+    copies are known at once. Every change is also a `BlockOp` (engine/block_ops.py);
+    `take_traffic()` packs the ops since the last exchange into ONE `ApplyBlockOps` for
+    the block manager, which replays them on its own tables and answers with the block
+    ids they produced; `apply(reply)` raises BlockLedgerError unless those ids and the
+    free and cached block counts are the replica's own.
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self._tables: dict[str, list[int]] = {}
-        self._num_used = 0
-        self._frees: list[str] = []  # sequences whose granted blocks must be freed
-        self._reservations: dict[str, int] = {}  # seq_id -> tokens the table must hold
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = False,
+        extra_key: int = 0,
+    ) -> None:
+        super().__init__(num_blocks, block_size, enable_prefix_caching, extra_key)
+        self._ops: list[BlockOp] = []
+        self._block_ids: list[int] = []  # ids the logged ops put into tables
         self._exchanges = 0
+        self._awaited: tuple[int, tuple[int, ...], int, int] | None = None
 
-    # -- what the scheduler calls (KVCacheManager's interface) ------------------------
-    @property
-    def num_free_blocks(self) -> int:
-        return self.num_blocks - self._num_used
-
-    def blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
-
-    def block_table(self, seq_id: str) -> list[int]:
-        return self._tables.get(seq_id, [])
-
-    def allocate_slots(self, seq_id: str, num_tokens: int) -> bool:
-        return self.grow(seq_id, num_tokens) is not None
-
-    # The prefix cache is not mirrored yet: the actor engine computes every prompt.
-    enable_prefix_caching = False
-
-    def match_prefix(self, seq_id: str, token_ids) -> int:
-        return 0
-
-    def cache_computed(self, seq_id: str, tokens, num_computed: int) -> None:
-        pass
-
+    # -- the logged changes ----------------------------------------------------------
     def grow(self, seq_id: str, num_tokens: int) -> list[int] | None:
-        """`allocate_slots` returning the live table (None: blocks ran out, no change)."""
         table = self._tables.get(seq_id)
-        need = -(-num_tokens // self.block_size) - (0 if table is None else len(table))
-        if need <= 0:
-            return [] if table is None else table  # decode step: room in the last block
-        if need > self.num_blocks - self._num_used:
-            return None
-        if table is None:
-            table = self._tables[seq_id] = []
-        table.extend([PENDING_BLOCK] * need)
-        self._num_used += need
-        self._reservations[seq_id] = num_tokens
+        before = len(table) if table else 0
+        if -(-num_tokens // self.block_size) <= before:
+            return table if table is not None else []  # decode step: room in the last block
+        table = super().grow(seq_id, num_tokens)
+        if table is not None:
+            self._ops.append(BlockOp(GROW, seq_id, num_tokens))
+            self._block_ids += table[before:]
         return table
 
     def free(self, seq_id: str) -> None:
-        table = self._tables.pop(seq_id, None)
-        if not table:
-            return
-        self._num_used -= len(table)
-        self._reservations.pop(seq_id, None)  # never sent: nothing to undo over there
-        if table[0] != PENDING_BLOCK:  # the block manager holds some of its blocks
-            self._frees.append(seq_id)
+        if seq_id in self._tables:
+            super().free(seq_id)
+            self._ops.append(BlockOp(FREE, seq_id))
+
+    def fork(self, parent_id: str, child_id: str) -> list[int]:
+        table = super().fork(parent_id, child_id)
+        self._ops.append(BlockOp(FORK, child_id, parent_id=parent_id))
+        return table
+
+    def copy_on_write(self, seq_id: str, start: int) -> list[BlockCopy] | None:
+        copies = super().copy_on_write(seq_id, start)
+        if copies:
+            self._ops.append(BlockOp(COW, seq_id, start))
+            self._block_ids += [dst for _, dst in copies]
+        return copies
+
+    def adopt_prefix(self, seq_id: str, hashes: list[BlockHash]) -> list[int]:
+        blocks = super().adopt_prefix(seq_id, hashes)
+        self._ops.append(BlockOp(MATCH, seq_id, hashes=tuple(hashes)))
+        self._block_ids += blocks
+        return blocks
+
+    def register_blocks(self, seq_id: str, first: int, hashes: list[BlockHash]) -> None:
+        super().register_blocks(seq_id, first, hashes)
+        self._ops.append(BlockOp(CACHE, seq_id, first, hashes=tuple(hashes)))
+
+    def reset_prefix_cache(self) -> int:
+        dropped = super().reset_prefix_cache()
+        self._ops.append(BlockOp(RESET, ""))
+        return dropped
 
     # -- the exchange ----------------------------------------------------------------
     @property
     def has_traffic(self) -> bool:
-        return bool(self._frees or self._reservations)
+        return bool(self._ops)
 
-    def take_traffic(self) -> ReserveBlocks:
-        """The traffic since the last exchange, as one message; the ledger starts afresh."""
+    def take_traffic(self) -> ApplyBlockOps:
+        """The ops since the last exchange, as one message; the log starts afresh."""
+        if self._awaited is not None:
+            raise BlockLedgerError(f"exchange {self._awaited[0]} is still unanswered")
         self._exchanges += 1
-        message = ReserveBlocks(
+        message = ApplyBlockOps(self._exchanges, tuple(self._ops))
+        self._awaited = (
             self._exchanges,
-            tuple(self._frees),
-            tuple(BlockReservation(s, n) for s, n in self._reservations.items()),
+            tuple(self._block_ids),
+            self.pool.num_free,
+            self.pool.num_cached,
         )
-        self._frees, self._reservations = [], {}
+        self._ops, self._block_ids = [], []
         return message
 
-    def apply(self, reply: BlocksReserved) -> None:
-        """Fills in the block ids `reply` granted; raises BlockLedgerError on disagreement."""
-        if reply.refused_seq_ids:
+    def apply(self, reply: BlockOpsApplied) -> None:
+        """Checks the block manager's account of the last exchange against the replica."""
+        if self._awaited is None or reply.exchange_id != self._awaited[0]:
+            raise BlockLedgerError(f"unexpected answer to exchange {reply.exchange_id}")
+        _, block_ids, num_free, num_cached = self._awaited
+        self._awaited = None
+        if reply.error is not None:
+            raise BlockLedgerError(f"exchange {reply.exchange_id}: {reply.error}")
+        got = (reply.block_ids, reply.num_free_blocks, reply.num_cached_blocks)
+        if got != (block_ids, num_free, num_cached):
             raise BlockLedgerError(
-                f"exchange {reply.step_id}: the block manager refused {list(reply.refused_seq_ids)}"
-            )
-        for grant in reply.grants:
-            table = self._tables.get(grant.seq_id, [])
-            n = len(grant.block_ids)
-            if n > len(table) or any(b != PENDING_BLOCK for b in table[-n:]):
-                raise BlockLedgerError(
-                    f"exchange {reply.step_id}: {n} blocks granted to {grant.seq_id!r}, "
-                    f"which awaits {table.count(PENDING_BLOCK)}"
-                )
-            table[-n:] = grant.block_ids
-        if reply.num_free_blocks != self.num_free_blocks:
-            raise BlockLedgerError(
-                f"exchange {reply.step_id}: block manager has {reply.num_free_blocks} free "
-                f"blocks, the ledger counts {self.num_free_blocks}"
+                f"exchange {reply.exchange_id}: the block manager has ids {list(got[0])}, "
+                f"{got[1]} free, {got[2]} cached; the replica {list(block_ids)}, "
+                f"{num_free} free, {num_cached} cached"
             )
 
     def check_integrity(self, num_tokens: dict[str, int] | None = None) -> None:
-        """Every table is resolved, the used count adds up, and (given each sequence's
-        stored token count) every table is exactly as long as it needs."""
         assert not self.has_traffic, "traffic not yet exchanged"
-        assert self._num_used == sum(len(t) for t in self._tables.values()), "used count off"
-        for seq_id, table in self._tables.items():
-            assert PENDING_BLOCK not in table, f"{seq_id}: unresolved blocks {table}"
-        for seq_id, n in (num_tokens or {}).items():
-            have = len(self.block_table(seq_id))
-            assert have == self.blocks_for(n), f"{seq_id}: {have} blocks for {n} tokens"
+        super().check_integrity(num_tokens)

@@ -2,22 +2,28 @@
 
 from __future__ import annotations
 
+from engine.block_ops import BlockOpError, apply_op
 from engine.kv_cache_manager import KVCacheManager
-from engine.messages import BlockGrant, BlocksReserved, ReserveBlocks
+from engine.messages import ApplyBlockOps, BlockOpsApplied
 
 
 class BlockManager:
-    """Applies one step's block traffic at a time and says what it granted.
+    """Replays each exchange's block ops, in order, on its own tables.
 
-    Contract of `reserve(message)`: the message's frees run first, then its reservations
-    in order. A reservation that does not fit is refused whole (that table unchanged) and
-    later ones are still tried, so the sender learns exactly which sequences missed out.
-    The answer carries the new block ids per granted sequence, in table order, and the
-    free block count after the whole exchange.
+    Contract of `apply(message)`: every op runs in order; the answer lists the block ids
+    the ops put into tables (engine/block_ops.py says which), and the free and cached
+    block counts after the exchange. An op that does not fit stops the exchange and is
+    named in `error` (the scheduler's replica has diverged: a bug, never load).
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
-        self.kv_cache = KVCacheManager(num_blocks, block_size)
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = False,
+        extra_key: int = 0,
+    ) -> None:
+        self.kv_cache = KVCacheManager(num_blocks, block_size, enable_prefix_caching, extra_key)
         self.num_exchanges = 0
 
     @property
@@ -28,23 +34,22 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         return self.kv_cache.num_free_blocks
 
-    def reserve(self, message: ReserveBlocks) -> BlocksReserved:
+    def apply(self, message: ApplyBlockOps) -> BlockOpsApplied:
         self.num_exchanges += 1
-        for seq_id in message.free_seq_ids:
-            self.kv_cache.free(seq_id)
-        grants, refused = [], []
-        for r in message.reservations:
-            before = len(self.kv_cache.block_table(r.seq_id))
-            if self.kv_cache.allocate_slots(r.seq_id, r.num_tokens):
-                new = self.kv_cache.block_table(r.seq_id)[before:]
-                if new:
-                    grants.append(BlockGrant(r.seq_id, tuple(new)))
-            else:
-                refused.append(r.seq_id)
-        return BlocksReserved(
-            message.step_id, tuple(grants), tuple(refused), self.kv_cache.num_free_blocks
+        block_ids: list[int] = []
+        error = None
+        for op in message.ops:
+            try:
+                block_ids += apply_op(self.kv_cache, op)
+            except BlockOpError as exc:
+                error = f"op {op.kind} {op.seq_id!r}: {exc}"
+                break
+        pool = self.kv_cache.pool
+        return BlockOpsApplied(
+            message.exchange_id, tuple(block_ids), pool.num_free, pool.num_cached, error
         )
 
     def check_integrity(self) -> None:
-        """Every block is free or held by exactly as many tables as its ref count says."""
+        """Every block is free, cached, or held by exactly as many tables as its ref
+        count says."""
         self.kv_cache.check_integrity()

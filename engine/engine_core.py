@@ -8,9 +8,10 @@ flight is only a question of when the caller delivers results. A request that st
 EOS or a stop token while its next plan is in flight costs one discarded token there;
 limits (max_tokens, context) are known at plan time and cost nothing.
 
-The block tables live in the block manager; the core plans on a `BlockLedger` that
-mirrors them, so a step is: `schedule()`, one exchange of `block_traffic()` for a
-`BlocksReserved` (`on_blocks_reserved`), then `build_plan()` with the real block ids.
+The block tables live in the block manager; the core plans on a `BlockLedger`, a
+replica that knows every block id at once and logs its changes, so a step is:
+`schedule()`, one exchange of `block_traffic()` for the block manager's
+`BlockOpsApplied` (`on_blocks_reserved` checks it), and `build_plan()`.
 """
 
 from __future__ import annotations
@@ -21,11 +22,11 @@ from engine.block_ledger import BlockLedger
 from engine.config import SchedulerConfig
 from engine.messages import (
     AddRequest,
-    BlocksReserved,
+    ApplyBlockOps,
+    BlockOpsApplied,
     LogprobRow,
     RequestFinish,
     RequestLogprobs,
-    ReserveBlocks,
     StepPlan,
     StepResult,
     TokenDeltas,
@@ -48,8 +49,9 @@ class EngineCore:
         num_blocks: int,
         block_size: int,
         eos_token_ids: frozenset[int],
+        enable_prefix_caching: bool = False,
     ) -> None:
-        self.blocks = BlockLedger(num_blocks, block_size)
+        self.blocks = BlockLedger(num_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(config, self.blocks)
         self.builder = StepPlanBuilder()
         self.stop_checker = StopChecker()
@@ -90,17 +92,18 @@ class EngineCore:
         self.scheduler.advance(output, placeholder=PLACEHOLDER)
         return output
 
-    def block_traffic(self) -> ReserveBlocks | None:
-        """Frees and reservations since the last exchange, or None when there are none."""
+    def block_traffic(self) -> ApplyBlockOps | None:
+        """The block ops since the last exchange, or None when there are none."""
         return self.blocks.take_traffic() if self.blocks.has_traffic else None
 
-    def on_blocks_reserved(self, reply: BlocksReserved) -> None:
+    def on_blocks_reserved(self, reply: BlockOpsApplied) -> None:
         self.blocks.apply(reply)
 
-    def plan(self, exchange: Callable[[ReserveBlocks], BlocksReserved]) -> StepPlan | None:
+    def plan(self, exchange: Callable[[ApplyBlockOps], BlockOpsApplied]) -> StepPlan | None:
         """schedule + block exchange + build_plan in one call, for a block manager within
-        reach (`exchange=block_manager.reserve`: tests, benchmarks). The exchange also
-        runs when there is no step, so frees of finished requests are never held back."""
+        reach (tests, benchmarks). The exchange also
+        runs when there is no step, so frees of finished requests are never held back
+        (`exchange=block_manager.apply`)."""
         output = self.schedule()
         traffic = self.block_traffic()
         if traffic is not None:

@@ -6,7 +6,7 @@ from collections import Counter
 from collections.abc import Sequence
 
 from engine.block_pool import BlockPool
-from engine.prefix_hash import BlockHash, TokenSlice, extend_hashes
+from engine.prefix_hash import BlockHash, TokenSlice, chain_hashes
 
 BlockCopy = tuple[int, int]  # (source block id, destination block id)
 
@@ -67,12 +67,15 @@ class KVCacheManager:
 
     def grow(self, seq_id: str, num_tokens: int) -> list[int] | None:
         """`allocate_slots` returning the live table (None: blocks ran out, no change)."""
-        need = self.num_new_blocks(seq_id, num_tokens)
+        table = self._tables.get(seq_id)
+        need = -(-num_tokens // self.block_size) - (len(table) if table else 0)
+        if need <= 0:
+            return table if table is not None else []
         if not self.pool.can_allocate(need):
             return None
-        table = self._tables.setdefault(seq_id, [])
-        if need:
-            table.extend(self.pool.allocate(need))
+        if table is None:
+            table = self._tables[seq_id] = []
+        table.extend(self.pool.allocate(need))
         return table
 
     def fork(self, parent_id: str, child_id: str) -> list[int]:
@@ -118,20 +121,32 @@ class KVCacheManager:
         token is never matched: its logits must be computed. `free(seq_id)` undoes it."""
         if not self.enable_prefix_caching or seq_id in self._tables:
             return 0
-        hashes: list[BlockHash] = []
-        last = len(token_ids) - 1
-        extend_hashes(hashes, lambda a, b: token_ids[a:b], last, self.block_size, self.extra_key)
-        hits = []
+        bs = self.block_size
+        end = (len(token_ids) - 1) // bs
+        hashes = chain_hashes(None, lambda a, b: token_ids[a:b], 0, end, bs, self.extra_key)
+        lookup = self.pool.lookup
+        num_hits = 0
+        while num_hits < len(hashes) and lookup(hashes[num_hits]) is not None:
+            num_hits += 1
+        if num_hits:
+            self.adopt_prefix(seq_id, hashes[:num_hits])
+        return num_hits * self.block_size
+
+    def adopt_prefix(self, seq_id: str, hashes: list[BlockHash]) -> list[int]:
+        """Starts the empty table of `seq_id` with the cached blocks of `hashes` (all must
+        be cached); returns them."""
+        if seq_id in self._tables:
+            raise ValueError(f"sequence {seq_id!r} already has a block table")
+        blocks = []
         for h in hashes:
             block = self.pool.lookup(h)
             if block is None:
-                break
-            hits.append(block)
-        if hits:
-            self.pool.touch(hits)
-            self._tables[seq_id] = hits
-            self._hashes[seq_id] = hashes[: len(hits)]
-        return len(hits) * self.block_size
+                raise ValueError(f"prefix hash {h} is not cached")
+            blocks.append(block)
+        self.pool.touch(blocks)
+        self._tables[seq_id] = blocks
+        self._hashes[seq_id] = list(hashes)
+        return list(blocks)
 
     def cache_computed(self, seq_id: str, tokens: TokenSlice, num_computed: int) -> None:
         """Registers the blocks of `seq_id` that its first `num_computed` tokens (computed:
@@ -142,14 +157,28 @@ class KVCacheManager:
         table = self._tables.get(seq_id)
         if not table:
             return
-        hashes = self._hashes.setdefault(seq_id, [])
-        num_full = min(num_computed, len(table) * self.block_size)
-        if num_full // self.block_size <= len(hashes):
+        hashes = self._hashes.get(seq_id)
+        done = len(hashes) if hashes else 0
+        end = min(num_computed // self.block_size, len(table))
+        if end <= done:
             return  # no block filled since the last call
-        first = len(hashes)
-        new = extend_hashes(hashes, tokens, num_full, self.block_size, self.extra_key)
-        for i, h in enumerate(new, first):
-            self.pool.cache(table[i], h)  # False: another block holds it; this one stays
+        parent = hashes[-1] if done else None
+        new = chain_hashes(parent, tokens, done, end, self.block_size, self.extra_key)
+        self.register_blocks(seq_id, done, new)
+
+    def register_blocks(self, seq_id: str, first: int, hashes: list[BlockHash]) -> None:
+        """Caches blocks first, first+1, ... of `seq_id` under `hashes` (the next links of
+        its chain). A block whose prefix another block already holds stays uncached."""
+        table = self._tables[seq_id]
+        chain = self._hashes.setdefault(seq_id, [])
+        if len(chain) != first or first + len(hashes) > len(table):
+            raise ValueError(
+                f"{seq_id!r}: blocks {first}..{first + len(hashes) - 1} do not follow its "
+                f"{len(chain)} hashed blocks within its {len(table)}"
+            )
+        for i, h in enumerate(hashes, first):
+            self.pool.cache(table[i], h)
+        chain.extend(hashes)
 
     def reset_prefix_cache(self) -> int:
         """Forgets every cached prefix; returns how many blocks were dropped from it."""

@@ -176,43 +176,40 @@ class WorkerReady:
 
 
 @dataclass(frozen=True)
-class BlockGrant:
-    """Blocks newly given to a sequence, in block-table order."""
+class BlockOpsApplied:
+    """The block manager's account of one exchange, replayed on its own tables: every
+    block id its ops put into a table, in op order; its free and cached block counts
+    after; and the first op it could not apply, if any. The scheduler checks all of it
+    against its replica."""
 
-    seq_id: str
+    exchange_id: int
     block_ids: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class BlocksReserved:
-    """The block manager's answer to one step's ReserveBlocks: new blocks per granted
-    sequence, the sequences it could not serve (their tables unchanged), and the free
-    block count after the exchange."""
-
-    step_id: int
-    grants: tuple[BlockGrant, ...]
-    refused_seq_ids: tuple[str, ...]
     num_free_blocks: int
+    num_cached_blocks: int
+    error: str | None = None
 
 
 # ---------------------------------------------------------------- block manager inbox
 
 
 @dataclass(frozen=True)
-class BlockReservation:
-    """Grow `seq_id`'s block table to hold `num_tokens` tokens."""
+class BlockOp:
+    """One change to the block tables, as the scheduler's replica made it (the kinds
+    and what `num`, `parent_id` and `hashes` mean for each are in engine/block_ops.py)."""
 
+    kind: str
     seq_id: str
-    num_tokens: int
+    num: int = 0
+    parent_id: str = ""
+    hashes: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
-class ReserveBlocks:
-    """One step's block traffic in ONE message: frees first, then reservations."""
+class ApplyBlockOps:
+    """One exchange's block traffic in ONE message: every op since the last, in order."""
 
-    step_id: int
-    free_seq_ids: tuple[str, ...]
-    reservations: tuple[BlockReservation, ...]
+    exchange_id: int
+    ops: tuple[BlockOp, ...]
 
 
 # ---------------------------------------------------------------- worker inbox
@@ -277,8 +274,8 @@ class OutputDelta:
 INBOXES: dict[str, tuple[type, ...]] = {
     "tokenizer": (GenerateRequest, AbortRequest, TokenDeltas, Shutdown),
     "scheduler": (AddRequest, AbortRequest, StepResult, WorkerReady, Shutdown),
-    "block_replies": (BlocksReserved,),
-    "block_manager": (ReserveBlocks, Shutdown),
+    "block_replies": (BlockOpsApplied,),
+    "block_manager": (ApplyBlockOps, Shutdown),
     "worker": (StepPlan, Shutdown),
     "client": (OutputDelta,),
 }

@@ -18,23 +18,21 @@ TokenSlice = Callable[[int, int], Sequence[int]]  # (start, end) -> those token 
 
 
 def hash_block(parent: BlockHash | None, token_ids: tuple[int, ...], extra_key: int) -> BlockHash:
-    return hash((parent, token_ids, extra_key))
+    return hash((parent, token_ids, extra_key))  # chain_hashes inlines this
 
 
-def extend_hashes(
-    hashes: list[BlockHash],
+def chain_hashes(
+    parent: BlockHash | None,
     tokens: TokenSlice,
-    num_tokens: int,
+    first: int,
+    end: int,
     block_size: int,
     extra_key: int,
 ) -> list[BlockHash]:
-    """Appends to `hashes` (the chain of the first len(hashes) blocks) the hash of every
-    further block that the first `num_tokens` tokens fill; returns the new ones."""
+    """The hashes of blocks first..end-1, chained on from `parent` (the hash of block
+    first-1, None for the first block)."""
     new = []
-    parent = hashes[-1] if hashes else None
-    for i in range(len(hashes), num_tokens // block_size):
-        block = tuple(tokens(i * block_size, (i + 1) * block_size))
-        parent = hash_block(parent, block, extra_key)
+    for i in range(first, end):
+        parent = hash((parent, tuple(tokens(i * block_size, (i + 1) * block_size)), extra_key))
         new.append(parent)
-    hashes.extend(new)
     return new

@@ -25,9 +25,11 @@ class Scheduler:
     recomputed later from its known tokens.
 
     With prefix caching (`kv_cache.enable_prefix_caching`), an admitted request starts
-    with the cached blocks its known tokens match, counted as computed; and every block
-    a step fills is registered once its tokens are known (at once in the synchronous
-    engine). Requests asking for prompt logprobs compute their whole prompt.
+    with the cached blocks its known tokens match, counted as computed. Full prompt
+    blocks are registered in the prefix cache as soon as a plan computes them (later
+    steps run after that one), full output blocks when the request's blocks are freed
+    (finish or preemption), up to its last resolved token: the hot path pays nothing
+    per sampled token. Requests asking for prompt logprobs compute their whole prompt.
     """
 
     def __init__(
@@ -64,7 +66,7 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         request.status = status
-        self.kv_cache.free(request_id)
+        self._free_blocks(request)
         return request
 
     @property
@@ -153,9 +155,17 @@ class Scheduler:
         computing more would only make a token that is thrown away."""
         return request.num_tokens >= request.max_num_tokens
 
+    def _free_blocks(self, request: Request) -> None:
+        """Frees the request's blocks, first caching the full ones of known tokens."""
+        if self.kv_cache.enable_prefix_caching:
+            known = request.num_tokens - request.num_pending_outputs
+            computed = min(request.num_computed_tokens, known)
+            self.kv_cache.cache_computed(request.request_id, request.token_ids, computed)
+        self.kv_cache.free(request.request_id)
+
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
-        self.kv_cache.free(request.request_id)
+        self._free_blocks(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -168,17 +178,23 @@ class Scheduler:
         ahead: then every row that samples also gets `placeholder` as its next output,
         for the result to fill in)."""
         running = RequestStatus.RUNNING
-        cache_computed = self.kv_cache.cache_computed
+        caching = self.kv_cache.enable_prefix_caching
         for request, computed, n, _ in plan.scheduled:
             if request.status == running:
                 request.num_computed_tokens = computed + n
+                if caching and computed < len(request.prompt_token_ids):
+                    self._cache_prompt(request, computed + n)
             if placeholder is None:
-                cache_computed(request.request_id, request.token_ids, computed + n)
                 continue
             outputs = request.output_token_ids
             if computed + n == len(request.prompt_token_ids) + len(outputs):
                 outputs.append(placeholder)
                 request.num_pending_outputs += 1
+
+    def _cache_prompt(self, request: Request, num_computed: int) -> None:
+        num_prompt = len(request.prompt_token_ids)
+        n = num_computed if num_computed < num_prompt else num_prompt
+        self.kv_cache.cache_computed(request.request_id, request.token_ids, n)
 
     def check_integrity(self) -> None:
         """Blocks are consistent with every running request's computed tokens."""

@@ -69,6 +69,26 @@ class Metrics:
             ),
             "pagedserve_kv_blocks_total": ("KV cache blocks", lambda s: s.num_blocks),
             "pagedserve_num_preemptions": ("Preemptions so far", lambda s: s.num_preemptions),
+            "pagedserve_kv_blocks_cached": (
+                "Blocks holding a cached prefix (owned or free)",
+                lambda s: s.num_cached_blocks,
+            ),
+            "pagedserve_prefix_cache_hit_rate": (
+                "Prompt tokens found in the prefix cache / prompt tokens looked up",
+                lambda s: s.prefix_cache_hit_rate,
+            ),
+            "pagedserve_prefix_cache_queried_tokens": (
+                "Prompt tokens looked up in the prefix cache so far",
+                lambda s: s.prefix_cache_queried_tokens,
+            ),
+            "pagedserve_prefix_cache_hit_tokens": (
+                "Prompt tokens found in the prefix cache so far (not computed)",
+                lambda s: s.prefix_cache_hit_tokens,
+            ),
+            "pagedserve_prefix_cache_evictions": (
+                "Cached blocks evicted so far",
+                lambda s: s.num_cache_evictions,
+            ),
         }
         for name, (doc, read) in gauges.items():
             Gauge(name, doc, registry=r).set_function(lambda read=read: read(stats()))

@@ -29,7 +29,7 @@ from actors.transport import (
 )
 from engine.messages import (
     AbortRequest,
-    BlockReservation,
+    BlockOp,
     Shutdown,
     StepResult,
     WorkerReady,
@@ -40,12 +40,12 @@ EMPTY_RESULT = StepResult(1, 0, (), (), (), (), None, 0.0)
 
 
 class EchoActor(Actor):
-    """Echoes AbortRequest back (async handler); records BlockReservation (sync handler).
+    """Echoes AbortRequest back (async handler); records BlockOp (sync handler).
 
     The request id "boom" makes the echo handler raise."""
 
     def __init__(self, inbox: Inbox, reply: Outbox, **handler_overrides: Any) -> None:
-        handlers = {AbortRequest: self.on_abort, BlockReservation: self.on_token}
+        handlers = {AbortRequest: self.on_abort, BlockOp: self.on_token}
         handlers.update({k: v for k, v in handler_overrides.items() if isinstance(k, type)})
         super().__init__("echo", inbox, handlers, outboxes=[reply])
         self.reply = reply
@@ -56,8 +56,8 @@ class EchoActor(Actor):
             raise RuntimeError("handler failed on purpose")
         await send_message(self.reply, message)
 
-    def on_token(self, message: BlockReservation) -> None:
-        self.tokens.append(message.num_tokens)
+    def on_token(self, message: BlockOp) -> None:
+        self.tokens.append(message.num)
 
 
 @dataclass
@@ -118,7 +118,7 @@ def socket_files(run_dir: str | None) -> list[str]:
 
 async def test_messages_are_dispatched_by_type(rig):
     for i in range(50):
-        await rig.send(BlockReservation("r", i))
+        await rig.send(BlockOp("grow", "r", i))
         await rig.send(AbortRequest(f"r{i}"))
     assert [(await rig.reply()).request_id for _ in range(50)] == [f"r{i}" for i in range(50)]
     assert rig.actor.tokens == list(range(50))
@@ -137,8 +137,8 @@ def bad_frames() -> list[bytes]:
         msgpack.packb(["AbortRequest", [123]]),  # wrong-typed field
         msgpack.packb(["AbortRequest", []]),  # missing field
         msgpack.packb(["AbortRequest", ["x", "extra"]]),  # extra field
-        msgpack.packb(["BlockReservation", ["r", "not an int"]]),
-        msgpack.packb(["BlockReservation", ["r", True]]),  # bool is not an int
+        msgpack.packb(["BlockOp", ["grow", "r", "not an int", "", []]]),
+        msgpack.packb(["BlockOp", ["grow", "r", True, "", []]]),  # bool is not an int
         msgpack.packb(["WorkerReady", [0, 1, 2, 3, 4]]),  # not accepted by this inbox
         msgpack.packb(["NoSuchMessage", []]),
         msgpack.packb({"type": "AbortRequest"}),

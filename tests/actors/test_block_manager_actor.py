@@ -9,56 +9,43 @@ from actors.block_manager_actor import BlockManagerActor
 from actors.codec import InboxDecoder
 from actors.transport import inproc_pair
 from engine.block_manager import BlockManager
-from engine.messages import (
-    INBOXES,
-    BlockGrant,
-    BlockReservation,
-    BlocksReserved,
-    ReserveBlocks,
-    Shutdown,
-)
+from engine.messages import INBOXES, ApplyBlockOps, BlockOp, BlockOpsApplied, Shutdown
 
 
-async def _exchange(outbox, inbox, decoder, message) -> BlocksReserved:
+async def _exchange(outbox, inbox, decoder, message) -> BlockOpsApplied:
     await send_message(outbox, message)
     return decoder.decode(await asyncio.wait_for(inbox.recv(), timeout=5))
 
 
-async def test_one_exchange_per_step_grants_refuses_and_frees():
+async def test_one_exchange_per_step_replays_the_ops_in_order():
     to_bm, bm_inbox = inproc_pair()
     reply_out, reply_in = inproc_pair()
-    manager = BlockManager(num_blocks=4, block_size=4)
+    manager = BlockManager(num_blocks=4, block_size=4, enable_prefix_caching=True)
     kv = manager.kv_cache
     actor = BlockManagerActor(manager, bm_inbox, reply_out)
     await actor.start()
     decoder = InboxDecoder(INBOXES["block_replies"])
 
-    first = await _exchange(
-        to_bm,
-        reply_in,
-        decoder,
-        ReserveBlocks(
-            1, (), (BlockReservation("a", 6), BlockReservation("b", 12), BlockReservation("c", 4))
-        ),
-    )
-    assert first.grants == (BlockGrant("a", (0, 1)), BlockGrant("c", (2,)))
-    assert first.refused_seq_ids == ("b",) and first.num_free_blocks == 1
-    assert kv.block_table("b") == []
+    ops = (BlockOp("grow", "a", 6), BlockOp("grow", "c", 4), BlockOp("cache", "a", 0, hashes=(7,)))
+    first = await _exchange(to_bm, reply_in, decoder, ApplyBlockOps(1, ops))
+    assert first == BlockOpsApplied(1, (0, 1, 2), 1, 1)
 
-    # Frees come first, so the same message can reuse the freed blocks.
-    second = await _exchange(
-        to_bm,
-        reply_in,
-        decoder,
-        ReserveBlocks(2, ("a",), (BlockReservation("b", 12), BlockReservation("c", 5))),
-    )
-    assert [g.seq_id for g in second.grants] == ["b"] and second.refused_seq_ids == ("c",)
+    # Frees run where they stand: the freed blocks serve the next op; a prefix hit
+    # revives the cached block.
+    ops = (BlockOp("free", "a"), BlockOp("match", "b", hashes=(7,)), BlockOp("grow", "b", 12))
+    second = await _exchange(to_bm, reply_in, decoder, ApplyBlockOps(2, ops))
+    assert second.block_ids == (0, 3, 1) and second.error is None  # empty blocks FIFO
     kv.check_integrity({"b": 12, "c": 4})
+
+    # An op that does not fit is named, not applied.
+    third = await _exchange(to_bm, reply_in, decoder, ApplyBlockOps(3, (BlockOp("grow", "d", 8),)))
+    assert third.error is not None and "grow 'd'" in third.error
 
     # A garbage frame is dropped; the actor keeps serving.
     await to_bm.send(b"\x93garbage")
-    third = await _exchange(to_bm, reply_in, decoder, ReserveBlocks(3, ("b", "c"), ()))
-    assert third.num_free_blocks == 4 and actor.num_dropped == 1
+    ops = (BlockOp("free", "b"), BlockOp("free", "c"))
+    fourth = await _exchange(to_bm, reply_in, decoder, ApplyBlockOps(4, ops))
+    assert fourth.num_free_blocks == 4 and actor.num_dropped == 1
     kv.check_integrity({})
 
     await send_message(to_bm, Shutdown("test"))

@@ -46,8 +46,10 @@ SAMPLES = [
         (m.RequestLogprobs("r1", (ROW, ROW)),),
     ),
     m.WorkerReady(0, 1024, 16, 2048, 32000),
-    m.BlocksReserved(2, (m.BlockGrant("r1", (3, 4)),), ("r2",), 17),
-    m.ReserveBlocks(2, ("r0",), (m.BlockReservation("r1", 40),)),
+    m.BlockOpsApplied(2, (3, 4), 17, 5, None),
+    m.ApplyBlockOps(
+        2, (m.BlockOp("grow", "r1", 40), m.BlockOp("match", "r2", 0, "", (-(2**63), 2**63 - 1)))
+    ),
     m.StepPlan(
         5,
         (m.NewRequestData("r1", (1, 2, 3), PARAMS, (0, 1), 0),),
@@ -104,10 +106,15 @@ FIELD_ORDER = {
         "busy_seconds",
     ],
     "WorkerReady": ["worker_id", "num_blocks", "block_size", "max_model_len", "vocab_size"],
-    "BlockGrant": ["seq_id", "block_ids"],
-    "BlocksReserved": ["step_id", "grants", "refused_seq_ids", "num_free_blocks"],
-    "BlockReservation": ["seq_id", "num_tokens"],
-    "ReserveBlocks": ["step_id", "free_seq_ids", "reservations"],
+    "BlockOpsApplied": [
+        "exchange_id",
+        "block_ids",
+        "num_free_blocks",
+        "num_cached_blocks",
+        "error",
+    ],
+    "BlockOp": ["kind", "seq_id", "num", "parent_id", "hashes"],
+    "ApplyBlockOps": ["exchange_id", "ops"],
     "NewRequestData": [
         "request_id",
         "prompt_token_ids",

@@ -1,4 +1,4 @@
-"""The scheduler's BlockLedger against the block manager it mirrors."""
+"""The scheduler's BlockLedger (a logging replica) against the block manager."""
 
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ import random
 
 import pytest
 
-from engine.block_ledger import PENDING_BLOCK, BlockLedger, BlockLedgerError
+from engine.block_ledger import BlockLedger, BlockLedgerError
 from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
 from engine.kv_cache_manager import KVCacheManager
-from engine.messages import BlockGrant, BlocksReserved
+from engine.messages import BlockOpsApplied
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -20,57 +20,71 @@ def _exchange(ledger: BlockLedger, manager: BlockManager) -> int:
     """One exchange if there is traffic; returns how many messages went out (0 or 1)."""
     if not ledger.has_traffic:
         return 0
-    ledger.apply(manager.reserve(ledger.take_traffic()))
+    ledger.apply(manager.apply(ledger.take_traffic()))
     return 1
 
 
-def test_new_blocks_are_pending_until_the_answer_names_them():
+def test_the_replica_knows_block_ids_at_once_and_the_manager_agrees():
     ledger, manager = BlockLedger(8, 4), BlockManager(8, 4)
     assert ledger.allocate_slots("a", 6) and ledger.allocate_slots("b", 3)
-    assert ledger.block_table("a") == [PENDING_BLOCK] * 2 and ledger.num_free_blocks == 5
+    assert ledger.block_table("a") == [0, 1] and ledger.num_free_blocks == 5
     traffic = ledger.take_traffic()
-    assert traffic.free_seq_ids == ()
-    assert [(r.seq_id, r.num_tokens) for r in traffic.reservations] == [("a", 6), ("b", 3)]
-    ledger.apply(manager.reserve(traffic))
-    assert ledger.block_table("a") == manager.kv_cache.block_table("a") == [0, 1]
-    assert ledger.block_table("b") == [2]
+    assert [(op.kind, op.seq_id, op.num) for op in traffic.ops] == [
+        ("grow", "a", 6),
+        ("grow", "b", 3),
+    ]
+    ledger.apply(manager.apply(traffic))
+    assert manager.kv_cache.block_table("a") == [0, 1]
+    assert manager.kv_cache.block_table("b") == [2]
     # Growing within a block needs no traffic at all.
     assert ledger.allocate_slots("a", 8) and not ledger.has_traffic
 
 
-def test_frees_and_reservations_of_one_step_travel_in_one_message():
-    ledger, manager = BlockLedger(4, 4), BlockManager(4, 4)
-    ledger.allocate_slots("a", 8)
-    ledger.allocate_slots("b", 8)
-    _exchange(ledger, manager)
-    assert not ledger.allocate_slots("c", 4)  # full: refused locally, nothing sent
+def test_every_change_of_one_step_travels_in_order_in_one_message():
+    ledger, manager = BlockLedger(6, 4, enable_prefix_caching=True), None
+    manager = BlockManager(6, 4, enable_prefix_caching=True)
+    tokens = list(range(9))
+    ledger.allocate_slots("a", 9)
+    ledger.cache_computed("a", lambda i, j: tokens[i:j], 9)
+    ledger.fork("a", "b")
+    assert ledger.copy_on_write("b", 9) is not None
+    assert ledger.match_prefix("c", tokens) == 8
     ledger.free("a")
-    assert ledger.allocate_slots("c", 4)
-    ledger.allocate_slots("d", 1)
-    ledger.free("d")  # reserved and freed before any exchange: never sent
     traffic = ledger.take_traffic()
-    assert traffic.free_seq_ids == ("a",)
-    assert [r.seq_id for r in traffic.reservations] == ["c"]
-    ledger.apply(manager.reserve(traffic))
-    assert ledger.block_table("c") == manager.kv_cache.block_table("c")
+    assert [op.kind for op in traffic.ops] == ["grow", "cache", "fork", "cow", "match", "free"]
+    ledger.apply(manager.apply(traffic))
+    for seq in ("b", "c"):
+        assert manager.kv_cache.block_table(seq) == ledger.block_table(seq)
     manager.check_integrity()
-    ledger.check_integrity({"b": 8, "c": 4})
+    ledger.check_integrity()
 
 
 def test_disagreement_with_the_block_manager_is_an_error():
     ledger = BlockLedger(4, 4)
     ledger.allocate_slots("a", 4)
-    step = ledger.take_traffic().step_id
-    with pytest.raises(BlockLedgerError, match="refused"):
-        ledger.apply(BlocksReserved(step, (), ("a",), 4))
-    with pytest.raises(BlockLedgerError, match="awaits 1"):
-        ledger.apply(BlocksReserved(step, (BlockGrant("a", (0, 1)),), (), 2))
-    with pytest.raises(BlockLedgerError, match="2 free blocks, the ledger counts 3"):
-        ledger.apply(BlocksReserved(step, (BlockGrant("a", (0,)),), (), 2))
+    exchange = ledger.take_traffic().exchange_id
+    with pytest.raises(BlockLedgerError, match="has ids \\[1\\], 3 free"):
+        ledger.apply(BlockOpsApplied(exchange, (1,), 3, 0))
+    ledger.allocate_slots("b", 4)
+    exchange = ledger.take_traffic().exchange_id
+    with pytest.raises(BlockLedgerError, match="no room"):
+        ledger.apply(BlockOpsApplied(exchange, (), 2, 0, "op grow 'b': no room"))
+    with pytest.raises(BlockLedgerError, match="unexpected answer"):
+        ledger.apply(BlockOpsApplied(99, (), 2, 0))
+
+
+def test_a_diverged_block_manager_names_the_op_it_could_not_apply():
+    ledger, manager = BlockLedger(4, 4), BlockManager(4, 4)
+    manager.kv_cache.grow("intruder", 16)  # the manager's tables differ from the replica's
+    ledger.allocate_slots("a", 4)
+    reply = manager.apply(ledger.take_traffic())
+    assert reply.error is not None and "grow 'a'" in reply.error
+    with pytest.raises(BlockLedgerError, match="grow 'a'"):
+        ledger.apply(reply)
 
 
 def _request(i: int, rng: random.Random) -> Request:
-    prompt = [1] * rng.randint(1, 40)
+    prompt = [rng.randrange(2) for _ in range(rng.randint(1, 40))]  # prefixes repeat
     return Request(f"r{i}", None, prompt, SamplingParams(max_tokens=rng.randint(1, 20)), i)
 
 
@@ -89,6 +103,13 @@ def _plan(sched: Scheduler):
     return plan
 
 
+def _rows(plan) -> list[tuple]:
+    return [
+        (s.request.request_id, s.num_computed_tokens, s.num_scheduled_tokens, tuple(s.block_table))
+        for s in plan.scheduled
+    ]
+
+
 def _sample(sched: Scheduler, plan, tokens: list[int]) -> None:
     for item in plan.scheduled:
         if item.samples:
@@ -97,17 +118,19 @@ def _sample(sched: Scheduler, plan, tokens: list[int]) -> None:
                 sched.finish_request(item.request.request_id, RequestStatus.FINISHED_LENGTH)
 
 
+@pytest.mark.parametrize("caching", [False, True])
 @pytest.mark.parametrize("seed", range(4))
-def test_scheduler_on_a_ledger_plans_exactly_as_on_local_tables(seed):
+def test_scheduler_on_a_ledger_plans_exactly_as_on_local_tables(seed, caching):
     """Twin schedulers get the same adds, aborts and sampled tokens; one owns its blocks,
     the other plans on a ledger and exchanges with a block manager once per step. Their
-    plans, block ids included, and preemptions must be identical."""
+    plans, block ids and prefix hits included, and preemptions must be identical."""
     rng = random.Random(seed)
     block_size = rng.choice([1, 4, 16])
     num_blocks = 64 // block_size + 1 + rng.randint(0, 20) // block_size  # tight: preempts
     config = SchedulerConfig(rng.randint(4, 12), rng.randint(8, 80), 64)
-    local = Scheduler(config, KVCacheManager(num_blocks, block_size))
-    ledger, manager = BlockLedger(num_blocks, block_size), BlockManager(num_blocks, block_size)
+    local = Scheduler(config, KVCacheManager(num_blocks, block_size, caching))
+    ledger = BlockLedger(num_blocks, block_size, caching)
+    manager = BlockManager(num_blocks, block_size, caching)
     remote = Scheduler(config, ledger)
     next_id, exchanges, steps = 0, 0, 0
     for _ in range(300):
@@ -120,18 +143,27 @@ def test_scheduler_on_a_ledger_plans_exactly_as_on_local_tables(seed):
             rid = rng.choice(sorted(local.requests))
             local.finish_request(rid, RequestStatus.FINISHED_ABORTED)
             remote.finish_request(rid, RequestStatus.FINISHED_ABORTED)
-        tokens = [rng.randrange(100) for _ in range(config.max_num_seqs + 1)]
+        tokens = [rng.randrange(3) for _ in range(config.max_num_seqs + 1)]
         a, b = _plan(local), _plan(remote)
         exchanges += _exchange(ledger, manager)
         steps += 1
-        tables_b = [tuple(ledger.block_table(s.request.request_id)) for s in b.scheduled]
         plan_a = [
-            (s.request.request_id, s.num_scheduled_tokens, tuple(s.block_table))
+            (
+                s.request.request_id,
+                s.num_computed_tokens,
+                s.num_scheduled_tokens,
+                tuple(s.block_table),
+            )
             for s in a.scheduled
         ]
         plan_b = [
-            (s.request.request_id, s.num_scheduled_tokens, t)
-            for s, t in zip(b.scheduled, tables_b, strict=True)
+            (
+                s.request.request_id,
+                s.num_computed_tokens,
+                s.num_scheduled_tokens,
+                tuple(s.block_table),
+            )
+            for s in b.scheduled
         ]
         assert plan_a == plan_b
         assert local.num_preemptions == remote.num_preemptions
@@ -143,3 +175,5 @@ def test_scheduler_on_a_ledger_plans_exactly_as_on_local_tables(seed):
         assert manager.num_free_blocks == ledger.num_free_blocks == local.kv_cache.num_free_blocks
     assert exchanges <= 2 * steps
     assert local.num_preemptions > 0  # the preemption path was exercised
+    assert (local.prefix_stats.hit_tokens > 0) == caching
+    assert local.prefix_stats == remote.prefix_stats

@@ -34,7 +34,7 @@ def run_pipelined(
     finish: dict[str, str] = {}
     discarded = 0
     while core.has_unfinished or in_flight:
-        plan = core.plan(blocks.reserve) if len(in_flight) < depth else None
+        plan = core.plan(blocks.apply) if len(in_flight) < depth else None
         if plan is not None:
             in_flight.append(worker.execute(plan))
             continue
@@ -46,7 +46,7 @@ def run_pipelined(
             outputs.setdefault(d.request_id, []).extend(d.token_ids)
             if d.finish_reason:
                 finish[d.request_id] = d.finish_reason
-    flush = core.plan(blocks.reserve)
+    flush = core.plan(blocks.apply)
     if flush is not None:
         worker.execute(flush)
     return outputs, discarded
@@ -118,3 +118,42 @@ def test_null_worker_drives_the_core_without_a_model():
     assert discarded == 0  # length limits are known at plan time: nothing runs past them
     blocks.check_integrity()
     assert blocks.num_free_blocks == 64 and not worker.requests
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_prefix_caching_one_step_ahead_matches_offline_without_it(model_dir, depth):
+    """Waves of requests sharing prefixes, then next chat turns built from the first
+    wave's outputs: the core (caching on, blocks registered when their tokens resolve)
+    gives the offline engine's tokens (caching off) and really hits the cache."""
+    kwargs = {**SMALL_ENGINE, "seed": 0, "max_num_batched_tokens": 24}
+    offline = LLM(model_dir, **kwargs, enable_prefix_caching=False)
+    args = EngineArgs(model=model_dir, **kwargs)
+    config = args.build()
+    worker, ready = build_worker(args)
+    core = EngineCore(config.scheduler, ready.num_blocks, 4, frozenset(), True)
+    blocks = BlockManager(ready.num_blocks, 4, True)
+    rng = random.Random(12)
+    system = [rng.randrange(VOCAB) for _ in range(13)]
+    wave = [system + p for p in random_prompts(rng, 6, max_len=9)]
+    params = SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)
+    turns = [wave, wave]  # the second wave hits the first wave's blocks
+    hits = []
+    for turn, prompts in enumerate(turns):
+        hits.append(core.scheduler.prefix_stats.hit_tokens)
+        expected = offline.generate(prompts, params, use_tqdm=False)
+        for i, p in enumerate(prompts):
+            core.add_request(AddRequest(f"t{turn}-{i}", tuple(p), params, 0.0))
+        outputs, _ = run_pipelined(core, blocks, worker, depth)
+        got = [outputs[f"t{turn}-{i}"] for i in range(len(prompts))]
+        assert got == [o.outputs[0].token_ids for o in expected]
+        if turn == 0:  # next chat turns: prompt + reply + a new message
+            turns.append([p + o + [7, 8, 9] for p, o in zip(prompts, got, strict=True)])
+            computed = [len(p) + len(o) - 1 for p, o in zip(prompts, got, strict=True)]
+    hits.append(core.scheduler.prefix_stats.hit_tokens)
+    assert hits[1] > 0  # later requests of the first wave share its system prompt
+    assert hits[2] - hits[1] == sum((len(p) - 1) // 4 * 4 for p in wave)  # the same again
+    # a next turn reuses every full block of the previous prompt and its reply
+    assert hits[3] - hits[2] == sum(n // 4 * 4 for n in computed)
+    core.scheduler.check_integrity()
+    blocks.check_integrity()
+    assert blocks.num_free_blocks == ready.num_blocks

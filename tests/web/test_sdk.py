@@ -67,18 +67,25 @@ async def test_32_concurrent_requests_equal_running_alone(builtin_server) -> Non
 async def test_five_turn_session(builtin_server) -> None:
     async with AsyncClient(builtin_server.ws) as client:
         chat = client.chat_session(system="You tell short stories.")
-        prompt_sizes, replies = [], []
+        prompt_sizes, replies, hits = [], [], []
         for turn in range(5):
+            before = builtin_server.metric("pagedserve_prefix_cache_hit_tokens")
             stream = chat.send(f"turn {turn}: tell me more", max_tokens=8, temperature=0)
             text = "".join([d.text async for d in stream])
             assert stream.result.finish_reason in ("stop", "length")
             assert stream.result.text == text
             prompt_sizes.append(stream.result.usage.prompt_tokens)
             replies.append(stream.result)
-        # each turn's prompt holds the previous prompt, its reply and the new message
+            hits.append(builtin_server.metric("pagedserve_prefix_cache_hit_tokens") - before)
+        # each turn's prompt holds the previous prompt, its reply and the new message; the
+        # prefix cache serves all of that but the last partial block (< 16 tokens) and the
+        # reply's last token (sampled, never fed back)
         for k in range(1, 5):
             grew = prompt_sizes[k] - prompt_sizes[k - 1]
-            assert grew >= replies[k - 1].usage.completion_tokens + len("turn k: tell me more")
+            new = grew - replies[k - 1].usage.completion_tokens
+            assert new >= len("turn k: tell me more")
+            computed = prompt_sizes[k] - hits[k]
+            assert new <= computed <= new + 16, (prompt_sizes, hits, new)
         await chat.close()
 
 
