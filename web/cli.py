@@ -34,6 +34,12 @@ def _add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) ->
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse cached KV blocks of earlier prompts and chat turns (default: on)",
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -98,6 +104,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         "gpu_memory_utilization": args.gpu_memory_utilization,
         "load_format": args.load_format,
         "seed": args.seed,
+        "enable_prefix_caching": args.enable_prefix_caching,
     }
 
 
