@@ -76,3 +76,13 @@ def paged_attention_reference(
         out[start : start + q_len] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
         start += q_len
     return out
+
+
+def copy_blocks(
+    cache: torch.Tensor,  # one layer's key or value cache, blocks along `block_dim`
+    src: torch.Tensor,  # [num_copies] int64 block ids
+    dst: torch.Tensor,  # [num_copies] int64 block ids, distinct, none of them in src
+    block_dim: int = 0,
+) -> None:
+    """Copies whole blocks src[i] -> dst[i] (copy-on-write), all of them in one op."""
+    cache.index_copy_(block_dim, dst, cache.index_select(block_dim, src))

@@ -53,9 +53,9 @@ class BlockLedger(KVCacheManager):
             super().free(seq_id)
             self._ops.append(BlockOp(FREE, seq_id))
 
-    def fork(self, parent_id: str, child_id: str) -> list[int]:
-        table = super().fork(parent_id, child_id)
-        self._ops.append(BlockOp(FORK, child_id, parent_id=parent_id))
+    def fork(self, parent_id: str, child_id: str, num_tokens: int = 0) -> list[int]:
+        table = super().fork(parent_id, child_id, num_tokens)
+        self._ops.append(BlockOp(FORK, child_id, num_tokens, parent_id))
         return table
 
     def copy_on_write(self, seq_id: str, start: int) -> list[BlockCopy] | None:

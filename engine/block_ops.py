@@ -10,7 +10,7 @@ into a table, and the scheduler compares the lists.
 |---------|---------------------------------------------------------------|------------------|
 | `grow`  | `seq_id`'s table holds `num` tokens                           | the new blocks   |
 | `free`  | `seq_id`'s table is dropped                                   | none             |
-| `fork`  | `seq_id` gets a table sharing every block of `parent_id`      | none             |
+| `fork`  | `seq_id` shares `parent_id`'s blocks (of `num` tokens; 0: all) | none            |
 | `cow`   | `seq_id`'s shared blocks at positions >= `num` become copies  | the copies       |
 | `match` | `seq_id`'s empty table starts with the cached blocks `hashes` | the cached blocks|
 | `cache` | `seq_id`'s blocks from index `num` are cached under `hashes`  | none             |
@@ -53,7 +53,7 @@ def _free(kv: KVCacheManager, op: BlockOp) -> list[int]:
 
 
 def _fork(kv: KVCacheManager, op: BlockOp) -> list[int]:
-    kv.fork(op.parent_id, op.seq_id)
+    kv.fork(op.parent_id, op.seq_id, op.num)
     return []
 
 

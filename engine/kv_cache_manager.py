@@ -78,14 +78,23 @@ class KVCacheManager:
         table.extend(self.pool.allocate(need))
         return table
 
-    def fork(self, parent_id: str, child_id: str) -> list[int]:
-        """A new sequence sharing every block of `parent_id` (ref counts up)."""
+    def fork(self, parent_id: str, child_id: str, num_tokens: int = 0) -> list[int]:
+        """A new sequence sharing the blocks of `parent_id` (ref counts up): those holding
+        its first `num_tokens` tokens, or all of them when `num_tokens` is 0."""
         if child_id in self._tables:
             raise ValueError(f"sequence {child_id!r} already has a block table")
-        table = list(self.block_table(parent_id))
+        table = self.block_table(parent_id)
+        if num_tokens:
+            if self.blocks_for(num_tokens) > len(table):
+                raise ValueError(f"{parent_id!r} holds fewer than {num_tokens} tokens")
+            table = table[: self.blocks_for(num_tokens)]
+        table = list(table)
         self.pool.fork(table)
         self._tables[child_id] = table
-        self._hashes[child_id] = list(self._hashes.get(parent_id, ()))
+        hashes = self._hashes.get(parent_id, [])
+        self._hashes[child_id] = (
+            hashes[: num_tokens // self.block_size] if num_tokens else hashes[:]
+        )
         return table
 
     def copy_on_write(self, seq_id: str, start: int) -> list[BlockCopy] | None:

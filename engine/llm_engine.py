@@ -17,6 +17,7 @@ from engine.request_validation import validate_request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.scheduler_output import SchedulerOutput
+from engine.sequence_group import SequenceGroup, sequence_id, sequence_params
 from engine.stats import EngineStats, SlotUtilization
 from engine.stop_checker import StopChecker
 from engine.stop_strings import find_stop
@@ -55,14 +56,36 @@ class LLMEngine:
         self.utilization = SlotUtilization()
         self.num_steps = 0
         self._arrivals = itertools.count()
+        self._groups: dict[str, SequenceGroup] = {}  # multi-sequence requests in flight
 
     # -- requests ------------------------------------------------------------------
     def add_request(
         self, request_id: str, prompt: PromptInput, params: SamplingParams | None = None
     ) -> Request:
+        """Queues a request; one sampling several sequences (`n`, `best_of`) becomes a
+        SequenceGroup whose sequences share the prompt's blocks. Returns the (first)
+        sequence's Request."""
         params = params or SamplingParams()
         text, token_ids = self._tokenize(prompt)
         self._validate(request_id, token_ids, params)
+        if params.num_sequences == 1:
+            request = self._new_request(request_id, text, token_ids, params)
+            self.scheduler.add_request(request)
+            return request
+        group = SequenceGroup(request_id, params)
+        for i in range(params.num_sequences):
+            child = sequence_params(params, i)
+            seq = self._new_request(sequence_id(request_id, i), text, token_ids, child)
+            seq.group = group
+            group.sequences.append(seq)
+        self._groups[request_id] = group
+        for seq in group.sequences:
+            self.scheduler.add_request(seq)
+        return group.leader
+
+    def _new_request(
+        self, request_id: str, text: str | None, token_ids: list[int], params: SamplingParams
+    ) -> Request:
         request = Request(
             request_id,
             text,
@@ -77,10 +100,14 @@ class LLMEngine:
             request.logprobs = []
         if params.stop and self.tokenizer is not None:
             request.detokenizer = self._detokenizer(request)
-        self.scheduler.add_request(request)
         return request
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
+        group = self._groups.get(request_id)
+        if group is not None:
+            for seq in group.sequences:
+                self.scheduler.finish_request(seq.request_id, RequestStatus.FINISHED_ABORTED)
+            return self._finish_group(group)
         request = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
         return None if request is None else self._finish(request)
 
@@ -111,9 +138,13 @@ class LLMEngine:
             if token is None:
                 continue
             status = self._append_token(request, token, now)
-            if status is not None:
-                self.scheduler.finish_request(request.request_id, status)
+            if status is None:
+                continue
+            self.scheduler.finish_request(request.request_id, status)
+            if request.group is None:
                 finished.append(self._finish(request))
+            elif request.group.is_finished:
+                finished.append(self._finish_group(request.group))
         return finished
 
     def _append_token(self, request: Request, token: int, now: float) -> RequestStatus | None:
@@ -127,6 +158,18 @@ class LLMEngine:
 
     # -- outputs -------------------------------------------------------------------
     def _finish(self, request: Request) -> RequestOutput:
+        return self._output(request.request_id, request, [self._completion(request, 0)])
+
+    def _finish_group(self, group: SequenceGroup) -> RequestOutput:
+        """All sequences of `group` ended: one output with n completions."""
+        del self._groups[group.request_id]
+        completions = [self._completion(s, i) for i, s in enumerate(group.results())]
+        if group.params.logprobs is None:  # sampled only to rank best_of sequences
+            for c in completions:
+                c.logprobs = None
+        return self._output(group.request_id, group.leader, completions)
+
+    def _completion(self, request: Request, index: int) -> CompletionOutput:
         request.metrics.finished_time = time.time()
         if request.detokenizer is None and self.tokenizer is not None:
             # Decoded with the prompt's last tokens as context, as streaming does, so a
@@ -135,8 +178,8 @@ class LLMEngine:
             request.output_text = request.detokenizer.append(request.output_token_ids)
         if request.detokenizer is not None and not isinstance(request.stop_reason, str):
             self._flush_text(request)
-        completion = CompletionOutput(
-            index=0,
+        return CompletionOutput(
+            index=index,
             text=request.output_text,
             token_ids=list(request.output_token_ids),
             cumulative_logprob=request.cumulative_logprob if request.logprobs is not None else None,
@@ -144,15 +187,19 @@ class LLMEngine:
             finish_reason=request.status.finish_reason,
             stop_reason=request.stop_reason,
         )
+
+    def _output(
+        self, request_id: str, first: Request, completions: list[CompletionOutput]
+    ) -> RequestOutput:
         return RequestOutput(
-            request_id=request.request_id,
-            prompt=request.prompt,
-            prompt_token_ids=request.prompt_token_ids,
-            prompt_logprobs=request.prompt_logprobs,
-            outputs=[completion],
+            request_id=request_id,
+            prompt=first.prompt,
+            prompt_token_ids=first.prompt_token_ids,
+            prompt_logprobs=first.prompt_logprobs,
+            outputs=completions,
             finished=True,
-            metrics=request.metrics,
-            error=request.error,
+            metrics=first.metrics,
+            error=first.error,
         )
 
     def _flush_text(self, request: Request) -> None:
@@ -200,8 +247,12 @@ class LLMEngine:
         raise ValueError("prompt must be a string or a list of token ids (ints)")
 
     def _validate(self, request_id: str, token_ids: list[int], params: SamplingParams) -> None:
-        if request_id in self.scheduler.requests:
-            raise ValueError(f"request_id {request_id!r} is already in flight")
+        ids = [request_id]
+        if params.num_sequences > 1:
+            ids += [sequence_id(request_id, i) for i in range(params.num_sequences)]
+        for rid in ids:
+            if rid in self.scheduler.requests or rid in self._groups:
+                raise ValueError(f"request_id {rid!r} is already in flight")
         model = self.config.model
         validate_request(
             token_ids, params, model.vocab_size, model.max_model_len, self.tokenizer is not None

@@ -241,7 +241,8 @@ class StepPlan:
     """Step `step_id`: new requests in full; diffs for cached requests whose blocks
     changed or that resume after preemption (every other cached request just goes on
     from where the worker's own count says); then, column-wise, request
-    `scheduled_ids[i]` computes `num_scheduled_tokens[i]` tokens; finished ids last."""
+    `scheduled_ids[i]` computes `num_scheduled_tokens[i]` tokens; finished ids; and the
+    copy-on-write copies (block `copy_src[i]` -> `copy_dst[i]`) to make before the step."""
 
     step_id: int
     new_requests: tuple[NewRequestData, ...]
@@ -249,6 +250,8 @@ class StepPlan:
     scheduled_ids: tuple[str, ...]
     num_scheduled_tokens: tuple[int, ...]
     finished_ids: tuple[str, ...]
+    copy_src: tuple[int, ...] = ()
+    copy_dst: tuple[int, ...] = ()
 
 
 # ---------------------------------------------------------------- client inbox

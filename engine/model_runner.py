@@ -138,6 +138,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput, sample: bool = True) -> StepResult:
+        if plan.block_copies:
+            self.copy_blocks(plan.block_copies)
         batch = build_model_input(plan.scheduled, self.cache_config.block_size, self.device)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_cache, batch.metadata)
         prompt_lp = self._prompt_logprobs(batch, hidden)
@@ -148,6 +150,11 @@ class ModelRunner:
         ids = [r.request.request_id for r in batch.sample_rows]
         tokens = out.sampled_token_ids.tolist()
         return StepResult(dict(zip(ids, tokens, strict=True)), out.logprobs, tuple(ids), prompt_lp)
+
+    def copy_blocks(self, copies: tuple[tuple[int, int], ...]) -> None:
+        """Copy-on-write: every (src, dst) block copy of a step, one op per cache tensor."""
+        pairs = torch.tensor(copies, dtype=torch.int64, device=self.device)  # [num_copies, 2]
+        self.backend.copy_blocks(self.kv_cache, pairs[:, 0], pairs[:, 1])
 
     def _sampling_metadata(self, batch: ModelInput) -> SamplingMetadata:
         rows = []

@@ -11,6 +11,7 @@ if TYPE_CHECKING:
     from engine.detokenizer import IncrementalDetokenizer
     from engine.logprobs import PromptLogprobs, SampleLogprobs
     from engine.sampling_params import SamplingParams
+    from engine.sequence_group import SequenceGroup
 
 
 class RequestStatus(enum.IntEnum):
@@ -58,6 +59,7 @@ class Request:
     Known tokens are the prompt followed by the outputs. Each step the scheduler lets
     `num_computed_tokens` catch up with `num_tokens`; a step that reaches the end of the
     known tokens samples one more. `arrival_index` orders requests (FCFS, preemption).
+    A request sampling several sequences is a `SequenceGroup` of such requests.
     """
 
     request_id: str
@@ -80,6 +82,7 @@ class Request:
     num_pending_outputs: int = 0  # trailing output ids that are placeholders (one step ahead)
     error: str | None = None
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.time()))
+    group: SequenceGroup | None = None  # set when this is one sequence of several
 
     @property
     def num_prompt_tokens(self) -> int:

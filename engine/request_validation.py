@@ -11,12 +11,14 @@ def validate_request(
     vocab_size: int,
     max_model_len: int,
     has_tokenizer: bool,
+    multi_sequence: bool = True,
 ) -> None:
-    """Raises ValueError naming the field and the allowed range."""
-    if params.n != 1:
+    """Raises ValueError naming the field and the allowed range. `multi_sequence`: the
+    entry point runs requests that sample several sequences (n, best_of)."""
+    if params.num_sequences != 1 and not multi_sequence:
         raise ValueError(
-            f"n={params.n}: parallel sampling (n > 1) is not supported yet; send n "
-            "requests with different seeds instead"
+            f"n={params.n}, best_of={params.best_of}: this entry point samples one sequence "
+            "per request; send n requests with different seeds instead"
         )
     if params.stop and not has_tokenizer:
         raise ValueError("stop strings need a tokenizer; this engine has none (use stop_token_ids)")

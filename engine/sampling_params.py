@@ -9,6 +9,7 @@ from typing import Any
 
 MAX_LOGPROBS = 20  # the most top logprobs a request may ask for, per token
 MAX_ABS_LOGIT_BIAS = 100.0  # OpenAI's bound on a logit_bias value
+MAX_SEQUENCES = 256  # the most sequences (n, best_of) one request may ask for
 _GREEDY_EPS = 1e-5  # temperatures below this mean greedy decoding
 
 
@@ -81,6 +82,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     logit_bias: dict[int, float] | None = field(default=None, hash=False)
+    best_of: int | None = None  # sample this many, return the n best by cumulative logprob
 
     def __post_init__(self) -> None:
         self._check_floats()
@@ -112,7 +114,8 @@ class SamplingParams:
             self._set(name, value)
 
     def _check_ints(self) -> None:
-        _check_int("n", self.n, 1)
+        _check_int("n", self.n, 1, MAX_SEQUENCES)
+        _check_int("best_of", self.best_of, self.n, MAX_SEQUENCES, none_ok=True)
         _check_int("top_k", self.top_k, -1)
         if self.top_k == -1:
             self._set("top_k", 0)
@@ -142,6 +145,11 @@ class SamplingParams:
         for token_id in self.logit_bias or {}:
             if token_id >= vocab_size:
                 _fail("logit_bias", f"keyed by token ids < vocab size {vocab_size}", token_id)
+
+    @property
+    def num_sequences(self) -> int:
+        """How many sequences the request samples (best_of, else n)."""
+        return self.best_of or self.n
 
     @property
     def is_greedy(self) -> bool:

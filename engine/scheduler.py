@@ -47,14 +47,19 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_stats = PrefixCacheStats()
         self._step_id = 0
+        self._copies: list[tuple[int, int]] = []  # this step's copy-on-write copies
 
     # -- queue ---------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         request.max_num_tokens = max_num_tokens(
             request.params, request.num_prompt_tokens, self.config.max_model_len
         )
-        self.waiting.append(request)
         self.requests[request.request_id] = request
+        group = request.group
+        if group is not None and request is not group.leader:
+            group.held.append(request)  # joins once the leader's prompt is computed
+            return
+        self.waiting.append(request)
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
         """Ends a request (stop, length, abort, error) and frees its blocks at once."""
@@ -65,6 +70,8 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        elif request.group is not None and request in request.group.held:
+            request.group.held.remove(request)
         request.status = status
         self._free_blocks(request)
         return request
@@ -76,6 +83,7 @@ class Scheduler:
     # -- planning ------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
+        self._copies = []
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
         grow = self.kv_cache.grow
@@ -100,7 +108,8 @@ class Scheduler:
         if not preempted:
             scheduled += self._admit_waiting(budget)
         self._step_id += 1
-        return SchedulerOutput(self._step_id, tuple(scheduled), tuple(preempted))
+        copies = tuple(self._copies)
+        return SchedulerOutput(self._step_id, tuple(scheduled), tuple(preempted), copies)
 
     def _preempt_until_fits(
         self, request: Request, num_tokens: int, preempted: list[str]
@@ -123,14 +132,17 @@ class Scheduler:
             request = self.waiting[0]
             if self._at_limit(request):
                 break  # its pending result will finish it; FCFS keeps the rest waiting
-            computed = self._match_prefix(request)
+            forked = self._fork_from_leader(request)
+            if forked is None:
+                break  # no blocks for its copy of the prompt's last block
+            computed = forked or self._match_prefix(request)
             n = min(request.num_tokens - computed, budget)
             table = self.kv_cache.grow(request.request_id, computed + n)
             if table is None:
                 self.kv_cache.free(request.request_id)  # gives the prefix hits back
                 break
             self.waiting.popleft()
-            if self.kv_cache.enable_prefix_caching:
+            if self.kv_cache.enable_prefix_caching and not forked:
                 self.prefix_stats.record(request.num_tokens, computed)
             request.num_computed_tokens = computed
             request.status = RequestStatus.RUNNING
@@ -138,6 +150,31 @@ class Scheduler:
             admitted.append(ScheduledRequest(request, computed, n, table))
             budget -= n
         return admitted
+
+    def _fork_from_leader(self, request: Request) -> int | None:
+        """A new follower of a running leader shares the leader's prompt blocks and
+        gets a private copy of the block holding the prompt's last token (which it
+        recomputes to sample its first token); returns its computed tokens (0: not a
+        fork, None: no block for the copy)."""
+        group = request.group
+        if (
+            group is None
+            or request is group.leader
+            or request.num_tokens > request.num_prompt_tokens
+        ):
+            return 0
+        leader, num_prompt = group.leader, request.num_prompt_tokens
+        if request.num_computed_tokens or leader.status != RequestStatus.RUNNING:
+            return 0
+        if leader.num_computed_tokens < num_prompt:
+            return 0
+        self.kv_cache.fork(leader.request_id, request.request_id, num_prompt)
+        copies = self.kv_cache.copy_on_write(request.request_id, num_prompt - 1)
+        if copies is None:
+            self.kv_cache.free(request.request_id)
+            return None
+        self._copies += copies
+        return num_prompt - 1
 
     def _match_prefix(self, request: Request) -> int:
         """Tokens of `request` already in cached blocks (0 without prefix caching)."""
@@ -178,12 +215,11 @@ class Scheduler:
         ahead: then every row that samples also gets `placeholder` as its next output,
         for the result to fill in)."""
         running = RequestStatus.RUNNING
-        caching = self.kv_cache.enable_prefix_caching
         for request, computed, n, _ in plan.scheduled:
             if request.status == running:
                 request.num_computed_tokens = computed + n
-                if caching and computed < len(request.prompt_token_ids):
-                    self._cache_prompt(request, computed + n)
+                if computed < len(request.prompt_token_ids):
+                    self._prompt_computed(request, computed + n)
             if placeholder is None:
                 continue
             outputs = request.output_token_ids
@@ -191,10 +227,17 @@ class Scheduler:
                 outputs.append(placeholder)
                 request.num_pending_outputs += 1
 
-    def _cache_prompt(self, request: Request, num_computed: int) -> None:
+    def _prompt_computed(self, request: Request, num_computed: int) -> None:
+        """Caches the prompt's newly full blocks; once a leader's whole prompt is
+        computed, its held followers join the front of the queue."""
         num_prompt = len(request.prompt_token_ids)
-        n = num_computed if num_computed < num_prompt else num_prompt
-        self.kv_cache.cache_computed(request.request_id, request.token_ids, n)
+        if self.kv_cache.enable_prefix_caching:
+            n = num_computed if num_computed < num_prompt else num_prompt
+            self.kv_cache.cache_computed(request.request_id, request.token_ids, n)
+        group = request.group
+        if group is not None and group.held and num_computed >= num_prompt:
+            self.waiting.extendleft(reversed(group.held))
+            group.held.clear()
 
     def check_integrity(self) -> None:
         """Blocks are consistent with every running request's computed tokens."""

@@ -29,11 +29,13 @@ class ScheduledRequest(NamedTuple):  # a NamedTuple: built 256 times a step, che
 
 @dataclass(frozen=True)
 class SchedulerOutput:
-    """The plan of step `step_id`."""
+    """The plan of step `step_id`. `block_copies` (copy-on-write, (src, dst) block ids)
+    run before the step's forward pass."""
 
     step_id: int
     scheduled: tuple[ScheduledRequest, ...]
     preempted_ids: tuple[str, ...]
+    block_copies: tuple[tuple[int, int], ...] = ()
 
     @property
     def num_scheduled_tokens(self) -> int:

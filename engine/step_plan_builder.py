@@ -47,6 +47,14 @@ class StepPlanBuilder:
                     CachedRequestData(request_id, tuple(table[start:]), computed, resumed)
                 )
             sent[request_id] = (len(table), r.num_preemptions)
+        copies = plan.block_copies
         return StepPlan(
-            plan.step_id, tuple(new), tuple(cached), tuple(ids), tuple(counts), finished
+            plan.step_id,
+            tuple(new),
+            tuple(cached),
+            tuple(ids),
+            tuple(counts),
+            finished,
+            tuple(src for src, _ in copies),
+            tuple(dst for _, dst in copies),
         )

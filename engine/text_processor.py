@@ -52,7 +52,9 @@ class TextProcessor:
         if request.request_id in self.states:
             raise ValueError(f"request_id {request.request_id!r} is already in flight")
         token_ids = self._token_ids(request)
-        validate_request(token_ids, request.params, self.vocab_size, self.max_model_len, True)
+        validate_request(
+            token_ids, request.params, self.vocab_size, self.max_model_len, True, False
+        )
         detokenizer = IncrementalDetokenizer(
             self.tokenizer,
             token_ids,

@@ -40,7 +40,10 @@ class Worker:
 
     def execute(self, plan: StepPlan) -> StepResult:
         self._apply(plan)
-        if not plan.scheduled_ids:  # a plan may only carry finished ids
+        copies = tuple(zip(plan.copy_src, plan.copy_dst, strict=True))
+        if not plan.scheduled_ids:  # a plan may only carry finished ids (and copies)
+            if copies and self.runner is not None:
+                self.runner.copy_blocks(copies)
             return StepResult(plan.step_id, self.worker_id, (), (), (), (), None, 0.0)
         scheduled = tuple(
             ScheduledRequest(
@@ -51,7 +54,7 @@ class Worker:
             )
             for rid, n in zip(plan.scheduled_ids, plan.num_scheduled_tokens, strict=True)
         )
-        result = self._run(SchedulerOutput(plan.step_id, scheduled, ()))
+        result = self._run(SchedulerOutput(plan.step_id, scheduled, (), copies))
         for item in scheduled:
             item.request.num_computed_tokens += item.num_scheduled_tokens
         for request_id, token in result.sampled.items():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from cuda_ext.reference import paged_attention_reference, reshape_and_cache
+from cuda_ext.reference import copy_blocks, paged_attention_reference, reshape_and_cache
 from engine.attention.metadata import AttentionMetadata
 
 
@@ -19,6 +19,7 @@ class AttentionBackend:
     """
 
     name = "base"
+    block_dim = 0  # the dimension of kv_cache_shape that indexes blocks
 
     @staticmethod
     def kv_cache_shape(
@@ -41,6 +42,17 @@ class AttentionBackend:
 
     def write(self, key, value, key_cache, value_cache, slot_mapping) -> None:
         reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+
+    def copy_blocks(
+        self,
+        kv_cache: list[tuple[torch.Tensor, torch.Tensor]],  # per layer: 2 x kv_cache_shape
+        src: torch.Tensor,  # [num_copies] int64
+        dst: torch.Tensor,  # [num_copies] int64
+    ) -> None:
+        """Copy-on-write: block src[i] -> dst[i] in every layer's K and V cache."""
+        for key_cache, value_cache in kv_cache:
+            copy_blocks(key_cache, src, dst, self.block_dim)
+            copy_blocks(value_cache, src, dst, self.block_dim)
 
     def attend(
         self,

@@ -45,6 +45,7 @@ class SdpaBackend(AttentionBackend):
     """Bucketed batched decode + per-sequence prefill through torch SDPA."""
 
     name = "sdpa"
+    block_dim = 1
 
     def __init__(self) -> None:
         self.workspace = Workspace()

@@ -135,6 +135,8 @@ FIELD_ORDER = {
         "scheduled_ids",
         "num_scheduled_tokens",
         "finished_ids",
+        "copy_src",
+        "copy_dst",
     ],
     "OutputDelta": [
         "request_id",
@@ -169,6 +171,7 @@ FIELD_ORDER = {
         "skip_special_tokens",
         "spaces_between_special_tokens",
         "logit_bias",
+        "best_of",
     ],
 }
 

@@ -79,3 +79,20 @@ def test_sdpa_workspace_is_reused_across_calls():
     buffers = {name: buf.data_ptr() for name, buf in backend.workspace._buffers.items()}
     run_backend(backend, metadata, num_blocks, 16, 2, 2, 8, 1)
     assert {n: b.data_ptr() for n, b in backend.workspace._buffers.items()} == buffers
+
+
+@pytest.mark.parametrize("backend", [ReferenceBackend(), SdpaBackend()])
+def test_copy_blocks_copies_whole_blocks_in_each_backends_layout(backend):
+    shape = backend.kv_cache_shape(6, 4, 2, 8)
+    gen = torch.Generator().manual_seed(0)
+    kv_cache = [(torch.randn(shape, generator=gen), torch.randn(shape, generator=gen))]
+    before = [(k.clone(), v.clone()) for k, v in kv_cache]
+    src, dst = torch.tensor([1, 4]), torch.tensor([3, 0])
+    backend.copy_blocks(kv_cache, src, dst)
+    dim = backend.block_dim
+    for (k, v), (k0, v0) in zip(kv_cache, before, strict=True):
+        for new, old in ((k, k0), (v, v0)):
+            for s, d in ((1, 3), (4, 0)):
+                assert torch.equal(new.select(dim, d), old.select(dim, s))
+            for untouched in (1, 2, 4, 5):
+                assert torch.equal(new.select(dim, untouched), old.select(dim, untouched))

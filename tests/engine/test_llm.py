@@ -122,7 +122,6 @@ def test_bad_requests_are_rejected_and_the_engine_keeps_serving(llm):
         ([1, 2], SamplingParams(logit_bias={VOCAB + 1: 1.0}), "logit_bias"),
         ([1, 2], SamplingParams(stop_token_ids=[VOCAB]), "stop_token_ids"),
         ("text", params, "tokenizer"),
-        ([1, 2], SamplingParams(n=2), "n=2"),
         ([1, 2], SamplingParams(stop=["x"]), "stop strings"),
     ]
     for prompt, p, message in bad_requests:

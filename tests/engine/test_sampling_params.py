@@ -87,7 +87,7 @@ def test_error_messages_are_specific():
         SamplingParams(temperature=-1.0)
     with pytest.raises(SamplingParamsError, match=r"top_p must be .*in \(0, 1\], got 1\.5"):
         SamplingParams(top_p=1.5)
-    with pytest.raises(SamplingParamsError, match=r"n must be an int >= 1, got 0"):
+    with pytest.raises(SamplingParamsError, match=r"n must be an int in \[1, 256\], got 0"):
         SamplingParams(n=0)
     with pytest.raises(SamplingParamsError, match=r"max_tokens .* got True \(bool\)"):
         SamplingParams(max_tokens=True)

@@ -1,0 +1,60 @@
+"""A request with several sequences (parallel sampling: `n`, `best_of`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.request import Request
+    from engine.sampling_params import SamplingParams
+
+
+def sequence_id(request_id: str, index: int) -> str:
+    """The scheduler's id of sequence `index` of a multi-sequence request."""
+    return f"{request_id}#{index}"
+
+
+@dataclass(eq=False)
+class SequenceGroup:
+    """One client request sampled as `params.num_sequences` sequences.
+
+    Each sequence is a `Request` of its own to the scheduler (its id from `sequence_id`,
+    n=1, and seed + index when the request is seeded, so sequence i samples exactly what
+    the same request with that seed samples alone). The first, the leader, is scheduled
+    alone until its prompt is computed; the others (`held`) then join and fork the
+    leader's prompt blocks, recomputing only the prompt's last token (into a private
+    copy of its block) to sample their own first token: the prompt's KV is computed and
+    stored once for all of them.
+    """
+
+    request_id: str
+    params: SamplingParams
+    sequences: list[Request] = field(default_factory=list)
+    held: list[Request] = field(default_factory=list)  # not yet given to the scheduler
+
+    @property
+    def leader(self) -> Request:
+        return self.sequences[0]
+
+    @property
+    def is_finished(self) -> bool:
+        return all(s.is_finished for s in self.sequences)
+
+    def results(self) -> list[Request]:
+        """The sequences to return, in output order: all n by index, or with best_of
+        the n of highest cumulative logprob, best first."""
+        if self.params.best_of is None or self.params.best_of == self.params.n:
+            return list(self.sequences)
+        ranked = sorted(self.sequences, key=lambda s: s.cumulative_logprob, reverse=True)
+        return ranked[: self.params.n]
+
+
+def sequence_params(params: SamplingParams, index: int) -> SamplingParams:
+    """What sequence `index` of a multi-sequence request samples with. With best_of the
+    sampled tokens' logprobs are needed to rank the sequences (logprobs >= 0)."""
+    seed = None if params.seed is None else params.seed + index
+    logprobs = params.logprobs
+    if params.best_of is not None and logprobs is None:
+        logprobs = 0
+    return params.with_updates(n=1, best_of=None, seed=seed, logprobs=logprobs)
