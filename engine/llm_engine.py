@@ -6,6 +6,8 @@ import itertools
 import logging
 import time
 
+from engine.beam_group import BeamGroup, beam_params
+from engine.beam_search import BeamSearch
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache_manager import KVCacheManager
@@ -68,6 +70,8 @@ class LLMEngine:
         params = params or SamplingParams()
         text, token_ids = self._tokenize(prompt)
         self._validate(request_id, token_ids, params)
+        if params.use_beam_search:
+            return self._add_beam_search(request_id, text, token_ids, params)
         if params.num_sequences == 1:
             request = self._new_request(request_id, text, token_ids, params)
             self.scheduler.add_request(request)
@@ -81,6 +85,26 @@ class LLMEngine:
         self._groups[request_id] = group
         for seq in group.sequences:
             self.scheduler.add_request(seq)
+        return group.leader
+
+    def _add_beam_search(
+        self, request_id: str, text: str | None, token_ids: list[int], params: SamplingParams
+    ) -> Request:
+        ends = frozenset(params.stop_token_ids or ())
+        if not params.ignore_eos:
+            ends |= self.config.model.eos_token_ids
+        room = self.config.model.max_model_len - len(token_ids)
+        max_new = room if params.max_tokens is None else min(params.max_tokens, room)
+        search = BeamSearch(
+            params.beam_width, params.length_penalty, params.early_stopping, max_new, ends
+        )
+        beam = beam_params(params, search.num_candidates)
+        group = BeamGroup(request_id, params, search)
+        leader = self._new_request(sequence_id(request_id, 0), text, token_ids, beam)
+        leader.logprobs = None  # the search keeps the scores
+        group.start(leader)
+        self._groups[request_id] = group
+        self.scheduler.add_request(group.leader)
         return group.leader
 
     def _new_request(
@@ -131,11 +155,17 @@ class LLMEngine:
         self._store_logprobs(result)
         finished = []
         now = time.time()
+        offers = _top_candidates(result)
         for item in plan.scheduled:
             request = item.request
             request.metrics.first_scheduled_time = request.metrics.first_scheduled_time or now
             token = result.sampled.get(request.request_id)
             if token is None:
+                continue
+            group = request.group
+            if isinstance(group, BeamGroup):
+                if group.collect(request, offers[request.request_id]):
+                    finished += self._advance_beams(group)
                 continue
             status = self._append_token(request, token, now)
             if status is None:
@@ -157,6 +187,31 @@ class LLMEngine:
         return self.stop_checker.check(request, len(delta))
 
     # -- outputs -------------------------------------------------------------------
+    def _advance_beams(self, group: BeamGroup) -> list[RequestOutput]:
+        leader = group.leader
+
+        def new_beam(request_id: str) -> Request:
+            prompt, ids, params = leader.prompt, leader.prompt_token_ids, leader.params
+            beam = self._new_request(request_id, prompt, ids, params)
+            beam.logprobs = None  # the search keeps the scores
+            return beam
+
+        if not group.advance(self.scheduler, new_beam):
+            return []
+        del self._groups[group.request_id]
+        completions = []
+        for i, h in enumerate(group.hypotheses):
+            seq = new_beam(sequence_id(group.request_id, 0))
+            seq.output_token_ids = list(h.token_ids)
+            ended = h.token_ids[-1] in group.search.end_token_ids
+            seq.status = RequestStatus.FINISHED_STOPPED if ended else RequestStatus.FINISHED_LENGTH
+            seq.cumulative_logprob = seq_logprob = h.logprob
+            completion = self._completion(seq, i)
+            completion.cumulative_logprob = seq_logprob
+            completion.beam_score = h.score
+            completions.append(completion)
+        return [self._output(group.request_id, leader, completions)]
+
     def _finish(self, request: Request) -> RequestOutput:
         return self._output(request.request_id, request, [self._completion(request, 0)])
 
@@ -293,3 +348,14 @@ class LLMEngine:
         """Forgets every cached prefix (later requests compute their prompts in full);
         returns how many cached blocks were dropped."""
         return self.scheduler.kv_cache.reset_prefix_cache()
+
+
+def _top_candidates(result: StepResult) -> dict[str, list[tuple[int, float]]]:
+    """Each logprobs row's top (token, logprob) pairs, best first (beam offers)."""
+    if result.logprobs is None:
+        return {}
+    ids = result.logprobs.topk_ids.tolist()
+    lps = result.logprobs.topk_logprobs.tolist()
+    return {
+        rid: list(zip(ids[i], lps[i], strict=True)) for i, rid in enumerate(result.logprob_rows)
+    }

@@ -19,6 +19,7 @@ class CompletionOutput:
     logprobs: SampleLogprobs | None
     finish_reason: str | None = None  # "stop", "length", "abort", "error" or None (running)
     stop_reason: int | str | None = None  # the stop token id or stop string that matched
+    beam_score: float | None = None  # beam search: cumulative_logprob / length ** penalty
 
     @property
     def finished(self) -> bool:

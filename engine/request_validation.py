@@ -15,6 +15,11 @@ def validate_request(
 ) -> None:
     """Raises ValueError naming the field and the allowed range. `multi_sequence`: the
     entry point runs requests that sample several sequences (n, best_of)."""
+    if params.use_beam_search and not multi_sequence:
+        raise ValueError(
+            "use_beam_search: beam search runs in the offline engine (LLM); this entry "
+            "point does not serve it yet"
+        )
     if params.num_sequences != 1 and not multi_sequence:
         raise ValueError(
             f"n={params.n}, best_of={params.best_of}: this entry point samples one sequence "

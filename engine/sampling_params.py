@@ -10,6 +10,7 @@ from typing import Any
 MAX_LOGPROBS = 20  # the most top logprobs a request may ask for, per token
 MAX_ABS_LOGIT_BIAS = 100.0  # OpenAI's bound on a logit_bias value
 MAX_SEQUENCES = 256  # the most sequences (n, best_of) one request may ask for
+MAX_BEAM_WIDTH = 16
 _GREEDY_EPS = 1e-5  # temperatures below this mean greedy decoding
 
 
@@ -41,7 +42,7 @@ def _check_int(
 def _as_float(name: str, value: Any, rule: str) -> float:
     """A finite float from an int or float (bools and strings rejected)."""
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        _fail(name, f"a finite number {rule}", value)
+        _fail(name, f"a finite number {rule}".rstrip(), value)
     return float(value)
 
 
@@ -83,6 +84,9 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     logit_bias: dict[int, float] | None = field(default=None, hash=False)
     best_of: int | None = None  # sample this many, return the n best by cumulative logprob
+    use_beam_search: bool = False  # beam width: best_of, else n; returns the n best beams
+    length_penalty: float = 1.0  # beam score = sum logprob / generated length ** this
+    early_stopping: bool | str = False  # True, False (a heuristic) or "never", as in HF
 
     def __post_init__(self) -> None:
         self._check_floats()
@@ -91,6 +95,7 @@ class SamplingParams:
         self._set("stop", _normalize_stop(self.stop))
         self._set("stop_token_ids", _normalize_stop_token_ids(self.stop_token_ids))
         self._set("logit_bias", _normalize_logit_bias(self.logit_bias))
+        self._check_beam_search()
 
     def _set(self, name: str, value: Any) -> None:
         object.__setattr__(self, name, value)
@@ -132,10 +137,43 @@ class SamplingParams:
         for name in (
             "include_stop_str_in_output",
             "ignore_eos",
+            "use_beam_search",
             "skip_special_tokens",
             "spaces_between_special_tokens",
         ):
             _check_bool(name, getattr(self, name))
+
+    def _check_beam_search(self) -> None:
+        self._set("length_penalty", _as_float("length_penalty", self.length_penalty, ""))
+        if not (self.early_stopping is True or self.early_stopping is False) and (
+            self.early_stopping != "never"
+        ):
+            _fail("early_stopping", 'True, False or "never"', self.early_stopping)
+        if not self.use_beam_search:
+            return
+        sampling = {
+            "temperature": (self.temperature, 0.0),
+            "top_p": (self.top_p, 1.0),
+            "top_k": (self.top_k, 0),
+            "min_p": (self.min_p, 0.0),
+            "presence_penalty": (self.presence_penalty, 0.0),
+            "frequency_penalty": (self.frequency_penalty, 0.0),
+            "repetition_penalty": (self.repetition_penalty, 1.0),
+            "seed": (self.seed, None),
+            "logit_bias": (self.logit_bias, None),
+            "stop": (self.stop, ()),
+            "min_tokens": (self.min_tokens, 0),
+        }
+        for name, (value, default) in sampling.items():
+            if value != default:
+                _fail(name, f"{default!r} with use_beam_search (beams rank raw logprobs)", value)
+        if self.beam_width > MAX_BEAM_WIDTH:
+            rule = f"<= {MAX_BEAM_WIDTH} with use_beam_search (the beam width)"
+            _fail("best_of", rule, self.beam_width)
+
+    @property
+    def beam_width(self) -> int:
+        return self.best_of or self.n
 
     def check_vocab(self, vocab_size: int) -> None:
         """Raise `SamplingParamsError` if a stop token id or logit_bias key is >= vocab_size."""

@@ -48,6 +48,7 @@ class Scheduler:
         self.prefix_stats = PrefixCacheStats()
         self._step_id = 0
         self._copies: list[tuple[int, int]] = []  # this step's copy-on-write copies
+        self._cow_pending: set[str] = set()  # forked sequences: copy before writing
 
     # -- queue ---------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -86,15 +87,19 @@ class Scheduler:
         self._copies = []
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
-        grow = self.kv_cache.grow
+        grow, cow = self.kv_cache.grow, self._cow_pending
         running = RequestStatus.RUNNING
         for request in list(self.running):  # the hot loop: one pass, no helper calls
             if request.status != running:
                 continue  # preempted earlier in this loop
             num_tokens = len(request.prompt_token_ids) + len(request.output_token_ids)
-            if num_tokens >= request.max_num_tokens:
-                continue  # at its length limit: it only awaits its last result
             computed = request.num_computed_tokens
+            if num_tokens >= request.max_num_tokens or num_tokens == computed:
+                continue  # awaits its last result, or a beam awaiting its siblings
+            if cow and request.request_id in cow and not self._copy_on_write(request):
+                self._preempt(request)
+                preempted.append(request.request_id)
+                continue
             n = min(num_tokens - computed, budget)
             table = grow(request.request_id, computed + n)
             if table is None:
@@ -151,6 +156,27 @@ class Scheduler:
             budget -= n
         return admitted
 
+    def add_fork(self, request: Request, parent: Request) -> None:
+        """Starts `request` running on all of `parent`'s blocks (a beam forking): both
+        copy the shared block they write next before writing it."""
+        request.max_num_tokens = parent.max_num_tokens
+        request.num_computed_tokens = parent.num_computed_tokens
+        request.status = RequestStatus.RUNNING
+        self.kv_cache.fork(parent.request_id, request.request_id)
+        self.requests[request.request_id] = request
+        bisect.insort(self.running, request, key=lambda r: r.arrival_index)
+        self._cow_pending.update((request.request_id, parent.request_id))
+
+    def _copy_on_write(self, request: Request) -> bool:
+        """Private copies of the shared blocks the next write touches; False when blocks
+        ran out (the caller preempts)."""
+        copies = self.kv_cache.copy_on_write(request.request_id, request.num_computed_tokens)
+        if copies is None:
+            return False
+        self._cow_pending.discard(request.request_id)
+        self._copies += copies
+        return True
+
     def _fork_from_leader(self, request: Request) -> int | None:
         """A new follower of a running leader shares the leader's prompt blocks and
         gets a private copy of the block holding the prompt's last token (which it
@@ -194,6 +220,7 @@ class Scheduler:
 
     def _free_blocks(self, request: Request) -> None:
         """Frees the request's blocks, first caching the full ones of known tokens."""
+        self._cow_pending.discard(request.request_id)
         if self.kv_cache.enable_prefix_caching:
             known = request.num_tokens - request.num_pending_outputs
             computed = min(request.num_computed_tokens, known)

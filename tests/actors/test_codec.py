@@ -172,6 +172,9 @@ FIELD_ORDER = {
         "spaces_between_special_tokens",
         "logit_bias",
         "best_of",
+        "use_beam_search",
+        "length_penalty",
+        "early_stopping",
     ],
 }
 
