@@ -20,7 +20,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.scheduler_output import SchedulerOutput
 from engine.sequence_group import SequenceGroup, sequence_id, sequence_params
-from engine.stats import EngineStats, SlotUtilization
+from engine.stats import EngineStats, SharingSaving, SlotUtilization
 from engine.stop_checker import StopChecker
 from engine.stop_strings import find_stop
 from engine.tokenizer import Tokenizer, load_tokenizer
@@ -56,6 +56,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, kv)
         self.stop_checker = StopChecker()
         self.utilization = SlotUtilization()
+        self.sharing = SharingSaving()
         self.num_steps = 0
         self._arrivals = itertools.count()
         self._groups: dict[str, SequenceGroup] = {}  # multi-sequence requests in flight
@@ -325,6 +326,7 @@ class LLMEngine:
         kv = self.scheduler.kv_cache
         stored = sum(r.num_computed_tokens for r in self.scheduler.running)
         self.utilization.record(stored, kv.num_allocated_slots())
+        self.sharing.record(kv.num_table_blocks(), kv.pool.num_used)
 
     def stats(self) -> EngineStats:
         kv = self.scheduler.kv_cache
@@ -342,6 +344,8 @@ class LLMEngine:
             prefix_cache_hit_tokens=self.scheduler.prefix_stats.hit_tokens,
             num_cached_blocks=kv.pool.num_cached,
             num_cache_evictions=kv.pool.num_evictions,
+            kv_sharing_saving=self.sharing.last,
+            mean_kv_sharing_saving=self.sharing.mean,
         )
 
     def reset_prefix_cache(self) -> int:

@@ -24,6 +24,8 @@ class EngineStats:
     prefix_cache_hit_tokens: int = 0
     num_cached_blocks: int = 0
     num_cache_evictions: int = 0
+    kv_sharing_saving: float = 0.0  # now: 1 - blocks owned / blocks the tables hold
+    mean_kv_sharing_saving: float = 0.0  # the same, summed over all steps
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -65,3 +67,24 @@ class PrefixCacheStats:
     @property
     def hit_rate(self) -> float:
         return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
+
+class SharingSaving:
+    """Accumulates, once per step, the blocks the block tables hold (what they would
+    need without sharing) and the blocks actually owned; the saving is the paper's
+    blocks saved by sharing / blocks needed without sharing."""
+
+    def __init__(self) -> None:
+        self.table_blocks = 0
+        self.owned_blocks = 0
+        self.last = 0.0
+
+    def record(self, table_blocks: int, owned_blocks: int) -> None:
+        if table_blocks:
+            self.table_blocks += table_blocks
+            self.owned_blocks += owned_blocks
+            self.last = 1.0 - owned_blocks / table_blocks
+
+    @property
+    def mean(self) -> float:
+        return 1.0 - self.owned_blocks / self.table_blocks if self.table_blocks else 0.0

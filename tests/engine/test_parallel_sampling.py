@@ -140,3 +140,18 @@ def test_aborting_a_group_frees_every_sequence(model_dir):
 def test_invalid_sequence_counts_name_the_field(fields, message):
     with pytest.raises(SamplingParamsError, match=message):
         SamplingParams(**fields)
+
+
+def test_stats_report_the_memory_saved_by_sharing(model_dir):
+    single = make_llm(model_dir)
+    tokens = prompt(5, 40)
+    single.generate([tokens], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert single.stats().mean_kv_sharing_saving == 0.0
+    shared = make_llm(model_dir)
+    params = SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=8, ignore_eos=True)
+    shared.generate([tokens], params, use_tqdm=False)
+    # 4 sequences of 40 to 48 tokens hold 4 x 10 to 4 x 12 blocks; the prompt's first 9
+    # blocks are stored once (its 10th holds the last prompt token: each copies it), so
+    # 27 of 40 to 48 blocks are saved while all 4 run, none in the leader's first step
+    saving = shared.stats().mean_kv_sharing_saving
+    assert 0.4 < saving < 27 / 40
