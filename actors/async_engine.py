@@ -118,6 +118,8 @@ class AsyncEngine:
             ready.block_size,
             config.model.eos_token_ids,
             caching,
+            ready.num_cpu_blocks,
+            config.cache.preemption_mode,
         )
         tokenizer = Tokenizer(load_tokenizer(args.tokenizer or config.model.model_dir))
         to_tokenizer, tokenizer_inbox = inproc_pair()
@@ -126,7 +128,9 @@ class AsyncEngine:
         to_replies, replies_inbox = inproc_pair()
         self._to_worker = zmq_outbox(self._ctx, worker_address)
         self.block_manager = BlockManagerActor(
-            BlockManager(ready.num_blocks, ready.block_size, caching), blocks_inbox, to_replies
+            BlockManager(ready.num_blocks, ready.block_size, caching, 0, ready.num_cpu_blocks),
+            blocks_inbox,
+            to_replies,
         )
         self.scheduler = SchedulerActor(
             core,

@@ -86,3 +86,15 @@ def copy_blocks(
 ) -> None:
     """Copies whole blocks src[i] -> dst[i] (copy-on-write), all of them in one op."""
     cache.index_copy_(block_dim, dst, cache.index_select(block_dim, src))
+
+
+def swap_blocks(
+    src_cache: torch.Tensor,  # one layer's K or V cache (device or CPU), blocks on block_dim
+    dst_cache: torch.Tensor,  # the same layout on the other side
+    src: torch.Tensor,  # [num_blocks] int64 block ids in src_cache
+    dst: torch.Tensor,  # [num_blocks] int64 block ids in dst_cache
+    block_dim: int = 0,
+) -> None:
+    """Copies blocks src[i] of one cache into blocks dst[i] of another (swap out / in)."""
+    moved = src_cache.index_select(block_dim, src.to(src_cache.device))
+    dst_cache.index_copy_(block_dim, dst.to(dst_cache.device), moved.to(dst_cache.device))

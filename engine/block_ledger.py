@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.block_ops import CACHE, COW, FORK, FREE, GROW, MATCH, RESET
+from engine.block_ops import CACHE, COW, FORK, FREE, GROW, MATCH, RESET, SWAP_IN, SWAP_OUT
 from engine.kv_cache_manager import BlockCopy, KVCacheManager
 from engine.messages import ApplyBlockOps, BlockOp, BlockOpsApplied
 from engine.prefix_hash import BlockHash
@@ -29,8 +29,9 @@ class BlockLedger(KVCacheManager):
         block_size: int,
         enable_prefix_caching: bool = False,
         extra_key: int = 0,
+        num_cpu_blocks: int = 0,
     ) -> None:
-        super().__init__(num_blocks, block_size, enable_prefix_caching, extra_key)
+        super().__init__(num_blocks, block_size, enable_prefix_caching, extra_key, num_cpu_blocks)
         self._ops: list[BlockOp] = []
         self._block_ids: list[int] = []  # ids the logged ops put into tables
         self._exchanges = 0
@@ -49,9 +50,23 @@ class BlockLedger(KVCacheManager):
         return table
 
     def free(self, seq_id: str) -> None:
-        if seq_id in self._tables:
+        if seq_id in self._tables or seq_id in self._swapped:
             super().free(seq_id)
             self._ops.append(BlockOp(FREE, seq_id))
+
+    def swap_out(self, seq_id: str) -> list[BlockCopy] | None:
+        copies = super().swap_out(seq_id)
+        if copies is not None:
+            self._ops.append(BlockOp(SWAP_OUT, seq_id))
+            self._block_ids += [cpu for _, cpu in copies]
+        return copies
+
+    def swap_in(self, seq_id: str) -> list[BlockCopy] | None:
+        copies = super().swap_in(seq_id)
+        if copies is not None:
+            self._ops.append(BlockOp(SWAP_IN, seq_id))
+            self._block_ids += [dst for _, dst in copies]
+        return copies
 
     def fork(self, parent_id: str, child_id: str, num_tokens: int = 0) -> list[int]:
         table = super().fork(parent_id, child_id, num_tokens)

@@ -22,8 +22,11 @@ class BlockManager:
         block_size: int,
         enable_prefix_caching: bool = False,
         extra_key: int = 0,
+        num_cpu_blocks: int = 0,
     ) -> None:
-        self.kv_cache = KVCacheManager(num_blocks, block_size, enable_prefix_caching, extra_key)
+        self.kv_cache = KVCacheManager(
+            num_blocks, block_size, enable_prefix_caching, extra_key, num_cpu_blocks
+        )
         self.num_exchanges = 0
 
     @property

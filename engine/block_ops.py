@@ -15,6 +15,8 @@ into a table, and the scheduler compares the lists.
 | `match` | `seq_id`'s empty table starts with the cached blocks `hashes` | the cached blocks|
 | `cache` | `seq_id`'s blocks from index `num` are cached under `hashes`  | none             |
 | `reset` | every cached prefix is forgotten                              | none             |
+| `swap_out` | `seq_id`'s table moves to CPU swap blocks                  | the CPU blocks   |
+| `swap_in`  | `seq_id`'s swapped table moves back to device blocks       | the device blocks|
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ GROW, FREE, FORK, COW, MATCH, CACHE, RESET = (
     "cache",
     "reset",
 )
+SWAP_OUT, SWAP_IN = "swap_out", "swap_in"
 
 
 class BlockOpError(RuntimeError):
@@ -78,6 +81,20 @@ def _reset(kv: KVCacheManager, op: BlockOp) -> list[int]:
     return []
 
 
+def _swap_out(kv: KVCacheManager, op: BlockOp) -> list[int]:
+    copies = kv.swap_out(op.seq_id)
+    if copies is None:
+        raise BlockOpError(f"no swap space for {op.seq_id!r}")
+    return [cpu for _, cpu in copies]
+
+
+def _swap_in(kv: KVCacheManager, op: BlockOp) -> list[int]:
+    copies = kv.swap_in(op.seq_id)
+    if copies is None:
+        raise BlockOpError(f"no room to swap {op.seq_id!r} back in")
+    return [dst for _, dst in copies]
+
+
 _APPLY: dict[str, Callable[[KVCacheManager, BlockOp], list[int]]] = {
     GROW: _grow,
     FREE: _free,
@@ -86,6 +103,8 @@ _APPLY: dict[str, Callable[[KVCacheManager, BlockOp], list[int]]] = {
     MATCH: _match,
     CACHE: _cache,
     RESET: _reset,
+    SWAP_OUT: _swap_out,
+    SWAP_IN: _swap_in,
 }
 
 

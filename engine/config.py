@@ -89,8 +89,18 @@ class CacheConfig:
     )
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of total device memory
     enable_prefix_caching: bool = True  # reuse cached full blocks across requests
+    swap_space: float = 0.0  # GiB of CPU memory for blocks of swapped-out sequences
+    preemption_mode: str = "recompute"  # "recompute" or "swap" (needs swap_space)
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.swap_space <= 1024.0:
+            raise ValueError(f"swap_space must be in [0, 1024] GiB, got {self.swap_space}")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(
+                f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}"
+            )
+        if self.preemption_mode == "swap" and self.swap_space <= 0:
+            raise ValueError("preemption_mode='swap' needs swap_space > 0 (GiB of CPU memory)")
         if not 1 <= self.block_size <= 1024:
             raise ValueError(f"block_size must be in [1, 1024], got {self.block_size}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
@@ -164,6 +174,8 @@ class EngineArgs:
     attention_backend: str = "auto"
     skip_tokenizer_init: bool = False
     enable_prefix_caching: bool = True
+    swap_space: float = 0.0  # GiB
+    preemption_mode: str = "recompute"
 
     def build(self) -> EngineConfig:
         from engine.model_loader import build_model_config
@@ -183,6 +195,8 @@ class EngineArgs:
                 self.kv_cache_memory,
                 self.gpu_memory_utilization,
                 self.enable_prefix_caching,
+                self.swap_space,
+                self.preemption_mode,
             ),
             scheduler=scheduler,
             device=DeviceConfig(device, self.attention_backend),

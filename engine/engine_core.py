@@ -50,9 +50,11 @@ class EngineCore:
         block_size: int,
         eos_token_ids: frozenset[int],
         enable_prefix_caching: bool = False,
+        num_cpu_blocks: int = 0,
+        preemption_mode: str = "recompute",
     ) -> None:
-        self.blocks = BlockLedger(num_blocks, block_size, enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.blocks)
+        self.blocks = BlockLedger(num_blocks, block_size, enable_prefix_caching, 0, num_cpu_blocks)
+        self.scheduler = Scheduler(config, self.blocks, preemption_mode=preemption_mode)
         self.builder = StepPlanBuilder()
         self.stop_checker = StopChecker()
         self.eos_token_ids = eos_token_ids

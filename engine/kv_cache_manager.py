@@ -23,6 +23,8 @@ class KVCacheManager:
       shared block it would write is replaced by a private copy; the (src, dst) pairs are
       for the worker to copy, all of a step in one batched operation.
     - `free(seq_id)`: one owner fewer for each block of the table.
+    - `swap_out(seq_id)` / `swap_in(seq_id)`: the table moves to CPU swap blocks and
+      back (preemption by swapping), with the block copies to make.
 
     With prefix caching, full computed blocks are registered under their prefix hash
     (`cache_computed`), and a new sequence's table starts with every cached block its
@@ -35,9 +37,12 @@ class KVCacheManager:
         block_size: int,
         enable_prefix_caching: bool = False,
         extra_key: int = 0,
+        num_cpu_blocks: int = 0,
     ) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
+        self.cpu_pool = BlockPool(num_cpu_blocks) if num_cpu_blocks else None
+        self._swapped: dict[str, list[int]] = {}  # seq_id -> its CPU blocks
         self.enable_prefix_caching = enable_prefix_caching
         self.extra_key = extra_key
         self._tables: dict[str, list[int]] = {}
@@ -116,12 +121,52 @@ class KVCacheManager:
         return copies
 
     def free(self, seq_id: str) -> None:
-        """Drops the table. Its tail blocks go first, so under memory pressure a cached
-        prefix's later blocks are evicted before its earlier (more shared) ones."""
+        """Drops the table (or the swapped-out one). Its tail blocks go first, so under
+        memory pressure a cached prefix's later blocks are evicted before its earlier
+        (more shared) ones."""
         table = self._tables.pop(seq_id, None)
         self._hashes.pop(seq_id, None)
         if table:
             self.pool.free(reversed(table))
+        swapped = self._swapped.pop(seq_id, None)
+        if swapped:
+            self.cpu_pool.free(swapped)
+
+    # -- swapping ----------------------------------------------------------------------
+    @property
+    def num_swapped_blocks(self) -> int:
+        return self.cpu_pool.num_used if self.cpu_pool else 0
+
+    def swap_out(self, seq_id: str) -> list[BlockCopy] | None:
+        """Moves the table to CPU blocks (all or nothing; None when the swap space is
+        short); the (device, CPU) copies to make before the device blocks are reused."""
+        table = self._tables.get(seq_id)
+        if not table or self.cpu_pool is None or not self.cpu_pool.can_allocate(len(table)):
+            return None
+        cpu = self.cpu_pool.allocate(len(table))
+        copies = list(zip(table, cpu, strict=True))
+        del self._tables[seq_id]
+        self.pool.free(reversed(table))
+        self._swapped[seq_id] = cpu
+        return copies
+
+    def swap_in(self, seq_id: str) -> list[BlockCopy] | None:
+        """Brings a swapped-out table back onto new device blocks (all or nothing; None
+        when they are short); the (CPU, device) copies to make. Its cached prefix is
+        registered again."""
+        cpu = self._swapped.get(seq_id)
+        if cpu is None or not self.pool.can_allocate(len(cpu)):
+            return None
+        table = self.pool.allocate(len(cpu))
+        del self._swapped[seq_id]
+        self.cpu_pool.free(cpu)
+        self._tables[seq_id] = table
+        for block, h in zip(table, self._hashes.get(seq_id, ()), strict=False):
+            self.pool.cache(block, h)
+        return list(zip(cpu, table, strict=True))
+
+    def swapped_table(self, seq_id: str) -> list[int]:
+        return self._swapped.get(seq_id, [])
 
     # -- the prefix cache ------------------------------------------------------------------
     def match_prefix(self, seq_id: str, token_ids: Sequence[int]) -> int:
@@ -209,6 +254,12 @@ class KVCacheManager:
         for table in self._tables.values():
             owners.update(table)
         self.pool.check_integrity(dict(owners))
+        if self.cpu_pool is not None:
+            cpu_owners: Counter[int] = Counter()
+            for blocks in self._swapped.values():
+                cpu_owners.update(blocks)
+            self.cpu_pool.check_integrity(dict(cpu_owners))
+        assert not self._tables.keys() & self._swapped.keys(), "a sequence is in both pools"
         for seq_id, n in (num_tokens or {}).items():
             have = len(self.block_table(seq_id))
             assert have == self.blocks_for(n), f"{seq_id}: {have} blocks for {n} tokens"

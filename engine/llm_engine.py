@@ -50,10 +50,13 @@ class LLMEngine:
             config.scheduler.max_num_batched_tokens,
             config.scheduler.max_num_seqs,
         )
-        num_blocks = self.runner.num_blocks()
-        self.runner.initialize_cache(num_blocks)
-        kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, kv)
+        num_blocks, num_cpu_blocks = self.runner.num_blocks(), self.runner.num_cpu_blocks()
+        self.runner.initialize_cache(num_blocks, num_cpu_blocks)
+        cache = config.cache
+        kv = KVCacheManager(
+            num_blocks, cache.block_size, cache.enable_prefix_caching, 0, num_cpu_blocks
+        )
+        self.scheduler = Scheduler(config.scheduler, kv, preemption_mode=cache.preemption_mode)
         self.stop_checker = StopChecker()
         self.utilization = SlotUtilization()
         self.sharing = SharingSaving()
@@ -344,6 +347,8 @@ class LLMEngine:
             prefix_cache_hit_tokens=self.scheduler.prefix_stats.hit_tokens,
             num_cached_blocks=kv.pool.num_cached,
             num_cache_evictions=kv.pool.num_evictions,
+            num_swaps=self.scheduler.num_swaps,
+            num_swapped_blocks=kv.num_swapped_blocks,
             kv_sharing_saving=self.sharing.last,
             mean_kv_sharing_saving=self.sharing.mean,
         )

@@ -170,6 +170,7 @@ class WorkerReady:
     block_size: int
     max_model_len: int
     vocab_size: int
+    num_cpu_blocks: int = 0  # blocks of CPU swap space
 
 
 # ---------------------------------------------------------------- scheduler's block_replies inbox
@@ -252,6 +253,10 @@ class StepPlan:
     finished_ids: tuple[str, ...]
     copy_src: tuple[int, ...] = ()
     copy_dst: tuple[int, ...] = ()
+    swap_out_src: tuple[int, ...] = ()  # device block -> CPU swap block, before the step
+    swap_out_dst: tuple[int, ...] = ()
+    swap_in_src: tuple[int, ...] = ()  # CPU swap block -> device block, after the swap-outs
+    swap_in_dst: tuple[int, ...] = ()
 
 
 # ---------------------------------------------------------------- client inbox

@@ -87,6 +87,7 @@ class ModelRunner:
         gen = torch.Generator(device=self.device).manual_seed(model_config.seed)
         self.sampler = Sampler(gen)
         self.kv_cache: KVCache = []
+        self.swap_cache: KVCache = []  # CPU blocks of swapped-out sequences
 
     def num_blocks(self) -> int:
         if self.device == "cpu" or not str(self.device).startswith("cuda"):
@@ -103,9 +104,19 @@ class ModelRunner:
         blocks = self.max_num_seqs * -(-self.model_config.max_model_len // bs)
         return min(DEFAULT_CPU_KV_CACHE_MEMORY, blocks * block_bytes(self.model_config, bs))
 
-    def initialize_cache(self, num_blocks: int) -> None:
+    def num_cpu_blocks(self) -> int:
+        """Blocks of CPU swap space: `swap_space` GiB."""
+        per_block = block_bytes(self.model_config, self.cache_config.block_size)
+        return int(self.cache_config.swap_space * 1024**3) // per_block
+
+    def initialize_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
         self.kv_cache = allocate_kv_cache(
             self.model_config, self._cache_shape(num_blocks), self.device
+        )
+        self.swap_cache = (
+            allocate_kv_cache(self.model_config, self._cache_shape(num_cpu_blocks), "cpu")
+            if num_cpu_blocks
+            else []
         )
 
     def _cache_shape(self, num_blocks: int) -> tuple[int, ...]:
@@ -138,8 +149,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput, sample: bool = True) -> StepResult:
-        if plan.block_copies:
-            self.copy_blocks(plan.block_copies)
+        self.move_blocks(plan)
         batch = build_model_input(plan.scheduled, self.cache_config.block_size, self.device)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_cache, batch.metadata)
         prompt_lp = self._prompt_logprobs(batch, hidden)
@@ -150,6 +160,20 @@ class ModelRunner:
         ids = [r.request.request_id for r in batch.sample_rows]
         tokens = out.sampled_token_ids.tolist()
         return StepResult(dict(zip(ids, tokens, strict=True)), out.logprobs, tuple(ids), prompt_lp)
+
+    def move_blocks(self, plan: SchedulerOutput) -> None:
+        """A step's block traffic before its forward pass: swap-outs (device -> CPU), then
+        swap-ins (CPU -> device), then copy-on-write copies, each batched per tensor."""
+        if plan.swap_out:
+            self._swap(plan.swap_out, self.kv_cache, self.swap_cache)
+        if plan.swap_in:
+            self._swap(plan.swap_in, self.swap_cache, self.kv_cache)
+        if plan.block_copies:
+            self.copy_blocks(plan.block_copies)
+
+    def _swap(self, pairs, src_cache: KVCache, dst_cache: KVCache) -> None:
+        ids = torch.tensor(pairs, dtype=torch.int64)  # [num_blocks, 2]: (src, dst)
+        self.backend.swap_blocks(src_cache, dst_cache, ids[:, 0], ids[:, 1])
 
     def copy_blocks(self, copies: tuple[tuple[int, int], ...]) -> None:
         """Copy-on-write: every (src, dst) block copy of a step, one op per cache tensor."""

@@ -30,6 +30,10 @@ class Scheduler:
     steps run after that one), full output blocks when the request's blocks are freed
     (finish or preemption), up to its last resolved token: the hot path pays nothing
     per sampled token. Requests asking for prompt logprobs compute their whole prompt.
+
+    With `preemption_mode="swap"` a victim's blocks are copied to the CPU swap space
+    instead (when it has room; else the victim is recomputed), and swapped requests come
+    back, oldest first, before any waiting request is admitted.
     """
 
     def __init__(
@@ -37,17 +41,23 @@ class Scheduler:
         config: SchedulerConfig,
         kv_cache: KVCacheManager,
         preemption: PreemptionPolicy | None = None,
+        preemption_mode: str = "recompute",
     ) -> None:
         self.config = config
         self.kv_cache = kv_cache
         self.preemption = preemption or LatestArrivalFirst()
+        self.swapping = preemption_mode == "swap"
         self.waiting: deque[Request] = deque()
+        self.swapped: list[Request] = []  # by arrival_index: swapped back in first come first
         self.running: list[Request] = []  # sorted by arrival_index
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.num_swaps = 0
         self.prefix_stats = PrefixCacheStats()
         self._step_id = 0
         self._copies: list[tuple[int, int]] = []  # this step's copy-on-write copies
+        self._swap_out: list[tuple[int, int]] = []  # this step's (device, CPU) copies
+        self._swap_in: list[tuple[int, int]] = []  # this step's (CPU, device) copies
         self._cow_pending: set[str] = set()  # forked sequences: copy before writing
 
     # -- queue ---------------------------------------------------------------------
@@ -71,6 +81,8 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        elif request in self.swapped:
+            self.swapped.remove(request)
         elif request.group is not None and request in request.group.held:
             request.group.held.remove(request)
         request.status = status
@@ -84,7 +96,7 @@ class Scheduler:
     # -- planning ------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
-        self._copies = []
+        self._copies, self._swap_out, self._swap_in = [], [], []
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
         grow, cow = self.kv_cache.grow, self._cow_pending
@@ -111,10 +123,41 @@ class Scheduler:
             if budget == 0:
                 break
         if not preempted:
-            scheduled += self._admit_waiting(budget)
+            resumed = self._swap_in_swapped(budget)
+            budget -= sum(r.num_scheduled_tokens for r in resumed)
+            scheduled += resumed
+            if not self.swapped:
+                scheduled += self._admit_waiting(budget)
         self._step_id += 1
-        copies = tuple(self._copies)
-        return SchedulerOutput(self._step_id, tuple(scheduled), tuple(preempted), copies)
+        return SchedulerOutput(
+            self._step_id,
+            tuple(scheduled),
+            tuple(preempted),
+            tuple(self._copies),
+            tuple(self._swap_out),
+            tuple(self._swap_in),
+        )
+
+    def _swap_in_swapped(self, budget: int) -> list[ScheduledRequest]:
+        """Swapped requests back onto device blocks, oldest first, while blocks, the
+        token budget and the sequence cap allow."""
+        resumed = []
+        kv = self.kv_cache
+        while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.swapped[0]
+            computed = request.num_computed_tokens
+            n = min(request.num_tokens - computed, budget)
+            if kv.blocks_for(computed + n) > kv.num_free_blocks:
+                break
+            self._swap_in += kv.swap_in(request.request_id)
+            table = kv.grow(request.request_id, computed + n)
+            self.swapped.pop(0)
+            request.status = RequestStatus.RUNNING
+            bisect.insort(self.running, request, key=lambda r: r.arrival_index)
+            if n:  # 0: a beam awaiting its siblings' offers
+                resumed.append(ScheduledRequest(request, computed, n, table))
+                budget -= n
+        return resumed
 
     def _preempt_until_fits(
         self, request: Request, num_tokens: int, preempted: list[str]
@@ -229,11 +272,20 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        if self.swapping:
+            copies = self.kv_cache.swap_out(request.request_id)
+            if copies is not None:  # else the swap space is full: recompute it
+                self._cow_pending.discard(request.request_id)  # its copies are private
+                self._swap_out += copies
+                request.status = RequestStatus.SWAPPED
+                bisect.insort(self.swapped, request, key=lambda r: r.arrival_index)
+                self.num_swaps += 1
+                return
         self._free_blocks(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
-        request.num_preemptions += 1
-        self.num_preemptions += 1
         self.waiting.appendleft(request)
 
     # -- results -------------------------------------------------------------------
@@ -272,3 +324,7 @@ class Scheduler:
         self.kv_cache.check_integrity(stored)
         for r in self.waiting:
             assert not self.kv_cache.block_table(r.request_id), f"{r.request_id} waits with blocks"
+        for r in self.swapped:
+            have = len(self.kv_cache.swapped_table(r.request_id))
+            need = self.kv_cache.blocks_for(r.num_computed_tokens)
+            assert have == need, f"{r.request_id}: {have} swapped blocks for {need}"

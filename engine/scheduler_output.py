@@ -29,13 +29,16 @@ class ScheduledRequest(NamedTuple):  # a NamedTuple: built 256 times a step, che
 
 @dataclass(frozen=True)
 class SchedulerOutput:
-    """The plan of step `step_id`. `block_copies` (copy-on-write, (src, dst) block ids)
-    run before the step's forward pass."""
+    """The plan of step `step_id`. Before its forward pass: `swap_out` ((device block,
+    CPU block) pairs), then `swap_in` ((CPU block, device block)), then `block_copies`
+    (copy-on-write, (src, dst) device blocks)."""
 
     step_id: int
     scheduled: tuple[ScheduledRequest, ...]
     preempted_ids: tuple[str, ...]
     block_copies: tuple[tuple[int, int], ...] = ()
+    swap_out: tuple[tuple[int, int], ...] = ()
+    swap_in: tuple[tuple[int, int], ...] = ()
 
     @property
     def num_scheduled_tokens(self) -> int:

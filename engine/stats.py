@@ -24,6 +24,8 @@ class EngineStats:
     prefix_cache_hit_tokens: int = 0
     num_cached_blocks: int = 0
     num_cache_evictions: int = 0
+    num_swaps: int = 0  # preemptions by swapping out (the rest recomputed)
+    num_swapped_blocks: int = 0  # CPU swap blocks in use now
     kv_sharing_saving: float = 0.0  # now: 1 - blocks owned / blocks the tables hold
     mean_kv_sharing_saving: float = 0.0  # the same, summed over all steps
 

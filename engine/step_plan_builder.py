@@ -57,4 +57,8 @@ class StepPlanBuilder:
             finished,
             tuple(src for src, _ in copies),
             tuple(dst for _, dst in copies),
+            tuple(src for src, _ in plan.swap_out),
+            tuple(dst for _, dst in plan.swap_out),
+            tuple(src for src, _ in plan.swap_in),
+            tuple(dst for _, dst in plan.swap_in),
         )

@@ -41,9 +41,13 @@ class Worker:
     def execute(self, plan: StepPlan) -> StepResult:
         self._apply(plan)
         copies = tuple(zip(plan.copy_src, plan.copy_dst, strict=True))
-        if not plan.scheduled_ids:  # a plan may only carry finished ids (and copies)
-            if copies and self.runner is not None:
-                self.runner.copy_blocks(copies)
+        swap_out = tuple(zip(plan.swap_out_src, plan.swap_out_dst, strict=True))
+        swap_in = tuple(zip(plan.swap_in_src, plan.swap_in_dst, strict=True))
+        if not plan.scheduled_ids:  # a plan may only carry finished ids (and block moves)
+            if self.runner is not None:
+                self.runner.move_blocks(
+                    SchedulerOutput(plan.step_id, (), (), copies, swap_out, swap_in)
+                )
             return StepResult(plan.step_id, self.worker_id, (), (), (), (), None, 0.0)
         scheduled = tuple(
             ScheduledRequest(
@@ -54,7 +58,7 @@ class Worker:
             )
             for rid, n in zip(plan.scheduled_ids, plan.num_scheduled_tokens, strict=True)
         )
-        result = self._run(SchedulerOutput(plan.step_id, scheduled, (), copies))
+        result = self._run(SchedulerOutput(plan.step_id, scheduled, (), copies, swap_out, swap_in))
         for item in scheduled:
             item.request.num_computed_tokens += item.num_scheduled_tokens
         for request_id, token in result.sampled.items():
@@ -151,14 +155,15 @@ def build_worker(args: EngineArgs, worker_id: int = 0) -> tuple[Worker, WorkerRe
         config.scheduler.max_num_batched_tokens,
         config.scheduler.max_num_seqs,
     )
-    num_blocks = runner.num_blocks()
-    runner.initialize_cache(num_blocks)
+    num_blocks, num_cpu_blocks = runner.num_blocks(), runner.num_cpu_blocks()
+    runner.initialize_cache(num_blocks, num_cpu_blocks)
     ready = WorkerReady(
         worker_id,
         num_blocks,
         config.cache.block_size,
         config.model.max_model_len,
         config.model.vocab_size,
+        num_cpu_blocks,
     )
     return Worker(runner, worker_id), ready
 

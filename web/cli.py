@@ -34,6 +34,13 @@ def _add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) ->
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--swap-space", type=float, default=0.0, help="GiB of CPU swap space")
+    p.add_argument(
+        "--preemption-mode",
+        default="recompute",
+        choices=["recompute", "swap"],
+        help="what a preempted sequence's blocks do (swap needs --swap-space)",
+    )
     p.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
@@ -105,6 +112,8 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         "load_format": args.load_format,
         "seed": args.seed,
         "enable_prefix_caching": args.enable_prefix_caching,
+        "swap_space": args.swap_space,
+        "preemption_mode": args.preemption_mode,
     }
 
 

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from cuda_ext.reference import copy_blocks, paged_attention_reference, reshape_and_cache
+from cuda_ext.reference import (
+    copy_blocks,
+    paged_attention_reference,
+    reshape_and_cache,
+    swap_blocks,
+)
 from engine.attention.metadata import AttentionMetadata
 
 
@@ -53,6 +58,19 @@ class AttentionBackend:
         for key_cache, value_cache in kv_cache:
             copy_blocks(key_cache, src, dst, self.block_dim)
             copy_blocks(value_cache, src, dst, self.block_dim)
+
+    def swap_blocks(
+        self,
+        src_cache: list[tuple[torch.Tensor, torch.Tensor]],  # per layer, device or CPU
+        dst_cache: list[tuple[torch.Tensor, torch.Tensor]],  # the other one
+        src: torch.Tensor,  # [num_blocks] int64 block ids in src_cache
+        dst: torch.Tensor,  # [num_blocks] int64 block ids in dst_cache
+    ) -> None:
+        """Swapping: block src[i] of every layer's K and V cache -> block dst[i] of the
+        other cache (device <-> CPU)."""
+        for (sk, sv), (dk, dv) in zip(src_cache, dst_cache, strict=True):
+            swap_blocks(sk, dk, src, dst, self.block_dim)
+            swap_blocks(sv, dv, src, dst, self.block_dim)
 
     def attend(
         self,

@@ -105,7 +105,14 @@ FIELD_ORDER = {
         "error",
         "busy_seconds",
     ],
-    "WorkerReady": ["worker_id", "num_blocks", "block_size", "max_model_len", "vocab_size"],
+    "WorkerReady": [
+        "worker_id",
+        "num_blocks",
+        "block_size",
+        "max_model_len",
+        "vocab_size",
+        "num_cpu_blocks",
+    ],
     "BlockOpsApplied": [
         "exchange_id",
         "block_ids",
@@ -137,6 +144,10 @@ FIELD_ORDER = {
         "finished_ids",
         "copy_src",
         "copy_dst",
+        "swap_out_src",
+        "swap_out_dst",
+        "swap_in_src",
+        "swap_in_dst",
     ],
     "OutputDelta": [
         "request_id",
