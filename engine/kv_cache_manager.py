@@ -264,4 +264,5 @@ class KVCacheManager:
             have = len(self.block_table(seq_id))
             assert have == self.blocks_for(n), f"{seq_id}: {have} blocks for {n} tokens"
         for seq_id, hashes in self._hashes.items():
-            assert len(hashes) <= len(self.block_table(seq_id)), f"{seq_id}: hashes past table"
+            blocks = len(self.block_table(seq_id)) + len(self.swapped_table(seq_id))
+            assert len(hashes) <= blocks, f"{seq_id}: hashes past its table"

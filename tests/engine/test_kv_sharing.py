@@ -1,6 +1,6 @@
 """Block sharing without a model: fork, copy-on-write, the prefix cache and its LRU
-eviction, and a property-based run of random operations that checks integrity AND
-that every sequence still reads its own tokens from its blocks."""
+eviction, swapping, and a property-based run of random operations that checks integrity
+AND that every sequence still reads its own tokens from its blocks (or its swap blocks)."""
 
 from __future__ import annotations
 
@@ -140,11 +140,15 @@ class SharingMachine(RuleBasedStateMachine):
     sequence reads back exactly its own computed tokens: sharing never lets one sequence
     see another's writes."""
 
-    @initialize(num_blocks=st.integers(4, 24), caching=st.booleans())
-    def setup(self, num_blocks: int, caching: bool) -> None:
-        self.kv = KVCacheManager(num_blocks, BS, enable_prefix_caching=caching)
+    @initialize(num_blocks=st.integers(4, 24), caching=st.booleans(), cpu_blocks=st.integers(0, 12))
+    def setup(self, num_blocks: int, caching: bool, cpu_blocks: int) -> None:
+        self.kv = KVCacheManager(
+            num_blocks, BS, enable_prefix_caching=caching, num_cpu_blocks=cpu_blocks
+        )
         self.content: dict[int, list[int | None]] = {}  # block id -> its token slots
-        self.tokens: dict[str, list[int]] = {}  # seq -> computed tokens
+        self.cpu_content: dict[int, list[int | None]] = {}  # CPU swap block -> slots
+        self.tokens: dict[str, list[int]] = {}  # seq -> computed tokens (on the device)
+        self.swapped: dict[str, list[int]] = {}  # seq -> computed tokens (swapped out)
         self.next_id = 0
 
     def _write(self, seq: str, tokens: list[int], start: int) -> None:
@@ -195,16 +199,39 @@ class SharingMachine(RuleBasedStateMachine):
         self.kv.fork(parent, child)
         self.tokens[child] = list(self.tokens[parent])
 
-    @precondition(lambda self: self.tokens)
+    @precondition(lambda self: self.tokens or self.swapped)
     @rule(data=st.data())
     def free(self, data) -> None:
-        seq = data.draw(st.sampled_from(sorted(self.tokens)))
+        seq = data.draw(st.sampled_from(sorted(self.tokens | self.swapped)))
         self.kv.free(seq)
-        del self.tokens[seq]
+        self.tokens.pop(seq, None)
+        self.swapped.pop(seq, None)
 
     @rule()
     def reset(self) -> None:
         self.kv.reset_prefix_cache()
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def swap_out(self, data) -> None:
+        seq = data.draw(st.sampled_from(sorted(self.tokens)))
+        copies = self.kv.swap_out(seq)
+        if copies is None:
+            return
+        for device, cpu in copies:
+            self.cpu_content[cpu] = list(self.content[device])
+        self.swapped[seq] = self.tokens.pop(seq)
+
+    @precondition(lambda self: self.swapped)
+    @rule(data=st.data())
+    def swap_in(self, data) -> None:
+        seq = data.draw(st.sampled_from(sorted(self.swapped)))
+        copies = self.kv.swap_in(seq)
+        if copies is None:
+            return
+        for cpu, device in copies:
+            self.content[device] = list(self.cpu_content[cpu])
+        self.tokens[seq] = self.swapped.pop(seq)
 
     @invariant()
     def integrity(self) -> None:
@@ -215,6 +242,13 @@ class SharingMachine(RuleBasedStateMachine):
             table = self.kv.block_table(seq)
             read = [self.content[table[p // BS]][p % BS] for p in range(len(tokens))]
             assert read == tokens, f"{seq} reads {read}, wrote {tokens}"
+        for seq, tokens in self.swapped.items():
+            cpu = self.kv.swapped_table(seq)
+            read = [self.cpu_content[cpu[p // BS]][p % BS] for p in range(len(tokens))]
+            assert read == tokens, f"swapped {seq} holds {read}, wrote {tokens}"
+        assert self.kv.num_swapped_blocks <= (
+            self.kv.cpu_pool.num_blocks if self.kv.cpu_pool else 0
+        )
 
 
 SharingMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
