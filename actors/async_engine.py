@@ -161,7 +161,8 @@ class AsyncEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
     ) -> AsyncIterator[OutputDelta]:
-        """Yields incremental outputs until one carries a finish reason."""
+        """Yields incremental outputs until every sequence (`params.n`, each under its
+        `index`) has a finish reason, or a request-wide one (index -1) arrives."""
         request_id = request_id or f"req-{next(self._ids)}"
         if self.error is not None:
             raise RuntimeError(f"the engine is not healthy: {self.error}")
@@ -170,11 +171,13 @@ class AsyncEngine:
         queue: asyncio.Queue[OutputDelta] = asyncio.Queue()
         self._streams[request_id] = queue
         await send_message(self._to_tokenizer, _request(request_id, prompt, params))
-        finished = False
+        finished, open_sequences = False, (params or SamplingParams()).n
         try:
             while not finished:
                 out = await queue.get()
-                finished = out.finish_reason is not None
+                if out.finish_reason is not None:
+                    open_sequences = 0 if out.index < 0 else open_sequences - 1
+                finished = open_sequences == 0
                 yield out
         finally:
             del self._streams[request_id]
@@ -185,7 +188,7 @@ class AsyncEngine:
         """Stops a request; its stream (if still read) ends with finish_reason "abort"."""
         queue = self._streams.get(request_id)
         if queue is not None:
-            queue.put_nowait(OutputDelta(request_id, "", (), "abort", None, 0, 0, None))
+            queue.put_nowait(OutputDelta(request_id, "", (), "abort", None, 0, 0, None, index=-1))
         await send_message(self._to_tokenizer, AbortRequest(request_id))
 
     def stats(self) -> EngineStatsSnapshot:
@@ -244,7 +247,9 @@ class AsyncEngine:
             self.error = f"the {dead.name} actor stopped: {dead.crash!r}"
         logger.error("%s; failing %d open requests", self.error, len(self._streams))
         for request_id, queue in self._streams.items():
-            queue.put_nowait(OutputDelta(request_id, "", (), "error", None, 0, 0, self.error))
+            queue.put_nowait(
+                OutputDelta(request_id, "", (), "error", None, 0, 0, self.error, index=-1)
+            )
         await self.shutdown()
 
     async def _read_outputs(self) -> None:

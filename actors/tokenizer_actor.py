@@ -42,7 +42,7 @@ class TokenizerActor(Actor):
         try:
             add = self.processor.admit(request, time.time())
         except ValueError as exc:
-            error = OutputDelta(request.request_id, "", (), "error", None, 0, 0, str(exc))
+            error = OutputDelta(request.request_id, "", (), "error", None, 0, 0, str(exc), index=-1)
             await self._to_client(request.client_id, error)
             return
         await send_message(self.scheduler, add)

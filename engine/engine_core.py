@@ -34,6 +34,7 @@ from engine.messages import (
 from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler
 from engine.scheduler_output import SchedulerOutput
+from engine.sequence_group import SequenceGroup, sequence_id, sequence_params
 from engine.step_plan_builder import StepPlanBuilder
 from engine.stop_checker import StopChecker
 
@@ -62,28 +63,52 @@ class EngineCore:
         self._prompt_rows: dict[str, list[LogprobRow]] = {}  # until the first token goes out
         self._may_stop = set(eos_token_ids)  # every token that can end some request
         self._arrival = 0
+        self._groups: dict[str, SequenceGroup] = {}  # n > 1 requests in flight
 
     @property
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
 
     def add_request(self, add: AddRequest) -> None:
+        """Queues a request; one with n > 1 becomes a SequenceGroup whose sequences
+        (ids from `sequence_id`) share the prompt's blocks."""
+        self._may_stop.update(add.params.stop_token_ids)
+        params = add.params
+        if params.n == 1:
+            self.scheduler.add_request(self._request(add.request_id, add, params))
+            return
+        group = SequenceGroup(add.request_id, params)
+        for i in range(params.n):
+            seq = self._request(sequence_id(add.request_id, i), add, sequence_params(params, i))
+            seq.group = group
+            group.sequences.append(seq)
+        self._groups[add.request_id] = group
+        for seq in group.sequences:
+            self.scheduler.add_request(seq)
+
+    def _request(self, request_id: str, add: AddRequest, params) -> Request:
         self._arrival += 1
-        request = Request(
-            add.request_id,
+        return Request(
+            request_id,
             None,
             list(add.prompt_token_ids),
-            add.params,
+            params,
             self._arrival,
             eos_token_ids=self.eos_token_ids,
         )
-        self._may_stop.update(add.params.stop_token_ids)
-        self.scheduler.add_request(request)
 
     def abort(self, request_id: str) -> None:
-        self._prompt_rows.pop(request_id, None)
-        if self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED):
-            self._finished_ids.append(request_id)
+        """Ends a request (every sequence of it) or one sequence (its own stop string)."""
+        group = self._groups.pop(request_id, None)
+        ids = [s.request_id for s in group.sequences] if group else [request_id]
+        for seq_id in ids:
+            self._prompt_rows.pop(seq_id, None)
+            request = self.scheduler.finish_request(seq_id, RequestStatus.FINISHED_ABORTED)
+            if request is None:
+                continue
+            self._finished_ids.append(seq_id)
+            if request.group is not None and request.group.is_finished:
+                self._groups.pop(request.group.request_id, None)
 
     def schedule(self) -> SchedulerOutput | None:
         """The next step, its tokens counted as computed (None: nothing to tell the
@@ -158,4 +183,7 @@ class EngineCore:
         request.num_pending_outputs = 0
         self.scheduler.finish_request(request.request_id, status)
         self._finished_ids.append(request.request_id)
+        group = request.group
+        if group is not None and group.is_finished:
+            self._groups.pop(group.request_id, None)
         return RequestFinish(request.request_id, status.finish_reason, stop_reason)

@@ -265,7 +265,9 @@ class StepPlan:
 @dataclass(frozen=True)
 class OutputDelta:
     """Incremental output of one request to its client; `error` set on failure.
-    `logprobs` and `prompt_logprobs` as in TokenDelta, with `decoded_token` filled in."""
+    `logprobs` and `prompt_logprobs` as in TokenDelta, with `decoded_token` filled in.
+    A request sampling n sequences streams each under its `index`; each ends with its
+    own finish reason."""
 
     request_id: str
     text: str
@@ -277,6 +279,7 @@ class OutputDelta:
     error: str | None
     logprobs: tuple[LogprobRow, ...] | None = None
     prompt_logprobs: tuple[LogprobRow, ...] | None = None
+    index: int = 0  # which sequence of an n > 1 request; -1: the whole request (abort, error)
 
 
 INBOXES: dict[str, tuple[type, ...]] = {

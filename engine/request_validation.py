@@ -14,16 +14,16 @@ def validate_request(
     multi_sequence: bool = True,
 ) -> None:
     """Raises ValueError naming the field and the allowed range. `multi_sequence`: the
-    entry point runs requests that sample several sequences (n, best_of)."""
+    entry point ranks sequences (best_of > n) and runs beam search."""
     if params.use_beam_search and not multi_sequence:
         raise ValueError(
             "use_beam_search: beam search runs in the offline engine (LLM); this entry "
             "point does not serve it yet"
         )
-    if params.num_sequences != 1 and not multi_sequence:
+    if params.num_sequences != params.n and not multi_sequence:
         raise ValueError(
-            f"n={params.n}, best_of={params.best_of}: this entry point samples one sequence "
-            "per request; send n requests with different seeds instead"
+            f"best_of={params.best_of}: this entry point returns every sequence it samples "
+            f"(best_of > n={params.n} runs in the offline engine); leave best_of unset"
         )
     if params.stop and not has_tokenizer:
         raise ValueError("stop strings need a tokenizer; this engine has none (use stop_token_ids)")

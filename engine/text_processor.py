@@ -14,6 +14,7 @@ from engine.messages import (
     TokenDelta,
 )
 from engine.request_validation import validate_request
+from engine.sequence_group import sequence_id
 from engine.stop_strings import find_stop, hold_back
 from engine.tokenizer import Tokenizer
 
@@ -26,6 +27,7 @@ class _TextState:
     request: GenerateRequest
     detokenizer: IncrementalDetokenizer
     num_prompt_tokens: int
+    index: int = 0  # which of the request's n sequences
     num_output_tokens: int = 0
     text: str = ""  # all decided text (stop strings applied)
     emitted: int = 0  # characters of `text` already sent
@@ -38,33 +40,43 @@ class TextProcessor:
     message for the client (nothing is kept then). `on_token_delta(delta)` returns the
     client's OutputDelta and, when a stop string ended the request here, an AbortRequest
     for the scheduler. Text that could be the start of a stop string is held back until
-    decided, so a client never sees text that a stop string later removes.
+    decided, so a client never sees text that a stop string later removes. A request
+    sampling n > 1 sequences keeps one state per sequence (keyed by `sequence_id`); its
+    deltas go out under the request's id with the sequence's `index`.
     """
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
-        self.states: dict[str, _TextState] = {}
+        self.states: dict[str, _TextState] = {}  # by sequence id
+        self.sequences: dict[str, list[str]] = {}  # request id -> its sequence ids
         self._token_texts: dict[int, str] = {}  # one token's text, for logprobs
 
     def admit(self, request: GenerateRequest, arrival_time: float) -> AddRequest:
-        if request.request_id in self.states:
+        if request.request_id in self.sequences:
             raise ValueError(f"request_id {request.request_id!r} is already in flight")
         token_ids = self._token_ids(request)
-        validate_request(
-            token_ids, request.params, self.vocab_size, self.max_model_len, True, False
+        params = request.params
+        validate_request(token_ids, params, self.vocab_size, self.max_model_len, True, False)
+        n = params.n
+        ids = (
+            [request.request_id]
+            if n == 1
+            else [sequence_id(request.request_id, i) for i in range(n)]
         )
-        detokenizer = IncrementalDetokenizer(
-            self.tokenizer,
-            token_ids,
-            request.params.skip_special_tokens,
-            request.params.spaces_between_special_tokens,
-        )
-        self.states[request.request_id] = _TextState(
-            request.client_id, request, detokenizer, len(token_ids)
-        )
-        return AddRequest(request.request_id, tuple(token_ids), request.params, arrival_time)
+        self.sequences[request.request_id] = ids
+        for index, seq_id in enumerate(ids):
+            detokenizer = IncrementalDetokenizer(
+                self.tokenizer,
+                token_ids,
+                params.skip_special_tokens,
+                params.spaces_between_special_tokens,
+            )
+            self.states[seq_id] = _TextState(
+                request.client_id, request, detokenizer, len(token_ids), index
+            )
+        return AddRequest(request.request_id, tuple(token_ids), params, arrival_time)
 
     def _token_ids(self, request: GenerateRequest) -> list[int]:
         given = [
@@ -105,7 +117,7 @@ class TextProcessor:
             decided -= hold_back(state.text, params.stop)
         text, state.emitted = state.text[state.emitted : decided], max(state.emitted, decided)
         out = OutputDelta(
-            delta.request_id,
+            state.request.request_id,
             text,
             delta.token_ids,
             finish,
@@ -115,9 +127,13 @@ class TextProcessor:
             None,
             self._decode_rows(delta.logprobs),
             self._decode_rows(delta.prompt_logprobs),
+            state.index,
         )
         if finish is not None:
             del self.states[delta.request_id]
+            request_id = state.request.request_id
+            if not any(s in self.states for s in self.sequences.get(request_id, ())):
+                self.sequences.pop(request_id, None)
         return out, abort
 
     def _decode_rows(self, rows: tuple[LogprobRow, ...] | None) -> tuple[LogprobRow, ...] | None:
@@ -136,5 +152,6 @@ class TextProcessor:
         return text
 
     def drop(self, request_id: str) -> None:
-        """Forget a request (client abort)."""
-        self.states.pop(request_id, None)
+        """Forget a request (client abort), every sequence of it."""
+        for seq_id in self.sequences.pop(request_id, [request_id]):
+            self.states.pop(seq_id, None)

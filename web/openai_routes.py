@@ -1,7 +1,7 @@
 """OpenAI-compatible HTTP: /v1/completions and /v1/chat/completions, plain and SSE.
 
-`n` choices run as n engine requests (a seeded request gives choice i the seed
-`seed + i`); parallel sampling on shared prompt blocks comes with E4.
+`n` choices of a prompt run as one engine request sampling n sequences on the prompt's
+shared blocks (a seeded request gives choice i the seed `seed + i`).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ class Job:
 
     request_id: str
     prompts: list[PromptInput]
-    params: list[SamplingParams]  # one per choice index within a prompt
+    params: SamplingParams  # n choices per prompt: one sequence group each
     stream: bool
     include_usage: bool
     top_logprobs: int | None
@@ -94,7 +94,7 @@ class OpenAIRoutes:
         if not isinstance(options, dict):
             raise invalid("stream_options must be an object", "stream_options")
         base = sampling_params(body, chat=chat, default_max_tokens=self.config.default_max_tokens)
-        params = [_with_seed(base, i) for i in range(n)]
+        params = dataclasses.replace(base, n=n)
         prompts = [chat_messages(body.get("messages"))] if chat else _prompts(body.get("prompt"))
         top = body.get("top_logprobs") if chat else body.get("logprobs")
         if chat and not body.get("logprobs"):
@@ -113,25 +113,20 @@ class OpenAIRoutes:
     async def _choices(self, job: Job) -> AsyncIterator[tuple[int, OutputDelta]]:
         """All choices' deltas as they come, tagged with the choice index."""
         queue: asyncio.Queue[tuple[int, OutputDelta] | BaseException | None] = asyncio.Queue()
-        n = len(job.params)
+        n = job.params.n
 
-        async def run(index: int, prompt: PromptInput, params: SamplingParams) -> None:
+        async def run(p: int, prompt: PromptInput) -> None:
             try:
-                rid = f"{job.request_id}-{index}"
-                async for out in self.generator.stream(
-                    prompt, params, rid, Timing(time.monotonic())
-                ):
-                    await queue.put((index, out))
+                rid = f"{job.request_id}-{p}"
+                timing = Timing(time.monotonic())
+                async for out in self.generator.stream(prompt, job.params, rid, timing):
+                    await queue.put((p * n + max(out.index, 0), out))
             except BaseException as exc:  # noqa: BLE001 - handed to the consumer
                 await queue.put(exc)
                 return
             await queue.put(None)
 
-        tasks = [
-            asyncio.create_task(run(p * n + i, prompt, params))
-            for p, prompt in enumerate(job.prompts)
-            for i, params in enumerate(job.params)
-        ]
+        tasks = [asyncio.create_task(run(p, prompt)) for p, prompt in enumerate(job.prompts)]
         try:
             remaining = len(tasks)
             while remaining:
@@ -265,12 +260,6 @@ def _chat_logprob(row: LogprobRow, top: list) -> dict[str, Any]:
         return {"token": token, "logprob": c.logprob, "bytes": list(token.encode("utf-8"))}
 
     return {**entry(row[0]), "top_logprobs": [entry(c) for c in top]}
-
-
-def _with_seed(params: SamplingParams, index: int) -> SamplingParams:
-    if index == 0 or params.seed is None:
-        return params
-    return dataclasses.replace(params, seed=params.seed + index)
 
 
 def _prompts(prompt: Any) -> list[PromptInput]:

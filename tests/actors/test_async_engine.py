@@ -198,3 +198,53 @@ async def test_500_requests_with_random_aborts_leave_every_block_free(served):
         assert engine.is_healthy
     finally:
         await engine.shutdown()
+
+
+async def test_n_sequences_stream_by_index_like_the_offline_engine(served):
+    """n > 1 served as one sequence group: each sequence streams under its index, with
+    the offline engine's tokens and text; a stop string ends only its own sequence."""
+    params = [
+        SamplingParams(n=3, temperature=0.9, seed=11, max_tokens=24),
+        SamplingParams(n=2, temperature=0.0, max_tokens=12),
+        SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=30, stop=["e"]),
+    ]
+    prompts = ["Once upon a time", "The little dog", "Lily and Ben"]
+    expected = LLM(served.path, **served.kwargs).generate(prompts, params, use_tqdm=False)
+    engine = await AsyncEngine.start(EngineArgs(model=served.path, **served.kwargs))
+    try:
+
+        async def run(prompt, sp, rid):
+            tokens: dict[int, list[int]] = {}
+            text: dict[int, str] = {}
+            finish: dict[int, str] = {}
+            async for out in engine.generate(prompt, sp, rid):
+                tokens.setdefault(out.index, []).extend(out.token_ids)
+                text[out.index] = text.get(out.index, "") + out.text
+                if out.finish_reason:
+                    finish[out.index] = out.finish_reason
+            return tokens, text, finish
+
+        results = await asyncio.gather(
+            *(run(p, sp, f"g{i}") for i, (p, sp) in enumerate(zip(prompts, params, strict=True)))
+        )
+        for (tokens, text, finish), exp, sp in zip(results, expected, params, strict=True):
+            assert sorted(tokens) == list(range(sp.n))
+            for c in exp.outputs:
+                assert tokens[c.index] == c.token_ids
+                assert text[c.index] == c.text
+                assert finish[c.index] == c.finish_reason
+        # leaving a stream early aborts every sequence; all blocks come back
+        stream = engine.generate(
+            "Once", SamplingParams(n=4, seed=1, max_tokens=200, ignore_eos=True), "early"
+        )
+        async for _ in stream:
+            break
+        await stream.aclose()
+        for _ in range(100):
+            stats = engine.stats()
+            if stats.num_free_blocks == stats.num_blocks and not stats.num_running:
+                break
+            await asyncio.sleep(0.05)
+        assert stats.num_free_blocks == stats.num_blocks
+    finally:
+        await engine.shutdown()

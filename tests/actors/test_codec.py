@@ -160,6 +160,7 @@ FIELD_ORDER = {
         "error",
         "logprobs",
         "prompt_logprobs",
+        "index",
     ],
     "SamplingParams": [
         "n",

@@ -78,6 +78,13 @@ async def test_n2_seed_logprobs_stop(served) -> None:
     b = await api.completions.create(n=2, logprobs=2, **kwargs)
     assert [c.text for c in a.choices] == [c.text for c in b.choices]  # seeded: reproducible
     assert [c.index for c in a.choices] == [0, 1]
+    # one sequence group on the server: choice i is what seed 3 + i samples alone offline
+    from engine.builtin_model import builtin_model_dir
+
+    llm = LLM(model=served.model_dir or str(builtin_model_dir()), kv_cache_memory=16 << 20)
+    for i, choice in enumerate(a.choices):
+        alone = SamplingParams(temperature=1.0, seed=3 + i, max_tokens=12)
+        assert choice.text == llm.generate([PROMPT], alone, use_tqdm=False)[0].outputs[0].text
     for choice in a.choices:
         lp = choice.logprobs
         assert len(lp.token_logprobs) == len(lp.tokens) > 0
