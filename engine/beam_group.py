@@ -39,8 +39,11 @@ class BeamGroup(SequenceGroup):
     continuations (`collect`); once all have, `advance` runs one `BeamSearch` step: a
     beam chosen once continues as itself, one chosen again forks (sharing every block,
     copy-on-write before the next write), and one not chosen ends. When the search is
-    done every beam ends and `hypotheses` holds the n best.
+    done every beam ends and `hypotheses` holds the n best. The beams are one unit to
+    the scheduler: preempted together, and admitted again only all at once.
     """
+
+    preempt_together = True
 
     def __init__(self, request_id: str, params: SamplingParams, search: BeamSearch) -> None:
         super().__init__(request_id, params)

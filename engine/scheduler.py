@@ -109,8 +109,7 @@ class Scheduler:
             if num_tokens >= request.max_num_tokens or num_tokens == computed:
                 continue  # awaits its last result, or a beam awaiting its siblings
             if cow and request.request_id in cow and not self._copy_on_write(request):
-                self._preempt(request)
-                preempted.append(request.request_id)
+                preempted += self._preempt_unit(request)
                 continue
             n = min(num_tokens - computed, budget)
             table = grow(request.request_id, computed + n)
@@ -122,7 +121,9 @@ class Scheduler:
             budget -= n
             if budget == 0:
                 break
-        if not preempted:
+        if preempted:  # a group's earlier members may have been planned before it went
+            scheduled = [s for s in scheduled if s.request.status == running]
+        else:
             resumed = self._swap_in_swapped(budget)
             budget -= sum(r.num_scheduled_tokens for r in resumed)
             scheduled += resumed
@@ -166,9 +167,8 @@ class Scheduler:
         request itself had to go."""
         while True:
             victim = self.preemption.choose_victim(self.running)
-            self._preempt(victim)
-            preempted.append(victim.request_id)
-            if victim is request:
+            preempted += self._preempt_unit(victim)
+            if request.status != RequestStatus.RUNNING:
                 return None
             table = self.kv_cache.grow(request.request_id, num_tokens)
             if table is not None:
@@ -178,8 +178,8 @@ class Scheduler:
         admitted = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            if self._at_limit(request):
-                break  # its pending result will finish it; FCFS keeps the rest waiting
+            if self._at_limit(request) or not self._group_fits(request):
+                break  # FCFS keeps the rest waiting
             forked = self._fork_from_leader(request)
             if forked is None:
                 break  # no blocks for its copy of the prompt's last block
@@ -269,6 +269,28 @@ class Scheduler:
             computed = min(request.num_computed_tokens, known)
             self.kv_cache.cache_computed(request.request_id, request.token_ids, computed)
         self.kv_cache.free(request.request_id)
+
+    def _preempt_unit(self, request: Request) -> list[str]:
+        """Preempts `request`, and with it every running sequence of its group when the
+        group runs as one unit (beam search); returns the ids preempted."""
+        group = request.group
+        unit = [request]
+        if group is not None and group.preempt_together:
+            unit += [s for s in group.sequences if s is not request and s in self.running]
+        for r in unit:
+            self._preempt(r)
+        return [r.request_id for r in unit]
+
+    def _group_fits(self, request: Request) -> bool:
+        """A waiting sequence of a one-unit group is admitted only when all of the
+        group's waiting sequences fit (blocks and the sequence cap) at once."""
+        group = request.group
+        if group is None or not group.preempt_together:
+            return True
+        members = [r for r in self.waiting if r.group is group]
+        blocks = sum(self.kv_cache.blocks_for(r.num_tokens) for r in members)
+        seats = self.config.max_num_seqs - len(self.running)
+        return blocks <= self.kv_cache.num_free_blocks and len(members) <= seats
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)

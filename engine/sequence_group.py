@@ -30,6 +30,7 @@ class SequenceGroup:
 
     request_id: str
     params: SamplingParams
+    preempt_together = False  # a class constant: parallel samples run independently
     sequences: list[Request] = field(default_factory=list)
     held: list[Request] = field(default_factory=list)  # not yet given to the scheduler
 

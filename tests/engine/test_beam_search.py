@@ -152,3 +152,49 @@ def test_search_stops_once_width_hypotheses_exist_with_early_stopping():
     assert [b.token_id for b in beams] == [1, 2] and len(search.finished) == 1
     search.step([(1,), (2,)], [[(0, -0.1), (5, -0.5)], [(6, -0.1), (0, -0.2)]])
     assert search.done and len(search.finished) == 2
+
+
+def test_beam_groups_preempted_as_one_unit_match_plenty_of_memory(tmp_path):
+    """Beam searches beside other requests under a tiny KV budget: groups are preempted
+    (and readmitted) whole, and every result equals the run with memory to spare."""
+    from engine.kv_cache import block_bytes
+
+    save_hf_model("llama", tmp_path)
+    base = dict(skip_tokenizer_init=True, block_size=4, max_model_len=48, seed=0)
+    probe = LLM(str(tmp_path), kv_cache_memory=1 << 20, **base)
+    per_block = block_bytes(probe.engine.config.model, 4)
+    beams = SamplingParams(use_beam_search=True, n=2, best_of=3, temperature=0, max_tokens=14)
+    others = SamplingParams(temperature=1.0, seed=4, max_tokens=20, ignore_eos=True)
+    prompts = [PROMPTS[0], [9] * 11, PROMPTS[1], [3, 1, 4, 1, 5, 9, 2, 6]]
+    params = [beams, others, beams, others]
+    runs = {}
+    for name, blocks in (("plenty", 400), ("tight", 16)):
+        llm = LLM(str(tmp_path), kv_cache_memory=per_block * blocks, **base)
+        outs = run_checking_units(llm, prompts, params)
+        runs[name] = [[c.token_ids for c in o.outputs] for o in outs]
+        runs[name + " scores"] = [c.beam_score or 0.0 for o in outs for c in o.outputs]
+        llm.engine.scheduler.check_integrity()
+        if name == "tight":
+            assert llm.stats().num_preemptions > 0
+    assert runs["tight"] == runs["plenty"]
+    # recomputed KV differs from the first computation in the last float bits only
+    assert runs["tight scores"] == pytest.approx(runs["plenty scores"], abs=1e-5)
+
+
+def run_checking_units(llm, prompts, params):
+    """Steps the engine; after every step each beam group's beams are all running or
+    all off the device: never split by a preemption."""
+    from engine.beam_group import BeamGroup
+    from engine.request import RequestStatus
+
+    engine = llm.engine
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        engine.add_request(f"q{i}", prompt, p)
+    done = {}
+    while engine.has_unfinished_requests():
+        done |= {o.request_id: o for o in engine.step()}
+        for group in engine._groups.values():
+            if isinstance(group, BeamGroup):
+                running = {b.status == RequestStatus.RUNNING for b in group.running}
+                assert len(running) <= 1, f"{group.request_id}: beams split"
+    return [done[f"q{i}"] for i in range(len(prompts))]
