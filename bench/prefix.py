@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import platform
 import random
 import statistics
@@ -33,6 +32,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(Path(__file__).resolve().parent)]
 
+from report import write_report  # noqa: E402
 from systems import BLOCK_SIZE, MODEL_SHAPE, write_model  # noqa: E402
 from workload import SHARED, SharedDataMissing, sample_workload, shared_path  # noqa: E402
 
@@ -224,13 +224,7 @@ def main(argv=None) -> int:
         "shared_prefix": prefix_rows,
         "chats": {("on" if c["caching"] else "off"): {**c, "per_turn": per_turn(c)} for c in chats},
     }
-    text = json.dumps(report, indent=1)
-    print(text)
-    if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(text)
-        plot(report, out.with_suffix(".png"))
+    write_report(report, args.out, lambda png: plot(report, png))
     return 0
 
 

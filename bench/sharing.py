@@ -18,7 +18,6 @@ die differently, so the beam figures are this engine's, on noise.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
 import tempfile
@@ -28,6 +27,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(Path(__file__).resolve().parent)]
 
+from report import write_report  # noqa: E402
 from workload import SharedDataMissing, sample_workload  # noqa: E402
 
 PAPER = {  # the quote of the paper's ranges (saving, fraction)
@@ -149,13 +149,7 @@ def main(argv=None) -> int:
         "workloads": {d: w.summary() for d, w in workloads.items()},
         "results": rows,
     }
-    text = json.dumps(report, indent=1)
-    print(text)
-    if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(text)
-        plot(rows, out.with_suffix(".png"))
+    write_report(report, args.out, lambda png: plot(rows, png))
     return 0
 
 

@@ -23,15 +23,8 @@ class BlockLedger(KVCacheManager):
     free and cached block counts are the replica's own.
     """
 
-    def __init__(
-        self,
-        num_blocks: int,
-        block_size: int,
-        enable_prefix_caching: bool = False,
-        extra_key: int = 0,
-        num_cpu_blocks: int = 0,
-    ) -> None:
-        super().__init__(num_blocks, block_size, enable_prefix_caching, extra_key, num_cpu_blocks)
+    def __init__(self, *args, **kwargs) -> None:  # KVCacheManager's arguments
+        super().__init__(*args, **kwargs)
         self._ops: list[BlockOp] = []
         self._block_ids: list[int] = []  # ids the logged ops put into tables
         self._exchanges = 0

@@ -16,17 +16,8 @@ class BlockManager:
     named in `error` (the scheduler's replica has diverged: a bug, never load).
     """
 
-    def __init__(
-        self,
-        num_blocks: int,
-        block_size: int,
-        enable_prefix_caching: bool = False,
-        extra_key: int = 0,
-        num_cpu_blocks: int = 0,
-    ) -> None:
-        self.kv_cache = KVCacheManager(
-            num_blocks, block_size, enable_prefix_caching, extra_key, num_cpu_blocks
-        )
+    def __init__(self, *args, **kwargs) -> None:  # KVCacheManager's arguments
+        self.kv_cache = KVCacheManager(*args, **kwargs)
         self.num_exchanges = 0
 
     @property
