@@ -62,9 +62,6 @@ class KVCacheManager:
     def block_table(self, seq_id: str) -> list[int]:
         return self._tables.get(seq_id, [])
 
-    def num_new_blocks(self, seq_id: str, num_tokens: int) -> int:
-        return max(0, self.blocks_for(num_tokens) - len(self.block_table(seq_id)))
-
     # -- the primitives ------------------------------------------------------------------
     def allocate_slots(self, seq_id: str, num_tokens: int) -> bool:
         """Grows the table to hold `num_tokens` tokens; False (nothing changed) if it can't."""

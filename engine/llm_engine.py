@@ -159,7 +159,7 @@ class LLMEngine:
         self._store_logprobs(result)
         finished = []
         now = time.time()
-        offers = _top_candidates(result)
+        offers = None  # beam offers, read from the logprobs only when a beam ran
         for item in plan.scheduled:
             request = item.request
             request.metrics.first_scheduled_time = request.metrics.first_scheduled_time or now
@@ -168,6 +168,7 @@ class LLMEngine:
                 continue
             group = request.group
             if isinstance(group, BeamGroup):
+                offers = offers if offers is not None else _top_candidates(result)
                 if group.collect(request, offers[request.request_id]):
                     finished += self._advance_beams(group)
                 continue

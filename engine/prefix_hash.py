@@ -17,10 +17,6 @@ BlockHash = int
 TokenSlice = Callable[[int, int], Sequence[int]]  # (start, end) -> those token ids
 
 
-def hash_block(parent: BlockHash | None, token_ids: tuple[int, ...], extra_key: int) -> BlockHash:
-    return hash((parent, token_ids, extra_key))  # chain_hashes inlines this
-
-
 def chain_hashes(
     parent: BlockHash | None,
     tokens: TokenSlice,
@@ -30,7 +26,7 @@ def chain_hashes(
     extra_key: int,
 ) -> list[BlockHash]:
     """The hashes of blocks first..end-1, chained on from `parent` (the hash of block
-    first-1, None for the first block)."""
+    first-1, None for the first block): hash((parent, block's token ids, extra_key))."""
     new = []
     for i in range(first, end):
         parent = hash((parent, tuple(tokens(i * block_size, (i + 1) * block_size)), extra_key))

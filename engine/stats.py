@@ -66,10 +66,6 @@ class PrefixCacheStats:
         self.queried_tokens += queried
         self.hit_tokens += hit
 
-    @property
-    def hit_rate(self) -> float:
-        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
-
 
 class SharingSaving:
     """Accumulates, once per step, the blocks the block tables hold (what they would
