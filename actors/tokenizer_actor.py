@@ -54,10 +54,10 @@ class TokenizerActor(Actor):
     async def on_token_deltas(self, message: TokenDeltas) -> None:
         for delta in message.deltas():
             client = self.processor.client_of(delta.request_id)
-            out, abort = self.processor.on_token_delta(delta)
+            outs, abort = self.processor.on_token_delta(delta)
             if abort is not None:
                 await send_message(self.scheduler, abort)
-            if out is not None and client is not None:
+            for out in outs if client is not None else ():
                 await self._to_client(client, out)
 
     async def _to_client(self, client_id: str, delta: OutputDelta) -> None:

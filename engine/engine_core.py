@@ -70,15 +70,16 @@ class EngineCore:
         return self.scheduler.has_unfinished
 
     def add_request(self, add: AddRequest) -> None:
-        """Queues a request; one with n > 1 becomes a SequenceGroup whose sequences
-        (ids from `sequence_id`) share the prompt's blocks."""
+        """Queues a request; one sampling several sequences (n, best_of) becomes a
+        SequenceGroup whose sequences (ids from `sequence_id`) share the prompt's blocks
+        (the tokenizer actor ranks best_of's)."""
         self._may_stop.update(add.params.stop_token_ids)
         params = add.params
-        if params.n == 1:
+        if params.num_sequences == 1:
             self.scheduler.add_request(self._request(add.request_id, add, params))
             return
         group = SequenceGroup(add.request_id, params)
-        for i in range(params.n):
+        for i in range(params.num_sequences):
             seq = self._request(sequence_id(add.request_id, i), add, sequence_params(params, i))
             seq.group = group
             group.sequences.append(seq)

@@ -11,19 +11,14 @@ def validate_request(
     vocab_size: int,
     max_model_len: int,
     has_tokenizer: bool,
-    multi_sequence: bool = True,
+    beam_search: bool = True,
 ) -> None:
-    """Raises ValueError naming the field and the allowed range. `multi_sequence`: the
-    entry point ranks sequences (best_of > n) and runs beam search."""
-    if params.use_beam_search and not multi_sequence:
+    """Raises ValueError naming the field and the allowed range. `beam_search`: the
+    entry point runs beam search."""
+    if params.use_beam_search and not beam_search:
         raise ValueError(
             "use_beam_search: beam search runs in the offline engine (LLM); this entry "
             "point does not serve it yet"
-        )
-    if params.num_sequences != params.n and not multi_sequence:
-        raise ValueError(
-            f"best_of={params.best_of}: this entry point returns every sequence it samples "
-            f"(best_of > n={params.n} runs in the offline engine); leave best_of unset"
         )
     if params.stop and not has_tokenizer:
         raise ValueError("stop strings need a tokenizer; this engine has none (use stop_token_ids)")

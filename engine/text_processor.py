@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from engine.detokenizer import IncrementalDetokenizer
 from engine.messages import (
@@ -31,6 +31,11 @@ class _TextState:
     num_output_tokens: int = 0
     text: str = ""  # all decided text (stop strings applied)
     emitted: int = 0  # characters of `text` already sent
+    ranked: bool = False  # best_of > n: held back until every sequence has ended
+    logprob: float = 0.0  # ranked: the sampled tokens' cumulative logprob
+    token_ids: list[int] = field(default_factory=list)  # ranked: every output token
+    rows: list = field(default_factory=list)  # ranked: every logprobs row
+    prompt_rows: list = field(default_factory=list)  # ranked: every prompt logprobs row
 
 
 class TextProcessor:
@@ -41,8 +46,10 @@ class TextProcessor:
     client's OutputDelta and, when a stop string ended the request here, an AbortRequest
     for the scheduler. Text that could be the start of a stop string is held back until
     decided, so a client never sees text that a stop string later removes. A request
-    sampling n > 1 sequences keeps one state per sequence (keyed by `sequence_id`); its
-    deltas go out under the request's id with the sequence's `index`.
+    sampling several sequences keeps one state per sequence (keyed by `sequence_id`); its
+    deltas go out under the request's id with the sequence's `index`. With best_of > n
+    nothing streams: once every sequence has ended, the n of highest cumulative logprob
+    go out whole, best first.
     """
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int) -> None:
@@ -51,6 +58,7 @@ class TextProcessor:
         self.max_model_len = max_model_len
         self.states: dict[str, _TextState] = {}  # by sequence id
         self.sequences: dict[str, list[str]] = {}  # request id -> its sequence ids
+        self.ranked: dict[str, list[tuple[float, OutputDelta]]] = {}  # ended, held back
         self._token_texts: dict[int, str] = {}  # one token's text, for logprobs
 
     def admit(self, request: GenerateRequest, arrival_time: float) -> AddRequest:
@@ -59,13 +67,14 @@ class TextProcessor:
         token_ids = self._token_ids(request)
         params = request.params
         validate_request(token_ids, params, self.vocab_size, self.max_model_len, True, False)
-        n = params.n
+        k = params.num_sequences
         ids = (
             [request.request_id]
-            if n == 1
-            else [sequence_id(request.request_id, i) for i in range(n)]
+            if k == 1
+            else [sequence_id(request.request_id, i) for i in range(k)]
         )
         self.sequences[request.request_id] = ids
+        ranked = k > params.n
         for index, seq_id in enumerate(ids):
             detokenizer = IncrementalDetokenizer(
                 self.tokenizer,
@@ -74,7 +83,7 @@ class TextProcessor:
                 params.spaces_between_special_tokens,
             )
             self.states[seq_id] = _TextState(
-                request.client_id, request, detokenizer, len(token_ids), index
+                request.client_id, request, detokenizer, len(token_ids), index, ranked=ranked
             )
         return AddRequest(request.request_id, tuple(token_ids), params, arrival_time)
 
@@ -95,10 +104,12 @@ class TextProcessor:
         state = self.states.get(request_id)
         return None if state is None else state.client_id
 
-    def on_token_delta(self, delta: TokenDelta) -> tuple[OutputDelta | None, AbortRequest | None]:
+    def on_token_delta(self, delta: TokenDelta) -> tuple[list[OutputDelta], AbortRequest | None]:
+        """The client's deltas (none while held back) and an abort for the scheduler
+        when a stop string ended the sequence here."""
         state = self.states.get(delta.request_id)
         if state is None:
-            return None, None  # ended here already (stop string or abort)
+            return [], None  # ended here already (stop string or abort)
         state.num_output_tokens += len(delta.token_ids)
         new = state.detokenizer.append(list(delta.token_ids))
         if delta.finish_reason is not None:
@@ -129,12 +140,43 @@ class TextProcessor:
             self._decode_rows(delta.prompt_logprobs),
             state.index,
         )
+        if state.ranked:
+            return self._hold_back(state, delta, out), abort
         if finish is not None:
             del self.states[delta.request_id]
-            request_id = state.request.request_id
-            if not any(s in self.states for s in self.sequences.get(request_id, ())):
-                self.sequences.pop(request_id, None)
-        return out, abort
+            self._forget_if_done(state.request.request_id)
+        return [out], abort
+
+    def _hold_back(self, state: _TextState, delta: TokenDelta, out: OutputDelta) -> list:
+        """best_of > n: keeps the sequence's tokens and logprob; once all have ended,
+        the n best, whole, renumbered from 0 (their logprobs only when asked for)."""
+        state.token_ids += delta.token_ids
+        state.logprob += sum(row[0].logprob for row in delta.logprobs or ())
+        state.rows += out.logprobs or ()
+        state.prompt_rows += out.prompt_logprobs or ()
+        if out.finish_reason is None:
+            return []
+        request = state.request
+        whole = replace(
+            out,
+            text=state.text,
+            token_ids=tuple(state.token_ids),
+            logprobs=None if request.params.logprobs is None else tuple(state.rows),
+            prompt_logprobs=tuple(state.prompt_rows) or None,
+        )
+        self.ranked.setdefault(request.request_id, []).append((state.logprob, whole))
+        del self.states[delta.request_id]
+        if not self._forget_if_done(request.request_id):
+            return []
+        best = sorted(self.ranked.pop(request.request_id), key=lambda r: -r[0])
+        return [replace(d, index=i) for i, (_, d) in enumerate(best[: request.params.n])]
+
+    def _forget_if_done(self, request_id: str) -> bool:
+        """Drops the request once none of its sequences is open; True if it did."""
+        if any(s in self.states for s in self.sequences.get(request_id, ())):
+            return False
+        self.sequences.pop(request_id, None)
+        return True
 
     def _decode_rows(self, rows: tuple[LogprobRow, ...] | None) -> tuple[LogprobRow, ...] | None:
         """Fills in each candidate's text (decoded alone, special tokens kept)."""
@@ -155,3 +197,4 @@ class TextProcessor:
         """Forget a request (client abort), every sequence of it."""
         for seq_id in self.sequences.pop(request_id, [request_id]):
             self.states.pop(seq_id, None)
+        self.ranked.pop(request_id, None)

@@ -1,7 +1,7 @@
 """OpenAI-compatible HTTP: /v1/completions and /v1/chat/completions, plain and SSE.
 
-`n` choices of a prompt run as one engine request sampling n sequences on the prompt's
-shared blocks (a seeded request gives choice i the seed `seed + i`).
+`n` choices of a prompt run as one engine request sampling n (or `best_of`) sequences on
+the prompt's shared blocks (a seeded request gives sequence i the seed `seed + i`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from engine.messages import LogprobRow, OutputDelta
 from engine.sampling_params import SamplingParams
 from web.errors import ApiError, invalid
 from web.generation import Generator, PromptInput, Timing
-from web.params import SAMPLING_FIELDS, chat_messages, num_choices, sampling_params
+from web.params import SAMPLING_FIELDS, best_of, chat_messages, num_choices, sampling_params
 from web.server_config import ServerConfig
 
 _COMMON = {"model", "n", "stream", "stream_options", "max_tokens", "logit_bias", "user"}
@@ -84,17 +84,15 @@ class OpenAIRoutes:
             if body.get(name):
                 raise invalid(f"{name} is not supported", name)
         n = num_choices(body)
-        best_of = body.get("best_of")
-        if best_of is not None and best_of != n:
-            raise invalid("best_of other than n is not supported yet", "best_of")
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise invalid(f"stream must be a bool, got {stream!r}", "stream")
+        ranked = best_of(body, n, stream)
         options = body.get("stream_options") or {}
         if not isinstance(options, dict):
             raise invalid("stream_options must be an object", "stream_options")
         base = sampling_params(body, chat=chat, default_max_tokens=self.config.default_max_tokens)
-        params = dataclasses.replace(base, n=n)
+        params = dataclasses.replace(base, n=n, best_of=ranked)
         prompts = [chat_messages(body.get("messages"))] if chat else _prompts(body.get("prompt"))
         top = body.get("top_logprobs") if chat else body.get("logprobs")
         if chat and not body.get("logprobs"):

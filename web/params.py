@@ -44,6 +44,19 @@ def sampling_params(body: dict[str, Any], *, chat: bool, default_max_tokens: int
         raise invalid(str(exc), _field_of(str(exc))) from None
 
 
+def best_of(body: dict[str, Any], n: int, stream: bool) -> int | None:
+    """Completions' best_of: None, or an int in [n, MAX_N]; above n it cannot stream
+    (the n best are known only once every sequence has ended)."""
+    value = body.get("best_of")
+    if value is None or value == n:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not n <= value <= MAX_N:
+        raise invalid(f"best_of must be an int in [n={n}, {MAX_N}], got {value!r}", "best_of")
+    if stream:
+        raise invalid("best_of > n cannot be streamed; set stream to false", "best_of")
+    return value
+
+
 def num_choices(body: dict[str, Any]) -> int:
     n = body.get("n", 1)
     if n is None:

@@ -202,13 +202,15 @@ async def test_500_requests_with_random_aborts_leave_every_block_free(served):
 
 async def test_n_sequences_stream_by_index_like_the_offline_engine(served):
     """n > 1 served as one sequence group: each sequence streams under its index, with
-    the offline engine's tokens and text; a stop string ends only its own sequence."""
+    the offline engine's tokens and text; a stop string ends only its own sequence;
+    best_of > n returns the offline engine's n best."""
     params = [
         SamplingParams(n=3, temperature=0.9, seed=11, max_tokens=24),
         SamplingParams(n=2, temperature=0.0, max_tokens=12),
         SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=30, stop=["e"]),
+        SamplingParams(n=2, best_of=4, temperature=1.0, seed=2, max_tokens=16),  # ranked
     ]
-    prompts = ["Once upon a time", "The little dog", "Lily and Ben"]
+    prompts = ["Once upon a time", "The little dog", "Lily and Ben", "One day"]
     expected = LLM(served.path, **served.kwargs).generate(prompts, params, use_tqdm=False)
     engine = await AsyncEngine.start(EngineArgs(model=served.path, **served.kwargs))
     try:

@@ -27,9 +27,10 @@ def _stream(proc, rid, ids, rng, finish="length"):
     while i < len(ids):
         n = rng.randint(1, 3)
         chunk, i = ids[i : i + n], i + n
-        out, abort = proc.on_token_delta(
+        outs, abort = proc.on_token_delta(
             TokenDelta(rid, tuple(chunk), finish if i >= len(ids) else None, None)
         )
+        out = outs[0] if outs else None
         if out is not None:
             deltas.append(out)
         if abort is not None:
@@ -62,7 +63,7 @@ def test_stop_string_truncates_aborts_and_never_leaks(tokenizer):
     assert deltas[-1].finish_reason == "stop" and deltas[-1].stop_reason == "a time"
     assert [a.request_id for a in aborts] == ["r2"]
     # Later deltas for the stopped request (already in flight) are ignored.
-    assert proc.on_token_delta(TokenDelta("r2", (1,), None, None)) == (None, None)
+    assert proc.on_token_delta(TokenDelta("r2", (1,), None, None)) == ([], None)
 
 
 def test_include_stop_str_keeps_it(tokenizer):

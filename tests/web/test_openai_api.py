@@ -85,6 +85,12 @@ async def test_n2_seed_logprobs_stop(served) -> None:
     for i, choice in enumerate(a.choices):
         alone = SamplingParams(temperature=1.0, seed=3 + i, max_tokens=12)
         assert choice.text == llm.generate([PROMPT], alone, use_tqdm=False)[0].outputs[0].text
+    # best_of: the server's n best are the offline engine's
+    best = await api.completions.create(n=2, best_of=4, **kwargs)
+    ranked = SamplingParams(n=2, best_of=4, temperature=1.0, seed=3, max_tokens=12)
+    offline = llm.generate([PROMPT], ranked, use_tqdm=False)[0].outputs
+    assert [c.text for c in best.choices] == [c.text for c in offline]
+    assert [c.index for c in best.choices] == [0, 1]
     for choice in a.choices:
         lp = choice.logprobs
         assert len(lp.token_logprobs) == len(lp.tokens) > 0
