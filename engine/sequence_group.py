@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 if TYPE_CHECKING:
     from engine.request import Request
     from engine.sampling_params import SamplingParams
+
+
+T = TypeVar("T")
 
 
 def sequence_id(request_id: str, index: int) -> str:
@@ -47,8 +51,13 @@ class SequenceGroup:
         the n of highest cumulative logprob, best first."""
         if self.params.best_of is None or self.params.best_of == self.params.n:
             return list(self.sequences)
-        ranked = sorted(self.sequences, key=lambda s: s.cumulative_logprob, reverse=True)
-        return ranked[: self.params.n]
+        return best_n(self.sequences, lambda s: s.cumulative_logprob, self.params.n)
+
+
+def best_n(items: list[T], logprob: Callable[[T], float], n: int) -> list[T]:
+    """best_of's rule: the `n` items of highest cumulative logprob, best first (ties in
+    sampling order). The offline engine and the tokenizer actor both rank with it."""
+    return sorted(items, key=logprob, reverse=True)[:n]
 
 
 def sequence_params(params: SamplingParams, index: int) -> SamplingParams:

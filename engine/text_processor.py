@@ -14,7 +14,7 @@ from engine.messages import (
     TokenDelta,
 )
 from engine.request_validation import validate_request
-from engine.sequence_group import sequence_id
+from engine.sequence_group import best_n, sequence_id
 from engine.stop_strings import find_stop, hold_back
 from engine.tokenizer import Tokenizer
 
@@ -168,8 +168,8 @@ class TextProcessor:
         del self.states[delta.request_id]
         if not self._forget_if_done(request.request_id):
             return []
-        best = sorted(self.ranked.pop(request.request_id), key=lambda r: -r[0])
-        return [replace(d, index=i) for i, (_, d) in enumerate(best[: request.params.n])]
+        best = best_n(self.ranked.pop(request.request_id), lambda r: r[0], request.params.n)
+        return [replace(d, index=i) for i, (_, d) in enumerate(best)]
 
     def _forget_if_done(self, request_id: str) -> bool:
         """Drops the request once none of its sequences is open; True if it did."""
