@@ -40,6 +40,7 @@ from engine.messages import (
     Shutdown,
     WorkerReady,
 )
+from engine.request_validation import RequestLimits
 from engine.sampling_params import SamplingParams
 from engine.text_processor import TextProcessor
 from engine.tokenizer import Tokenizer, load_tokenizer
@@ -142,7 +143,18 @@ class AsyncEngine:
             pipeline_depth,
         )
         self.tokenizer = TokenizerActor(
-            TextProcessor(tokenizer, ready.vocab_size, ready.max_model_len),
+            TextProcessor(
+                tokenizer,
+                RequestLimits(
+                    ready.vocab_size,
+                    ready.max_model_len,
+                    config.model.eos_token_ids,
+                    True,
+                    ready.num_blocks,
+                    ready.block_size,
+                    config.scheduler.max_num_seqs,
+                ),
+            ),
             tokenizer_inbox,
             zmq_outbox(self._ctx, sched_address),
             {CLIENT_ID: to_client},

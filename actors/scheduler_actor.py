@@ -91,7 +91,7 @@ class SchedulerActor(Actor):
                 "step %d failed on worker %d: %s", result.step_id, result.worker_id, result.error
             )
         deltas = self.core.on_result(result)
-        if deltas.request_ids:
+        if deltas.request_ids or deltas.ranked:
             await send_message(self.tokenizer, deltas)
         await self._fill_pipeline()
 

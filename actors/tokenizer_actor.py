@@ -59,6 +59,9 @@ class TokenizerActor(Actor):
                 await send_message(self.scheduler, abort)
             for out in outs if client is not None else ():
                 await self._to_client(client, out)
+        if message.ranked:
+            for client, out in self.processor.on_ranked(message.ranked, message.prompt_logprobs):
+                await self._to_client(client, out)
 
     async def _to_client(self, client_id: str, delta: OutputDelta) -> None:
         outbox = self.clients.get(client_id)

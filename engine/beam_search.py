@@ -93,6 +93,10 @@ class BeamSearch:
     def results(self, n: int) -> list[Hypothesis]:
         return self.finished[:n]
 
+    def finish_reason(self, hypothesis: Hypothesis) -> str:
+        """ "stop" for a hypothesis that ends with an end token, else "length"."""
+        return "stop" if hypothesis.token_ids[-1] in self.end_token_ids else "length"
+
     def _finish(self, generated, candidates, ends, new_len: int) -> None:
         if len(self.finished) == self.width and self.early_stopping is True:
             return

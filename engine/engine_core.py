@@ -8,6 +8,12 @@ flight is only a question of when the caller delivers results. A request that st
 EOS or a stop token while its next plan is in flight costs one discarded token there;
 limits (max_tokens, context) are known at plan time and cost nothing.
 
+Beam search is the exception: the search, not the sampler, picks each beam's next token,
+so a beam gets no placeholder and is planned again only once the result with every
+beam's offers is in (a beam group computes every other step when planning ahead). The
+builder then tells the worker the chosen token (`last_token_id`), and a forked beam goes
+out as a new request with its parent's tokens.
+
 The block tables live in the block manager; the core plans on a `BlockLedger`, a
 replica that knows every block id at once and logs its changes, so a step is:
 `schedule()`, one exchange of `block_traffic()` for the block manager's
@@ -17,7 +23,9 @@ replica that knows every block id at once and logs its changes, so a step is:
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
+from engine.beam_group import BeamGroup, beam_params, beam_search_for, top_offers
 from engine.block_ledger import BlockLedger
 from engine.config import SchedulerConfig
 from engine.messages import (
@@ -25,6 +33,7 @@ from engine.messages import (
     ApplyBlockOps,
     BlockOpsApplied,
     LogprobRow,
+    RankedSequence,
     RequestFinish,
     RequestLogprobs,
     StepPlan,
@@ -75,6 +84,9 @@ class EngineCore:
         (the tokenizer actor ranks best_of's)."""
         self._may_stop.update(add.params.stop_token_ids)
         params = add.params
+        if params.use_beam_search:
+            self._add_beam_search(add)
+            return
         if params.num_sequences == 1:
             self.scheduler.add_request(self._request(add.request_id, add, params))
             return
@@ -87,12 +99,26 @@ class EngineCore:
         for seq in group.sequences:
             self.scheduler.add_request(seq)
 
+    def _add_beam_search(self, add: AddRequest) -> None:
+        """A beam search: its first beam is scheduled alone (the tokenizer actor has
+        validated the search against this model's end tokens)."""
+        num_prompt, max_len = len(add.prompt_token_ids), self.scheduler.config.max_model_len
+        search = beam_search_for(add.params, num_prompt, max_len, self.eos_token_ids)
+        group = BeamGroup(add.request_id, add.params, search)
+        beam = beam_params(add.params, search.num_candidates)
+        group.start(self._request(sequence_id(add.request_id, 0), add, beam))
+        self._groups[add.request_id] = group
+        self.scheduler.add_request(group.leader)
+
     def _request(self, request_id: str, add: AddRequest, params) -> Request:
+        return self._new_request(request_id, add.prompt_token_ids, params)
+
+    def _new_request(self, request_id: str, prompt_token_ids, params) -> Request:
         self._arrival += 1
         return Request(
             request_id,
             None,
-            list(add.prompt_token_ids),
+            list(prompt_token_ids),
             params,
             self._arrival,
             eos_token_ids=self.eos_token_ids,
@@ -150,12 +176,14 @@ class EngineCore:
         for scored in result.prompt_logprobs:
             if scored.request_id in requests:
                 self._prompt_rows.setdefault(scored.request_id, []).extend(scored.rows)
-        ids, tokens, finished, prompt = [], [], [], []
+        ids, tokens, finished, prompt, beams = [], [], [], [], []
         may_stop, prompt_rows = self._may_stop, self._prompt_rows
         for request_id, token in zip(result.sampled_ids, result.sampled_token_ids, strict=True):
             request = requests.get(request_id)
             if request is None or not request.num_pending_outputs:
-                continue  # ended while this step was in flight (its id may be reused)
+                if request is not None and request.group and request.group.chooses_tokens:
+                    beams.append(request)  # a beam offering its continuations
+                continue  # else it ended while this step was in flight (its id may be reused)
             ids.append(request_id)
             tokens.append(token)
             outputs = request.output_token_ids  # the oldest placeholder takes the token:
@@ -168,11 +196,58 @@ class EngineCore:
                     finished.append(finish)
             if prompt_rows and request_id in prompt_rows:
                 prompt.append(RequestLogprobs(request_id, tuple(prompt_rows.pop(request_id))))
+        ranked = self._advance_beams(beams, result, prompt) if beams else ()
         delivered = set(ids) if result.logprobs else ()
         logprobs = tuple(lp for lp in result.logprobs if lp.request_id in delivered)
         return TokenDeltas(
-            result.step_id, tuple(ids), tuple(tokens), tuple(finished), logprobs, tuple(prompt)
+            result.step_id,
+            tuple(ids),
+            tuple(tokens),
+            tuple(finished),
+            logprobs,
+            tuple(prompt),
+            ranked,
         )
+
+    def _advance_beams(
+        self, beams: list[Request], result: StepResult, prompt: list[RequestLogprobs]
+    ) -> tuple[RankedSequence, ...]:
+        """Collects the beams' offers; each group that has all of them takes a search
+        step. Ended beams are dropped by the workers, continuing ones told their chosen
+        token; a finished search's hypotheses (and prompt logprobs) go to the tokenizer."""
+        rows = {lp.request_id: lp.rows[0] for lp in result.logprobs}
+        ranked: list[RankedSequence] = []
+        for beam in beams:
+            group = beam.group
+            if beam.request_id not in rows:
+                continue  # no logprobs row: the worker did not sample it
+            offers = top_offers(rows[beam.request_id], group.search.num_candidates)
+            if not group.collect(beam, offers):
+                continue
+            leader = group.leader
+            fork = partial(
+                self._new_request, prompt_token_ids=leader.prompt_token_ids, params=leader.params
+            )
+            moves = group.advance(self.scheduler, fork)
+            self._finished_ids += [b.request_id for b in moves.ended]
+            for b, token in moves.continued:
+                self.builder.choose(b.request_id, token)
+            if group.is_finished:
+                ranked += self._hypotheses(group, prompt)
+        return tuple(ranked)
+
+    def _hypotheses(self, group: BeamGroup, prompt: list[RequestLogprobs]) -> list:
+        del self._groups[group.request_id]
+        rows = self._prompt_rows.pop(group.leader.request_id, None)
+        if rows is not None:
+            prompt.append(RequestLogprobs(group.request_id, tuple(rows)))
+        search = group.search
+        return [
+            RankedSequence(
+                group.request_id, i, h.token_ids, search.finish_reason(h), h.logprob, h.score
+            )
+            for i, h in enumerate(group.hypotheses)
+        ]
 
     def _check_stop(self, request: Request, token: int, num_outputs: int) -> RequestFinish | None:
         """The full stop rules for output number `num_outputs` (`token`, just resolved);

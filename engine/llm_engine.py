@@ -6,8 +6,7 @@ import itertools
 import logging
 import time
 
-from engine.beam_group import BeamGroup, beam_params
-from engine.beam_search import BeamSearch
+from engine.beam_group import BeamGroup, beam_params, beam_search_for
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache_manager import KVCacheManager
@@ -15,7 +14,7 @@ from engine.logprobs import Logprob
 from engine.model_runner import ModelRunner, StepResult
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.request import Request, RequestStatus
-from engine.request_validation import validate_request
+from engine.request_validation import RequestLimits, validate_request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.scheduler_output import SchedulerOutput
@@ -57,6 +56,16 @@ class LLMEngine:
             num_blocks, cache.block_size, cache.enable_prefix_caching, 0, num_cpu_blocks
         )
         self.scheduler = Scheduler(config.scheduler, kv, preemption_mode=cache.preemption_mode)
+        model = config.model
+        self.limits = RequestLimits(
+            model.vocab_size,
+            model.max_model_len,
+            model.eos_token_ids,
+            self.tokenizer is not None,
+            num_blocks,
+            cache.block_size,
+            config.scheduler.max_num_seqs,
+        )
         self.stop_checker = StopChecker()
         self.utilization = SlotUtilization()
         self.sharing = SharingSaving()
@@ -94,14 +103,8 @@ class LLMEngine:
     def _add_beam_search(
         self, request_id: str, text: str | None, token_ids: list[int], params: SamplingParams
     ) -> Request:
-        ends = frozenset(params.stop_token_ids or ())
-        if not params.ignore_eos:
-            ends |= self.config.model.eos_token_ids
-        room = self.config.model.max_model_len - len(token_ids)
-        max_new = room if params.max_tokens is None else min(params.max_tokens, room)
-        search = BeamSearch(
-            params.beam_width, params.length_penalty, params.early_stopping, max_new, ends
-        )
+        model = self.config.model
+        search = beam_search_for(params, len(token_ids), model.max_model_len, model.eos_token_ids)
         beam = beam_params(params, search.num_candidates)
         group = BeamGroup(request_id, params, search)
         leader = self._new_request(sequence_id(request_id, 0), text, token_ids, beam)
@@ -201,15 +204,18 @@ class LLMEngine:
             beam.logprobs = None  # the search keeps the scores
             return beam
 
-        if not group.advance(self.scheduler, new_beam):
+        group.advance(self.scheduler, new_beam)
+        if not group.is_finished:
             return []
         del self._groups[group.request_id]
         completions = []
         for i, h in enumerate(group.hypotheses):
             seq = new_beam(sequence_id(group.request_id, 0))
             seq.output_token_ids = list(h.token_ids)
-            ended = h.token_ids[-1] in group.search.end_token_ids
-            seq.status = RequestStatus.FINISHED_STOPPED if ended else RequestStatus.FINISHED_LENGTH
+            stopped = group.search.finish_reason(h) == "stop"
+            seq.status = RequestStatus.FINISHED_LENGTH
+            if stopped:
+                seq.status = RequestStatus.FINISHED_STOPPED
             seq.cumulative_logprob = seq_logprob = h.logprob
             completion = self._completion(seq, i)
             completion.cumulative_logprob = seq_logprob
@@ -313,10 +319,7 @@ class LLMEngine:
         for rid in ids:
             if rid in self.scheduler.requests or rid in self._groups:
                 raise ValueError(f"request_id {rid!r} is already in flight")
-        model = self.config.model
-        validate_request(
-            token_ids, params, model.vocab_size, model.max_model_len, self.tokenizer is not None
-        )
+        validate_request(token_ids, params, self.limits)
 
     def _detokenizer(self, request: Request) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(

@@ -102,11 +102,27 @@ class RequestLogprobs:
 
 
 @dataclass(frozen=True)
+class RankedSequence:
+    """One whole output the engine ranked itself (a beam search hypothesis), sent once,
+    when the search is done: output `index` (0 = best) of request `request_id`, its
+    tokens, why it ended, its summed logprob and its score (the sum over its length to
+    the power length_penalty)."""
+
+    request_id: str
+    index: int
+    token_ids: tuple[int, ...]
+    finish_reason: str
+    cumulative_logprob: float
+    score: float
+
+
+@dataclass(frozen=True)
 class TokenDeltas:
     """One step's new tokens (scheduler -> tokenizer), detokenized there. Column-wise:
     request `request_ids[i]` got token `token_ids[i]`; `finished` names those that ended
     with it; logprob rows only for requests that asked. `deltas()` gives per-request
-    views."""
+    views. `ranked`: the whole outputs of beam searches that ended in this step (their
+    prompt logprobs, if asked for, are in `prompt_logprobs` under the request id)."""
 
     step_id: int
     request_ids: tuple[str, ...]
@@ -114,6 +130,7 @@ class TokenDeltas:
     finished: tuple[RequestFinish, ...]
     logprobs: tuple[RequestLogprobs, ...]
     prompt_logprobs: tuple[RequestLogprobs, ...]
+    ranked: tuple[RankedSequence, ...] = ()
 
     def deltas(self) -> Iterator[TokenDelta]:
         finished = {f.request_id: f for f in self.finished}
@@ -218,23 +235,31 @@ class ApplyBlockOps:
 
 @dataclass(frozen=True)
 class NewRequestData:
-    """A request the worker has not seen: everything it caches about it."""
+    """A request the worker has not seen: everything it caches about it. Its known
+    output tokens are empty except for a forked beam, which starts with its parent's."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams
     block_ids: tuple[int, ...]
     num_computed_tokens: int
+    output_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
 class CachedRequestData:
-    """What changed for a request the worker has cached."""
+    """What changed for a request the worker has cached: `new_block_ids` extend its
+    block table (a resumed request's whole table), or, when `first_block_index` >= 0,
+    replace the table from that block on (copy-on-write gave it private copies).
+    `last_token_id`, when set, replaces the newest output token the worker sampled
+    itself (beam search chose another continuation for that beam)."""
 
     request_id: str
     new_block_ids: tuple[int, ...]
     num_computed_tokens: int
     resumed_from_preemption: bool
+    last_token_id: int | None = None
+    first_block_index: int = -1
 
 
 @dataclass(frozen=True)

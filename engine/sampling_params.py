@@ -167,6 +167,9 @@ class SamplingParams:
         for name, (value, default) in sampling.items():
             if value != default:
                 _fail(name, f"{default!r} with use_beam_search (beams rank raw logprobs)", value)
+        if self.logprobs is not None:
+            rule = "None with use_beam_search (beam outputs carry no per-token logprobs)"
+            _fail("logprobs", rule, self.logprobs)
         if self.beam_width > MAX_BEAM_WIDTH:
             rule = f"<= {MAX_BEAM_WIDTH} with use_beam_search (the beam width)"
             _fail("best_of", rule, self.beam_width)

@@ -56,6 +56,7 @@ class Scheduler:
         self.prefix_stats = PrefixCacheStats()
         self._step_id = 0
         self._copies: list[tuple[int, int]] = []  # this step's copy-on-write copies
+        self._rewritten: list[tuple[str, int]] = []  # (request, first block) they replaced
         self._swap_out: list[tuple[int, int]] = []  # this step's (device, CPU) copies
         self._swap_in: list[tuple[int, int]] = []  # this step's (CPU, device) copies
         self._cow_pending: set[str] = set()  # forked sequences: copy before writing
@@ -96,7 +97,7 @@ class Scheduler:
     # -- planning ------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
-        self._copies, self._swap_out, self._swap_in = [], [], []
+        self._copies, self._swap_out, self._swap_in, self._rewritten = [], [], [], []
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
         grow, cow = self.kv_cache.grow, self._cow_pending
@@ -137,28 +138,42 @@ class Scheduler:
             tuple(self._copies),
             tuple(self._swap_out),
             tuple(self._swap_in),
+            tuple(self._rewritten),
         )
 
     def _swap_in_swapped(self, budget: int) -> list[ScheduledRequest]:
         """Swapped requests back onto device blocks, oldest first, while blocks, the
-        token budget and the sequence cap allow."""
+        token budget and the sequence cap allow; the swapped beams of a one-unit group
+        come back together (some back and the rest stuck would hold blocks idle)."""
         resumed = []
         kv = self.kv_cache
-        while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.swapped[0]
-            computed = request.num_computed_tokens
-            n = min(request.num_tokens - computed, budget)
-            if kv.blocks_for(computed + n) > kv.num_free_blocks:
+        while self.swapped and budget > 0:
+            unit = self._swap_unit(self.swapped[0])
+            blocks = sum(kv.blocks_for(r.num_tokens) for r in unit)
+            if (
+                blocks > kv.num_free_blocks
+                or len(self.running) + len(unit) > self.config.max_num_seqs
+            ):
                 break
-            self._swap_in += kv.swap_in(request.request_id)
-            table = kv.grow(request.request_id, computed + n)
-            self.swapped.pop(0)
-            request.status = RequestStatus.RUNNING
-            bisect.insort(self.running, request, key=lambda r: r.arrival_index)
-            if n:  # 0: a beam awaiting its siblings' offers
-                resumed.append(ScheduledRequest(request, computed, n, table))
-                budget -= n
+            for request in unit:
+                computed = request.num_computed_tokens
+                n = min(request.num_tokens - computed, budget)
+                self._swap_in += kv.swap_in(request.request_id)
+                table = kv.grow(request.request_id, computed + n)
+                self.swapped.remove(request)
+                request.status = RequestStatus.RUNNING
+                bisect.insort(self.running, request, key=lambda r: r.arrival_index)
+                if n:  # 0: a beam awaiting its siblings' offers, or the budget ran out
+                    resumed.append(ScheduledRequest(request, computed, n, table))
+                    budget -= n
         return resumed
+
+    def _swap_unit(self, request: Request) -> list[Request]:
+        """`request`, with the other swapped sequences of its group if it runs as one."""
+        group = request.group
+        if group is None or not group.preempt_together:
+            return [request]
+        return [r for r in self.swapped if r.group is group]
 
     def _preempt_until_fits(
         self, request: Request, num_tokens: int, preempted: list[str]
@@ -201,23 +216,34 @@ class Scheduler:
 
     def add_fork(self, request: Request, parent: Request) -> None:
         """Starts `request` running on all of `parent`'s blocks (a beam forking): both
-        copy the shared block they write next before writing it."""
+        copy the shared block they write next before writing it. A parent preempted or
+        swapped out meanwhile (its offer was in flight while planning ahead) has no
+        device blocks to share: the fork then waits at the front, to be recomputed and
+        admitted with its group."""
         request.max_num_tokens = parent.max_num_tokens
+        self.requests[request.request_id] = request
+        if parent.status != RequestStatus.RUNNING:
+            request.status = RequestStatus.PREEMPTED
+            request.num_computed_tokens = 0
+            self.waiting.appendleft(request)
+            return
         request.num_computed_tokens = parent.num_computed_tokens
         request.status = RequestStatus.RUNNING
         self.kv_cache.fork(parent.request_id, request.request_id)
-        self.requests[request.request_id] = request
         bisect.insort(self.running, request, key=lambda r: r.arrival_index)
         self._cow_pending.update((request.request_id, parent.request_id))
 
     def _copy_on_write(self, request: Request) -> bool:
         """Private copies of the shared blocks the next write touches; False when blocks
         ran out (the caller preempts)."""
-        copies = self.kv_cache.copy_on_write(request.request_id, request.num_computed_tokens)
+        start = request.num_computed_tokens
+        copies = self.kv_cache.copy_on_write(request.request_id, start)
         if copies is None:
             return False
         self._cow_pending.discard(request.request_id)
-        self._copies += copies
+        if copies:
+            self._copies += copies
+            self._rewritten.append((request.request_id, start // self.kv_cache.block_size))
         return True
 
     def _fork_from_leader(self, request: Request) -> int | None:
@@ -296,9 +322,11 @@ class Scheduler:
         self.running.remove(request)
         request.num_preemptions += 1
         self.num_preemptions += 1
+        unfilled = self._cancel_copies(request)
         if self.swapping:
             copies = self.kv_cache.swap_out(request.request_id)
             if copies is not None:  # else the swap space is full: recompute it
+                copies = [(unfilled.get(block, block), cpu) for block, cpu in copies]
                 self._cow_pending.discard(request.request_id)  # its copies are private
                 self._swap_out += copies
                 request.status = RequestStatus.SWAPPED
@@ -309,6 +337,19 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         self.waiting.appendleft(request)
+
+    def _cancel_copies(self, request: Request) -> dict[int, int]:
+        """Drops this step's copy-on-write copies into `request`'s blocks (it is being
+        preempted: the blocks go back to the pool, maybe to be reused in this very step);
+        returns them as {destination: source}. Swap-outs run before copies, so one of
+        an unfilled block must read its source instead."""
+        if not self._copies:
+            return {}
+        table = set(self.kv_cache.block_table(request.request_id))
+        unfilled = {dst: src for src, dst in self._copies if dst in table}
+        if unfilled:
+            self._copies = [(src, dst) for src, dst in self._copies if dst not in unfilled]
+        return unfilled
 
     # -- results -------------------------------------------------------------------
     def advance(self, plan: SchedulerOutput, placeholder: int | None = None) -> None:
@@ -321,7 +362,7 @@ class Scheduler:
                 request.num_computed_tokens = computed + n
                 if computed < len(request.prompt_token_ids):
                     self._prompt_computed(request, computed + n)
-            if placeholder is None:
+            if placeholder is None or (request.group is not None and request.group.chooses_tokens):
                 continue
             outputs = request.output_token_ids
             if computed + n == len(request.prompt_token_ids) + len(outputs):

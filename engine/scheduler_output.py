@@ -31,7 +31,8 @@ class ScheduledRequest(NamedTuple):  # a NamedTuple: built 256 times a step, che
 class SchedulerOutput:
     """The plan of step `step_id`. Before its forward pass: `swap_out` ((device block,
     CPU block) pairs), then `swap_in` ((CPU block, device block)), then `block_copies`
-    (copy-on-write, (src, dst) device blocks)."""
+    (copy-on-write, (src, dst) device blocks). `rewritten_tables`: (request id, block
+    index) of each table whose blocks from that index on a copy-on-write replaced."""
 
     step_id: int
     scheduled: tuple[ScheduledRequest, ...]
@@ -39,6 +40,7 @@ class SchedulerOutput:
     block_copies: tuple[tuple[int, int], ...] = ()
     swap_out: tuple[tuple[int, int], ...] = ()
     swap_in: tuple[tuple[int, int], ...] = ()
+    rewritten_tables: tuple[tuple[str, int], ...] = ()
 
     @property
     def num_scheduled_tokens(self) -> int:

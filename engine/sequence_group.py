@@ -35,6 +35,8 @@ class SequenceGroup:
     request_id: str
     params: SamplingParams
     preempt_together = False  # a class constant: parallel samples run independently
+    chooses_tokens = False  # a class constant: True when the group, not sampling, picks
+    # each next token (beam search), so planning ahead gives its sequences no placeholder
     sequences: list[Request] = field(default_factory=list)
     held: list[Request] = field(default_factory=list)  # not yet given to the scheduler
 

@@ -11,9 +11,11 @@ from engine.messages import (
     GenerateRequest,
     LogprobRow,
     OutputDelta,
+    RankedSequence,
+    RequestLogprobs,
     TokenDelta,
 )
-from engine.request_validation import validate_request
+from engine.request_validation import RequestLimits, validate_request
 from engine.sequence_group import best_n, sequence_id
 from engine.stop_strings import find_stop, hold_back
 from engine.tokenizer import Tokenizer
@@ -36,6 +38,7 @@ class _TextState:
     token_ids: list[int] = field(default_factory=list)  # ranked: every output token
     rows: list = field(default_factory=list)  # ranked: every logprobs row
     prompt_rows: list = field(default_factory=list)  # ranked: every prompt logprobs row
+    prompt_token_ids: tuple[int, ...] = ()  # beam search: each output is decoded after it
 
 
 class TextProcessor:
@@ -49,13 +52,13 @@ class TextProcessor:
     sampling several sequences keeps one state per sequence (keyed by `sequence_id`); its
     deltas go out under the request's id with the sequence's `index`. With best_of > n
     nothing streams: once every sequence has ended, the n of highest cumulative logprob
-    go out whole, best first.
+    go out whole, best first. A beam search streams nothing either: the engine ranks its
+    outputs and sends them whole (`on_ranked`).
     """
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int) -> None:
+    def __init__(self, tokenizer: Tokenizer, limits: RequestLimits) -> None:
         self.tokenizer = tokenizer
-        self.vocab_size = vocab_size
-        self.max_model_len = max_model_len
+        self.limits = limits
         self.states: dict[str, _TextState] = {}  # by sequence id
         self.sequences: dict[str, list[str]] = {}  # request id -> its sequence ids
         self.ranked: dict[str, list[tuple[float, OutputDelta]]] = {}  # ended, held back
@@ -66,7 +69,9 @@ class TextProcessor:
             raise ValueError(f"request_id {request.request_id!r} is already in flight")
         token_ids = self._token_ids(request)
         params = request.params
-        validate_request(token_ids, params, self.vocab_size, self.max_model_len, True, False)
+        validate_request(token_ids, params, self.limits)
+        if params.use_beam_search:
+            return self._admit_beam_search(request, token_ids, arrival_time)
         k = params.num_sequences
         ids = (
             [request.request_id]
@@ -76,16 +81,65 @@ class TextProcessor:
         self.sequences[request.request_id] = ids
         ranked = k > params.n
         for index, seq_id in enumerate(ids):
-            detokenizer = IncrementalDetokenizer(
-                self.tokenizer,
-                token_ids,
-                params.skip_special_tokens,
-                params.spaces_between_special_tokens,
-            )
+            detokenizer = self._detokenizer(token_ids, params)
             self.states[seq_id] = _TextState(
                 request.client_id, request, detokenizer, len(token_ids), index, ranked=ranked
             )
         return AddRequest(request.request_id, tuple(token_ids), params, arrival_time)
+
+    def _admit_beam_search(
+        self, request: GenerateRequest, token_ids: list[int], arrival_time: float
+    ) -> AddRequest:
+        rid = request.request_id
+        self.sequences[rid] = [rid]
+        self.states[rid] = _TextState(
+            request.client_id,
+            request,
+            self._detokenizer(token_ids, request.params),
+            len(token_ids),
+            prompt_token_ids=tuple(token_ids),
+        )
+        return AddRequest(rid, tuple(token_ids), request.params, arrival_time)
+
+    def _detokenizer(self, token_ids, params) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(
+            self.tokenizer,
+            token_ids,
+            params.skip_special_tokens,
+            params.spaces_between_special_tokens,
+        )
+
+    def on_ranked(
+        self, ranked: tuple[RankedSequence, ...], prompt: tuple[RequestLogprobs, ...]
+    ) -> list[tuple[str, OutputDelta]]:
+        """A finished beam search's outputs, each decoded whole, for its client (the
+        request's prompt logprobs ride on output 0); the request is then forgotten."""
+        prompt_rows = {lp.request_id: lp.rows for lp in prompt}
+        outs = []
+        for seq in ranked:
+            state = self.states.get(seq.request_id)
+            if state is None:
+                continue  # aborted meanwhile
+            detokenizer = self._detokenizer(state.prompt_token_ids, state.request.params)
+            text = detokenizer.append(list(seq.token_ids)) + detokenizer.flush()
+            rows = prompt_rows.get(seq.request_id) if seq.index == 0 else None
+            out = OutputDelta(
+                seq.request_id,
+                text,
+                seq.token_ids,
+                seq.finish_reason,
+                None,
+                state.num_prompt_tokens,
+                len(seq.token_ids),
+                None,
+                None,
+                self._decode_rows(rows),
+                seq.index,
+            )
+            outs.append((state.client_id, out))
+        for request_id in {seq.request_id for seq in ranked}:
+            self.drop(request_id)
+        return outs
 
     def _token_ids(self, request: GenerateRequest) -> list[int]:
         given = [

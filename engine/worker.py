@@ -104,6 +104,7 @@ class Worker:
                 status=RequestStatus.RUNNING,
             )
             request.num_computed_tokens = new.num_computed_tokens
+            request.output_token_ids = list(new.output_token_ids)
             if new.params.prompt_logprobs is not None:
                 request.prompt_logprobs = [None]
             self.requests[new.request_id] = request
@@ -112,11 +113,15 @@ class Worker:
             table = self.block_tables[cached.request_id]
             if cached.resumed_from_preemption:
                 table.clear()
+            elif cached.first_block_index >= 0:
+                del table[cached.first_block_index :]
             table.extend(cached.new_block_ids)
             request = self.requests[cached.request_id]
             if not cached.resumed_from_preemption:
                 _check_in_step(request, cached.num_computed_tokens)
             request.num_computed_tokens = cached.num_computed_tokens
+            if cached.last_token_id is not None:
+                request.output_token_ids[-1] = cached.last_token_id
 
 
 class NullWorker(Worker):

@@ -45,6 +45,18 @@ SAMPLES = [
         (m.RequestLogprobs("r1", (ROW,)),),
         (m.RequestLogprobs("r1", (ROW, ROW)),),
     ),
+    m.TokenDeltas(  # a beam search's ranked outputs
+        9,
+        (),
+        (),
+        (),
+        (),
+        (m.RequestLogprobs("b1", (ROW,)),),
+        (
+            m.RankedSequence("b1", 0, (5, 6, 2), "stop", -1.5, -0.5),
+            m.RankedSequence("b1", 1, (5, 7, 8), "length", -2.25, -0.75),
+        ),
+    ),
     m.WorkerReady(0, 1024, 16, 2048, 32000),
     m.BlockOpsApplied(2, (3, 4), 17, 5, None),
     m.ApplyBlockOps(
@@ -52,10 +64,16 @@ SAMPLES = [
     ),
     m.StepPlan(
         5,
-        (m.NewRequestData("r1", (1, 2, 3), PARAMS, (0, 1), 0),),
-        (m.CachedRequestData("r0", (9,), 17, False),),
-        ("r1", "r0"),
-        (3, 1),
+        (
+            m.NewRequestData("r1", (1, 2, 3), PARAMS, (0, 1), 0),
+            m.NewRequestData("b1#2", (1, 2, 3), PARAMS, (0, 4), 4, (7,)),  # a forked beam
+        ),
+        (
+            m.CachedRequestData("r0", (9,), 17, False),
+            m.CachedRequestData("b1#0", (8,), 4, False, 11, 1),  # chosen token, CoW'd block
+        ),
+        ("r1", "b1#2", "r0", "b1#0"),
+        (3, 1, 1, 1),
         ("r9",),
     ),
     m.OutputDelta("r1", " once", (12,), None, None, 3, 1, None),
@@ -92,6 +110,15 @@ FIELD_ORDER = {
         "finished",
         "logprobs",
         "prompt_logprobs",
+        "ranked",
+    ],
+    "RankedSequence": [
+        "request_id",
+        "index",
+        "token_ids",
+        "finish_reason",
+        "cumulative_logprob",
+        "score",
     ],
     "AddRequest": ["request_id", "prompt_token_ids", "params", "arrival_time"],
     "RequestLogprobs": ["request_id", "rows"],
@@ -128,12 +155,15 @@ FIELD_ORDER = {
         "params",
         "block_ids",
         "num_computed_tokens",
+        "output_token_ids",
     ],
     "CachedRequestData": [
         "request_id",
         "new_block_ids",
         "num_computed_tokens",
         "resumed_from_preemption",
+        "last_token_id",
+        "first_block_index",
     ],
     "StepPlan": [
         "step_id",

@@ -15,6 +15,7 @@ from engine.messages import (
     GenerateRequest,
     TokenDeltas,
 )
+from engine.request_validation import RequestLimits
 from engine.sampling_params import SamplingParams
 from engine.text_processor import TextProcessor
 from tests.engine.test_detokenizer import sentencepiece_like
@@ -30,7 +31,10 @@ async def test_requests_flow_to_the_scheduler_and_text_to_the_client():
     to_sched, sched_inbox = inproc_pair()
     to_client, client_inbox = inproc_pair()
     actor = TokenizerActor(
-        TextProcessor(tok, tok.vocab_size, 4096), tok_inbox, to_sched, {"c1": to_client}
+        TextProcessor(tok, RequestLimits(tok.vocab_size, 4096)),
+        tok_inbox,
+        to_sched,
+        {"c1": to_client},
     )
     await actor.start()
     sched, client = InboxDecoder(INBOXES["scheduler"]), InboxDecoder(INBOXES["client"])

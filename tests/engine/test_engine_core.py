@@ -25,10 +25,11 @@ def model_dir(tmp_path_factory):
 
 
 def run_pipelined(
-    core: EngineCore, blocks: BlockManager, worker: Worker, depth: int
+    core: EngineCore, blocks: BlockManager, worker: Worker, depth: int, ranked: dict | None = None
 ) -> tuple[dict, int]:
     """Up to `depth` plans in flight; results delivered oldest first. Returns outputs and
-    the number of tokens the worker computed that were thrown away."""
+    the number of tokens the worker computed that were thrown away; beam searches' whole
+    outputs go to `ranked` (request id -> RankedSequences, best first)."""
     in_flight: deque = deque()
     outputs: dict[str, list[int]] = {}
     finish: dict[str, str] = {}
@@ -40,6 +41,8 @@ def run_pipelined(
             continue
         result = in_flight.popleft()
         deltas = core.on_result(result)
+        for seq in deltas.ranked:
+            ranked.setdefault(seq.request_id, []).append(seq)
         delivered = set(deltas.request_ids)
         discarded += sum(1 for s in result.sampled_ids if s not in delivered)
         for d in deltas.deltas():

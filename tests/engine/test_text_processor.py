@@ -7,6 +7,7 @@ import random
 import pytest
 
 from engine.messages import ChatMessage, GenerateRequest, TokenDelta
+from engine.request_validation import RequestLimits
 from engine.sampling_params import SamplingParams
 from engine.text_processor import TextProcessor
 from tests.engine.test_detokenizer import byte_level, sentencepiece_like
@@ -42,7 +43,7 @@ def _stream(proc, rid, ids, rng, finish="length"):
 
 def test_deltas_concatenate_to_the_decoded_output(tokenizer):
     rng = random.Random(0)
-    proc = TextProcessor(tokenizer, tokenizer.vocab_size, 4096)
+    proc = TextProcessor(tokenizer, RequestLimits(tokenizer.vocab_size, 4096))
     add = proc.admit(_request("r1"), 0.0)
     assert list(add.prompt_token_ids) == tokenizer.encode("Hello there")
     ids = tokenizer.encode(" once upon a time, a café served 🍵 tea", add_special_tokens=False)
@@ -55,7 +56,7 @@ def test_deltas_concatenate_to_the_decoded_output(tokenizer):
 
 def test_stop_string_truncates_aborts_and_never_leaks(tokenizer):
     rng = random.Random(1)
-    proc = TextProcessor(tokenizer, tokenizer.vocab_size, 4096)
+    proc = TextProcessor(tokenizer, RequestLimits(tokenizer.vocab_size, 4096))
     proc.admit(_request("r2", stop=["a time"]), 0.0)
     ids = tokenizer.encode(" once upon a time there was", add_special_tokens=False)
     text, deltas, aborts = _stream(proc, "r2", ids, rng)
@@ -67,7 +68,7 @@ def test_stop_string_truncates_aborts_and_never_leaks(tokenizer):
 
 
 def test_include_stop_str_keeps_it(tokenizer):
-    proc = TextProcessor(tokenizer, tokenizer.vocab_size, 4096)
+    proc = TextProcessor(tokenizer, RequestLimits(tokenizer.vocab_size, 4096))
     proc.admit(_request("r3", stop=["time"], include_stop_str_in_output=True), 0.0)
     ids = tokenizer.encode(" a time later", add_special_tokens=False)
     text, deltas, _ = _stream(proc, "r3", ids, random.Random(2))
@@ -82,7 +83,7 @@ def test_include_stop_str_keeps_it(tokenizer):
     ],
 )
 def test_bad_requests_are_refused_with_a_message(tokenizer, request_kwargs, message):
-    proc = TextProcessor(tokenizer, tokenizer.vocab_size, 4096)
+    proc = TextProcessor(tokenizer, RequestLimits(tokenizer.vocab_size, 4096))
     request_kwargs = dict(request_kwargs)  # parametrized dicts are shared between runs
     prompt = request_kwargs.pop("prompt", "hi")
     with pytest.raises(ValueError, match=message):
@@ -91,10 +92,10 @@ def test_bad_requests_are_refused_with_a_message(tokenizer, request_kwargs, mess
 
 
 def test_over_long_prompt_and_duplicate_ids_are_refused(tokenizer):
-    proc = TextProcessor(tokenizer, tokenizer.vocab_size, max_model_len=4)
+    proc = TextProcessor(tokenizer, RequestLimits(tokenizer.vocab_size, 4))
     with pytest.raises(ValueError, match="max_model_len"):
         proc.admit(_request("long", "a b c d e f g h"), 0.0)
-    proc2 = TextProcessor(tokenizer, tokenizer.vocab_size, 4096)
+    proc2 = TextProcessor(tokenizer, RequestLimits(tokenizer.vocab_size, 4096))
     proc2.admit(_request("dup"), 0.0)
     with pytest.raises(ValueError, match="already in flight"):
         proc2.admit(_request("dup"), 0.0)
@@ -105,7 +106,7 @@ def test_chat_messages_use_the_template():
     from tests.conftest import shared_path
 
     tok = Tokenizer.from_pretrained(str(shared_path("models", "stories260K")))
-    proc = TextProcessor(tok, tok.vocab_size, 512)
+    proc = TextProcessor(tok, RequestLimits(tok.vocab_size, 512))
     req = GenerateRequest("c", "client", None, None, (ChatMessage("user", "hi"),), SamplingParams())
     add = proc.admit(req, 0.0)
     assert list(add.prompt_token_ids) == tok.apply_chat_template(
