@@ -2,6 +2,8 @@
 
 `n` choices of a prompt run as one engine request sampling n (or `best_of`) sequences on
 the prompt's shared blocks (a seeded request gives sequence i the seed `seed + i`).
+vLLM's `use_beam_search` (with `length_penalty`, `early_stopping`; width `best_of`, else
+`n`) returns the n best beams, each choice whole when the search ends.
 """
 
 from __future__ import annotations
@@ -22,11 +24,18 @@ from engine.messages import LogprobRow, OutputDelta
 from engine.sampling_params import SamplingParams
 from web.errors import ApiError, invalid
 from web.generation import Generator, PromptInput, Timing
-from web.params import SAMPLING_FIELDS, best_of, chat_messages, num_choices, sampling_params
+from web.params import (
+    BEAM_FIELDS,
+    SAMPLING_FIELDS,
+    best_of,
+    chat_messages,
+    num_choices,
+    sampling_params,
+)
 from web.server_config import ServerConfig
 
 _COMMON = {"model", "n", "stream", "stream_options", "max_tokens", "logit_bias", "user"}
-_COMMON |= set(SAMPLING_FIELDS)
+_COMMON |= {*SAMPLING_FIELDS, *BEAM_FIELDS}
 COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix"}
 CHAT_FIELDS = _COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}
 

@@ -26,13 +26,16 @@ SAMPLING_FIELDS = (
     "include_stop_str_in_output",
     "spaces_between_special_tokens",
 )
+# vLLM's beam search extras (OpenAI routes): the width is best_of, else n.
+BEAM_FIELDS = ("use_beam_search", "length_penalty", "early_stopping")
 MAX_N = 16
 
 
 def sampling_params(body: dict[str, Any], *, chat: bool, default_max_tokens: int) -> SamplingParams:
     """The SamplingParams of one OpenAI-style body (`chat`: the chat completions
     flavour of logprobs); n is left at 1 (the caller fans out `n`)."""
-    kwargs: dict[str, Any] = {k: body[k] for k in SAMPLING_FIELDS if body.get(k) is not None}
+    fields = (*SAMPLING_FIELDS, *BEAM_FIELDS)
+    kwargs: dict[str, Any] = {k: body[k] for k in fields if body.get(k) is not None}
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     kwargs["max_tokens"] = default_max_tokens if max_tokens is None else max_tokens
     if body.get("logit_bias") is not None:
@@ -46,13 +49,14 @@ def sampling_params(body: dict[str, Any], *, chat: bool, default_max_tokens: int
 
 def best_of(body: dict[str, Any], n: int, stream: bool) -> int | None:
     """Completions' best_of: None, or an int in [n, MAX_N]; above n it cannot stream
-    (the n best are known only once every sequence has ended)."""
+    (the n best are known only once every sequence has ended) unless it is a beam
+    search's width (whose outputs all arrive whole at its end anyway)."""
     value = body.get("best_of")
     if value is None or value == n:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or not n <= value <= MAX_N:
         raise invalid(f"best_of must be an int in [n={n}, {MAX_N}], got {value!r}", "best_of")
-    if stream:
+    if stream and body.get("use_beam_search") is not True:
         raise invalid("best_of > n cannot be streamed; set stream to false", "best_of")
     return value
 

@@ -203,17 +203,23 @@ async def test_500_requests_with_random_aborts_leave_every_block_free(served):
 async def test_n_sequences_stream_by_index_like_the_offline_engine(served):
     """n > 1 served as one sequence group: each sequence streams under its index, with
     the offline engine's tokens and text; a stop string ends only its own sequence;
-    best_of > n returns the offline engine's n best."""
+    best_of > n returns the offline engine's n best, a beam search its n best beams
+    (whole, with the prompt's logprobs on the first)."""
+    beams = SamplingParams(
+        use_beam_search=True, n=2, best_of=3, temperature=0, max_tokens=14, prompt_logprobs=1
+    )
     params = [
         SamplingParams(n=3, temperature=0.9, seed=11, max_tokens=24),
         SamplingParams(n=2, temperature=0.0, max_tokens=12),
         SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=30, stop=["e"]),
         SamplingParams(n=2, best_of=4, temperature=1.0, seed=2, max_tokens=16),  # ranked
+        beams,
     ]
-    prompts = ["Once upon a time", "The little dog", "Lily and Ben", "One day"]
+    prompts = ["Once upon a time", "The little dog", "Lily and Ben", "One day", "The sun"]
     expected = LLM(served.path, **served.kwargs).generate(prompts, params, use_tqdm=False)
     engine = await AsyncEngine.start(EngineArgs(model=served.path, **served.kwargs))
     try:
+        prompt_rows: dict[str, list] = {}
 
         async def run(prompt, sp, rid):
             tokens: dict[int, list[int]] = {}
@@ -222,6 +228,7 @@ async def test_n_sequences_stream_by_index_like_the_offline_engine(served):
             async for out in engine.generate(prompt, sp, rid):
                 tokens.setdefault(out.index, []).extend(out.token_ids)
                 text[out.index] = text.get(out.index, "") + out.text
+                prompt_rows.setdefault(rid, []).extend(out.prompt_logprobs or ())
                 if out.finish_reason:
                     finish[out.index] = out.finish_reason
             return tokens, text, finish
@@ -235,6 +242,20 @@ async def test_n_sequences_stream_by_index_like_the_offline_engine(served):
                 assert tokens[c.index] == c.token_ids
                 assert text[c.index] == c.text
                 assert finish[c.index] == c.finish_reason
+        beam_prompt = expected[4].prompt_token_ids
+        assert [row[0].token_id for row in prompt_rows["g4"]] == beam_prompt[1:]
+        # aborting a beam search mid-way (nothing has streamed yet) ends it at once
+        searching = asyncio.create_task(
+            run(
+                "Once",
+                SamplingParams(use_beam_search=True, n=4, max_tokens=100, temperature=0),
+                "bs",
+            )
+        )
+        await asyncio.sleep(0)
+        await engine.abort("bs")
+        tokens, _, finish = await searching
+        assert finish == {-1: "abort"} and not any(tokens.values())
         # leaving a stream early aborts every sequence; all blocks come back
         stream = engine.generate(
             "Once", SamplingParams(n=4, seed=1, max_tokens=200, ignore_eos=True), "early"

@@ -112,3 +112,38 @@ def test_chat_messages_use_the_template():
     assert list(add.prompt_token_ids) == tok.apply_chat_template(
         [{"role": "user", "content": "hi"}]
     )
+
+
+def test_beam_search_outputs_go_out_whole_then_the_request_is_forgotten(tokenizer):
+    """A beam search streams nothing: its ranked outputs are each decoded whole (after
+    the prompt, as a stream would be), under their index; the request's prompt logprobs
+    ride on output 0; then the request is gone (a late abort is harmless)."""
+    from engine.messages import RankedSequence, RequestLogprobs, TokenLogprob
+
+    proc = TextProcessor(tokenizer, RequestLimits(tokenizer.vocab_size, 4096))
+    beams = dict(use_beam_search=True, n=2, best_of=3, temperature=0, max_tokens=8)
+    add = proc.admit(_request("b1", **beams), 0.0)
+    assert add.params.use_beam_search and list(proc.sequences["b1"]) == ["b1"]
+    prompt = list(add.prompt_token_ids)
+    first = tokenizer.encode(" once upon", add_special_tokens=False)
+    second = tokenizer.encode(" a café", add_special_tokens=False)
+    row = (TokenLogprob(prompt[1], -0.5, 1, None),)
+    outs = proc.on_ranked(
+        (
+            RankedSequence("b1", 0, tuple(first), "stop", -1.0, -0.5),
+            RankedSequence("b1", 1, tuple(second), "length", -2.0, -0.7),
+        ),
+        (RequestLogprobs("b1", (row,)),),
+    )
+    assert [client for client, _ in outs] == ["client-1", "client-1"]
+    deltas = [d for _, d in outs]
+    assert [d.index for d in deltas] == [0, 1]
+    assert [d.finish_reason for d in deltas] == ["stop", "length"]
+    decoded = tokenizer.decode(prompt)
+    for d, ids in zip(deltas, (first, second), strict=True):
+        assert d.text == tokenizer.decode(prompt + ids)[len(decoded) :]
+        assert d.num_output_tokens == len(ids) and d.num_prompt_tokens == len(prompt)
+    assert deltas[0].prompt_logprobs[0][0].decoded_token is not None
+    assert deltas[1].prompt_logprobs is None
+    assert "b1" not in proc.states and "b1" not in proc.sequences
+    proc.drop("b1")

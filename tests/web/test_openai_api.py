@@ -133,3 +133,58 @@ async def test_models_and_errors(builtin_server) -> None:
     assert [m.id for m in models.data] == [builtin_server.model]
     with pytest.raises(BadRequestError, match="top_p"):
         await api.completions.create(model=builtin_server.model, prompt="x", top_p=1.5)
+
+
+async def test_beam_search_equals_offline(served) -> None:
+    """vLLM's use_beam_search extra: the n best beams of width best_of (else n), the
+    same as the offline engine's, plain and streamed (each choice arrives whole)."""
+    from engine.builtin_model import builtin_model_dir
+
+    api = client(served)
+    llm = LLM(model=served.model_dir or str(builtin_model_dir()), kv_cache_memory=16 << 20)
+    beams = {"use_beam_search": True, "length_penalty": 0.8}
+    kwargs = dict(model=served.model, prompt=PROMPT, max_tokens=10, temperature=0)
+    want = llm.generate(
+        [PROMPT],
+        SamplingParams(
+            use_beam_search=True, length_penalty=0.8, n=2, best_of=3, temperature=0, max_tokens=10
+        ),
+        use_tqdm=False,
+    )[0].outputs
+    out = await api.completions.create(n=2, best_of=3, extra_body=beams, **kwargs)
+    assert [c.text for c in out.choices] == [c.text for c in want]
+    assert [c.finish_reason for c in out.choices] == [c.finish_reason for c in want]
+    assert out.usage.completion_tokens == sum(len(c.token_ids) for c in want)
+    stream = await api.completions.create(n=2, best_of=3, stream=True, extra_body=beams, **kwargs)
+    texts = ["", ""]
+    async for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert texts == [c.text for c in want]
+    messages = [{"role": "user", "content": "Tell me a story."}]
+    chat = await api.chat.completions.create(
+        model=served.model, messages=messages, n=2, max_tokens=8, temperature=0, extra_body=beams
+    )
+    offline_chat = llm.chat(
+        messages,
+        SamplingParams(use_beam_search=True, length_penalty=0.8, n=2, temperature=0, max_tokens=8),
+        use_tqdm=False,
+    )[0].outputs
+    assert [c.message.content for c in chat.choices] == [c.text for c in offline_chat]
+
+
+async def test_beam_search_refusals_name_the_field(builtin_server) -> None:
+    api = client(builtin_server)
+    kwargs = dict(model=builtin_server.model, prompt=PROMPT, max_tokens=4, temperature=0)
+    beams = {"use_beam_search": True}
+    with pytest.raises(BadRequestError, match="logprobs must be None with use_beam_search"):
+        await api.completions.create(n=2, logprobs=1, extra_body=beams, **kwargs)
+    with pytest.raises(BadRequestError, match="top_p must be 1.0 with use_beam_search"):
+        await api.completions.create(n=2, top_p=0.5, extra_body=beams, **kwargs)
+    # the built-in model has one end token: each beam ranks 2 continuations, 20 at most
+    with pytest.raises(BadRequestError, match=r"best_of \(the beam width; n when unset\)"):
+        await api.completions.create(n=2, best_of=12, extra_body=beams, **kwargs)
+    with pytest.raises(BadRequestError, match="early_stopping"):
+        await api.completions.create(extra_body={**beams, "early_stopping": "soon"}, **kwargs)
+    out = await api.completions.create(n=1, extra_body=beams, **kwargs)  # still serving
+    assert out.choices[0].finish_reason in ("stop", "length")
