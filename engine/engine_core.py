@@ -236,7 +236,7 @@ class EngineCore:
                 ranked += self._hypotheses(group, prompt)
         return tuple(ranked)
 
-    def _hypotheses(self, group: BeamGroup, prompt: list[RequestLogprobs]) -> list:
+    def _hypotheses(self, group: BeamGroup, prompt: list[RequestLogprobs]) -> list[RankedSequence]:
         del self._groups[group.request_id]
         rows = self._prompt_rows.pop(group.leader.request_id, None)
         if rows is not None:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from engine.messages import CachedRequestData, NewRequestData, StepPlan
+from engine.request import Request
 from engine.scheduler_output import SchedulerOutput
 
 
@@ -81,7 +82,14 @@ class StepPlanBuilder:
             tuple(dst for _, dst in plan.swap_in),
         )
 
-    def _diff(self, r, computed: int, table, seen: tuple[int, int], rewritten) -> CachedRequestData:
+    def _diff(
+        self,
+        r: Request,
+        computed: int,
+        table: Sequence[int],
+        seen: tuple[int, int],
+        rewritten: dict[str, int] | None,
+    ) -> CachedRequestData:
         """A cached request's diff: its new blocks, its whole table after a preemption,
         or its table from the first block a copy-on-write replaced; and the token a beam
         search chose for it."""

@@ -11,15 +11,15 @@ import pytest
 from engine import LLM, EngineArgs, SamplingParams
 from engine.block_manager import BlockManager
 from engine.engine_core import EngineCore
-from engine.kv_cache import block_bytes
 from engine.messages import AddRequest
 from engine.request import RequestStatus
 from engine.scheduler import Scheduler
 from engine.worker import build_worker
 from tests.engine.test_engine_core import run_pipelined
+from tests.engine.test_swap import BS
+from tests.engine.test_swap import engine_kwargs as swap_kwargs
 from tests.engine.tiny_models import VOCAB, save_hf_model
 
-BS = 4
 MAX_LEN = 48
 
 
@@ -30,20 +30,10 @@ def model_dir(tmp_path_factory):
     return str(directory)
 
 
-def engine_kwargs(model_dir: str, num_blocks: int, swap_blocks: int = 0) -> dict:
-    probe = LLM(model_dir, skip_tokenizer_init=True, block_size=BS, kv_cache_memory=1 << 20)
-    per_block = block_bytes(probe.engine.config.model, BS)
-    kw = dict(
-        skip_tokenizer_init=True,
-        block_size=BS,
-        max_model_len=MAX_LEN,
-        kv_cache_memory=per_block * num_blocks,
-        max_num_batched_tokens=32,
-        seed=0,
-    )
-    if swap_blocks:
-        kw |= dict(swap_space=per_block * swap_blocks / 1024**3, preemption_mode="swap")
-    return kw
+def engine_kwargs(model_dir: str, num_blocks: int, swap_blocks: int = 0, **overrides) -> dict:
+    """test_swap's engine with a longer context, smaller steps and prefix caching on."""
+    more = dict(max_model_len=MAX_LEN, max_num_batched_tokens=32, enable_prefix_caching=True)
+    return swap_kwargs(model_dir, num_blocks, swap_blocks, **more, **overrides)
 
 
 def count_forks_off_device(monkeypatch) -> list[str]:

@@ -27,7 +27,7 @@ def model_dir(tmp_path_factory):
     return str(directory)
 
 
-def engine_kwargs(model_dir: str, num_blocks: int, swap_blocks: int = 0) -> dict:
+def engine_kwargs(model_dir: str, num_blocks: int, swap_blocks: int = 0, **overrides) -> dict:
     probe = LLM(model_dir, skip_tokenizer_init=True, block_size=BS, kv_cache_memory=1 << 20)
     per_block = block_bytes(probe.engine.config.model, BS)
     kw = dict(
@@ -40,7 +40,7 @@ def engine_kwargs(model_dir: str, num_blocks: int, swap_blocks: int = 0) -> dict
     )
     if swap_blocks:
         kw |= dict(swap_space=per_block * swap_blocks / 1024**3, preemption_mode="swap")
-    return kw
+    return kw | overrides
 
 
 def workload(seed: int = 0):
