@@ -22,7 +22,7 @@ replica that knows every block id at once and logs its changes, so a step is:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 
 from engine.beam_group import BeamGroup, beam_params, beam_search_for, top_offers
@@ -41,6 +41,7 @@ from engine.messages import (
     TokenDeltas,
 )
 from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.scheduler_output import SchedulerOutput
 from engine.sequence_group import SequenceGroup, sequence_id, sequence_params
@@ -88,11 +89,13 @@ class EngineCore:
             self._add_beam_search(add)
             return
         if params.num_sequences == 1:
-            self.scheduler.add_request(self._request(add.request_id, add, params))
+            request = self._new_request(add.request_id, add.prompt_token_ids, params)
+            self.scheduler.add_request(request)
             return
         group = SequenceGroup(add.request_id, params)
         for i in range(params.num_sequences):
-            seq = self._request(sequence_id(add.request_id, i), add, sequence_params(params, i))
+            seq_id, seq_params = sequence_id(add.request_id, i), sequence_params(params, i)
+            seq = self._new_request(seq_id, add.prompt_token_ids, seq_params)
             seq.group = group
             group.sequences.append(seq)
         self._groups[add.request_id] = group
@@ -106,14 +109,13 @@ class EngineCore:
         search = beam_search_for(add.params, num_prompt, max_len, self.eos_token_ids)
         group = BeamGroup(add.request_id, add.params, search)
         beam = beam_params(add.params, search.num_candidates)
-        group.start(self._request(sequence_id(add.request_id, 0), add, beam))
+        group.start(self._new_request(sequence_id(add.request_id, 0), add.prompt_token_ids, beam))
         self._groups[add.request_id] = group
         self.scheduler.add_request(group.leader)
 
-    def _request(self, request_id: str, add: AddRequest, params) -> Request:
-        return self._new_request(request_id, add.prompt_token_ids, params)
-
-    def _new_request(self, request_id: str, prompt_token_ids, params) -> Request:
+    def _new_request(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
+    ) -> Request:
         self._arrival += 1
         return Request(
             request_id,

@@ -12,7 +12,7 @@ import transformers as hf
 from engine import LLM, SamplingParams, SamplingParamsError
 from engine.beam_search import BeamSearch
 from tests.conftest import shared_path
-from tests.engine.tiny_models import save_hf_model
+from tests.engine.tiny_models import kv_memory, save_hf_model
 
 PROMPTS = [[5, 17, 99, 3, 42, 8, 77], [200, 1, 64], list(range(30, 49))]
 CASES = [  # (width, length_penalty, early_stopping)
@@ -157,12 +157,9 @@ def test_search_stops_once_width_hypotheses_exist_with_early_stopping():
 def test_beam_groups_preempted_as_one_unit_match_plenty_of_memory(tmp_path):
     """Beam searches beside other requests under a tiny KV budget: groups are preempted
     (and readmitted) whole, and every result equals the run with memory to spare."""
-    from engine.kv_cache import block_bytes
-
     save_hf_model("llama", tmp_path)
     base = dict(skip_tokenizer_init=True, block_size=4, max_model_len=48, seed=0)
-    probe = LLM(str(tmp_path), kv_cache_memory=1 << 20, **base)
-    per_block = block_bytes(probe.engine.config.model, 4)
+    per_block = kv_memory(tmp_path, 1, 4)
     beams = SamplingParams(use_beam_search=True, n=2, best_of=3, temperature=0, max_tokens=14)
     others = SamplingParams(temperature=1.0, seed=4, max_tokens=20, ignore_eos=True)
     prompts = [PROMPTS[0], [9] * 11, PROMPTS[1], [3, 1, 4, 1, 5, 9, 2, 6]]

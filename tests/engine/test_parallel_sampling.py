@@ -9,7 +9,7 @@ import pytest
 
 from engine import LLM, SamplingParams, SamplingParamsError
 from engine.sequence_group import sequence_id
-from tests.engine.tiny_models import VOCAB, save_hf_model
+from tests.engine.tiny_models import VOCAB, kv_memory, save_hf_model
 
 BS = 4
 
@@ -22,10 +22,7 @@ def model_dir(tmp_path_factory):
 
 
 def make_llm(model_dir: str, num_blocks: int = 512, **kw) -> LLM:
-    from engine.kv_cache import block_bytes
-
-    probe = LLM(model_dir, skip_tokenizer_init=True, block_size=BS, kv_cache_memory=1 << 20)
-    budget = block_bytes(probe.engine.config.model, BS) * num_blocks
+    budget = kv_memory(model_dir, num_blocks, BS)
     kw = {"enable_prefix_caching": False, **kw}
     return LLM(model_dir, skip_tokenizer_init=True, block_size=BS, kv_cache_memory=budget, **kw)
 

@@ -10,7 +10,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from tests.conftest import shared_path
-from tests.engine.tiny_models import VOCAB, save_hf_model
+from tests.engine.tiny_models import VOCAB, kv_memory, save_hf_model
 
 BS = 4
 
@@ -23,10 +23,7 @@ def model_dir(tmp_path_factory):
 
 
 def make_llm(model_dir: str, caching: bool, num_blocks: int = 512, **kw) -> LLM:
-    from engine.kv_cache import block_bytes
-
-    probe = LLM(model_dir, skip_tokenizer_init=True, block_size=BS, kv_cache_memory=1 << 20)
-    budget = block_bytes(probe.engine.config.model, BS) * num_blocks
+    budget = kv_memory(model_dir, num_blocks, BS)
     return LLM(
         model_dir,
         skip_tokenizer_init=True,

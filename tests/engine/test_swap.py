@@ -10,11 +10,10 @@ import pytest
 from engine import LLM, EngineArgs, SamplingParams
 from engine.block_manager import BlockManager
 from engine.engine_core import EngineCore
-from engine.kv_cache import block_bytes
 from engine.messages import AddRequest
 from engine.worker import build_worker
 from tests.engine.test_engine_core import run_pipelined
-from tests.engine.tiny_models import VOCAB, save_hf_model
+from tests.engine.tiny_models import VOCAB, kv_memory, save_hf_model
 
 BS = 4
 MAX_LEN = 40
@@ -28,8 +27,7 @@ def model_dir(tmp_path_factory):
 
 
 def engine_kwargs(model_dir: str, num_blocks: int, swap_blocks: int = 0, **overrides) -> dict:
-    probe = LLM(model_dir, skip_tokenizer_init=True, block_size=BS, kv_cache_memory=1 << 20)
-    per_block = block_bytes(probe.engine.config.model, BS)
+    per_block = kv_memory(model_dir, 1, BS)
     kw = dict(
         skip_tokenizer_init=True,
         block_size=BS,

@@ -68,6 +68,16 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: int) ->
     return out[0, len(prompt) :].tolist()
 
 
+def kv_memory(model_dir: str, num_blocks: int, block_size: int) -> int:
+    """The kv_cache_memory that holds exactly `num_blocks` blocks of this checkpoint
+    (read from its config.json; no weights are loaded)."""
+    from engine.config import EngineArgs
+    from engine.kv_cache import block_bytes
+
+    model = EngineArgs(model=str(model_dir), skip_tokenizer_init=True).build().model
+    return block_bytes(model, block_size) * num_blocks
+
+
 # Engine settings the protocol tests share: small blocks so tables grow, a short context.
 SMALL_ENGINE = dict(
     skip_tokenizer_init=True, block_size=4, max_model_len=64, kv_cache_memory=1 << 20
