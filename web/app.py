@@ -66,12 +66,29 @@ class Server:
     def __init__(self, engine: AsyncEngine, config: ServerConfig) -> None:
         self.engine, self.config = engine, config
         self.admission = Admission(config.max_queued_requests)
-        self.metrics = Metrics(engine.stats, lambda: self.admission.queued)
-        self.generator = Generator(engine, self.metrics, self.admission)
         self.sessions = SessionStore(config.session_ttl_s, config.session_max_chars)
+        self.connections: set[StreamConnection] = set()
+        self.metrics = Metrics(engine.stats, self._web_gauges())
+        self.generator = Generator(engine, self.metrics, self.admission)
         self.openai = OpenAIRoutes(self.generator, config)
         self.limits = StreamLimits(config.max_requests_per_connection, config.default_max_tokens)
-        self.connections: set[StreamConnection] = set()
+
+    def _web_gauges(self) -> dict:
+        return {
+            "pagedserve_num_requests_queued": (
+                "Requests admitted, no token yet",
+                lambda: self.admission.queued,
+            ),
+            "pagedserve_num_requests_live": (
+                "Requests the web layer is serving (any protocol)",
+                lambda: len(self.generator.live),
+            ),
+            "pagedserve_num_sessions": ("Open chat sessions", lambda: len(self.sessions)),
+            "pagedserve_num_ws_connections": (
+                "Open WebSocket connections",
+                lambda: len(self.connections),
+            ),
+        }
 
     async def drain(self) -> None:
         """Refuses new requests, lets the live ones finish within the configured grace,

@@ -25,7 +25,13 @@ class Metrics:
 
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, stats: Callable[[], EngineStatsSnapshot], queued: Callable[[], int]):
+    def __init__(
+        self,
+        stats: Callable[[], EngineStatsSnapshot],
+        web_gauges: dict[str, tuple[str, Callable[[], float]]],
+    ) -> None:
+        """`web_gauges`: name -> (help, read) for the web layer's own counts (queued
+        requests, live requests, sessions, WebSocket connections)."""
         self.registry = r = CollectorRegistry()
         self.ttft = Histogram(
             "pagedserve_time_to_first_token_seconds",
@@ -92,9 +98,8 @@ class Metrics:
         }
         for name, (doc, read) in gauges.items():
             Gauge(name, doc, registry=r).set_function(lambda read=read: read(stats()))
-        Gauge(
-            "pagedserve_num_requests_queued", "Requests admitted, no token yet", registry=r
-        ).set_function(queued)
+        for name, (doc, read) in web_gauges.items():
+            Gauge(name, doc, registry=r).set_function(read)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
