@@ -1,22 +1,27 @@
 """The actor base: one asyncio loop task, one typed inbox, explicit dispatch by message type.
 
-An actor's loop is recv -> decode -> dispatch, until `stop()` or a `Shutdown` message.
-Nothing a peer sends can kill it: a frame that does not decode is logged and dropped
-(`num_dropped`), a handler that raises is logged and counted (`num_errors`), and the loop
-goes on. Start-up values travel in a ready message (`await_ready`), never in shared state.
+An actor's loop is recv -> decode -> dispatch -> after_message, until `stop()` or a
+`Shutdown` message. The failure rule lives here, once for every actor: an exception
+while a request is being handled ends THAT request (`fail_request`: its client gets an
+error, everything it holds is released) and the loop goes on; an exception that cannot
+be tied to one request ends the loop (`crash`), and the engine's supervisor fails every
+open request and stops the engine cleanly. Nothing ever leaves a request waiting.
+Start-up values travel in a ready message (`await_ready`), never in shared state.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
 from actors.codec import DecodeError, InboxDecoder, encode
 from actors.transport import Inbox, Outbox
+from engine.errors import describe
 from engine.messages import Shutdown
 
 log = logging.getLogger(__name__)
@@ -35,11 +40,17 @@ class Actor:
     Contract:
     - The inbox accepts exactly the handlers' message types plus `Shutdown`; its decoder
       rejects everything else. Handlers may be coroutine functions or plain functions.
-    - Messages are handled one at a time, in arrival order.
+    - Messages are handled one at a time, in arrival order; `after_message()` runs after
+      each (outside any request's guard).
     - `Shutdown` runs its handler if one is registered, then the loop ends.
-    - A handler exception is logged, counted in `num_errors` and passed to
-      `on_handler_error`; an exception raised by `on_handler_error` ends the loop (that is
-      how a subclass makes errors fatal), leaving it in `crash` and `is_alive` False.
+    - The failure rule. A message with a `request_id` field concerns that request: if
+      its handler raises, the error is logged, counted in `num_errors` and
+      `fail_request(request_id, error, message)` ends the request. A handler of a message
+      about several requests wraps each one's part in `async with self.guard(rid)`,
+      which does the same for that request alone. A frame that does not decode is
+      dropped (`num_dropped`), and fails the request it names, if it names one. Any
+      other exception (a handler of a message about no single request, `after_message`,
+      `fail_request` itself) ends the loop, leaving it in `crash` and `is_alive` False.
     - A handler may await an answer on one of its `reply_inboxes` (a request/answer
       exchange with a peer); no other message is handled meanwhile.
     - When the loop ends, the actor closes its inbox and the `outboxes` and
@@ -82,9 +93,15 @@ class Actor:
                 frame = await self._recv()
                 if frame is None:
                     break
-                message = self._decode(frame)
+                message = await self._decode(frame)
                 if message is not None:
                     await self._dispatch(message)
+                if not self._stopping:
+                    await self.after_message()
+        except Exception as exc:
+            self.crash = exc
+            log.error("actor %s crashed", self.name, exc_info=exc)
+            raise
         finally:
             self._close_transports()
 
@@ -93,7 +110,7 @@ class Actor:
         if self._task is not None:
             raise RuntimeError(f"actor {self.name} was already started")
         self._task = asyncio.create_task(self.run(), name=f"actor:{self.name}")
-        self._task.add_done_callback(self._on_exit)
+        self._task.add_done_callback(_retrieve_exception)
 
     async def stop(self, timeout: float = 5.0) -> None:
         """Stop gracefully and close the transports; idempotent.
@@ -117,8 +134,30 @@ class Actor:
                 await asyncio.wait({task}, timeout=timeout)
         self._close_transports()
 
-    async def on_handler_error(self, message: Any, error: Exception) -> None:
-        """Called after a handler raised `error` on `message` (already logged); no-op here."""
+    async def fail_request(self, request_id: str, error: str, message: Any) -> None:
+        """Ends request `request_id` with `error` (raised while handling `message`, None
+        for a frame that did not decode). Actors that handle requests override it; here
+        a request failure is an actor failure."""
+        raise RuntimeError(f"actor {self.name} cannot fail request {request_id!r}: {error}")
+
+    async def after_message(self) -> None:
+        """Runs after every message, outside any request's guard; no-op here."""
+
+    @contextlib.asynccontextmanager
+    async def guard(self, request_id: str, message: Any = None) -> AsyncIterator[None]:
+        """An exception inside ends request `request_id` (see the failure rule)."""
+        try:
+            yield
+        except Exception as exc:  # noqa: BLE001 - the failure rule: this request only
+            await self._fail(request_id, exc, message)
+
+    async def _fail(self, request_id: str, exc: Exception, message: Any) -> None:
+        self.num_errors += 1
+        what = type(message).__name__ if message is not None else "a message"
+        log.warning(
+            "actor %s: handling %s failed request %r", self.name, what, request_id, exc_info=exc
+        )
+        await self.fail_request(request_id, describe(exc), message)
 
     async def _recv(self) -> bytes | None:
         """The next frame, or None when stop() interrupted the wait."""
@@ -132,7 +171,7 @@ class Actor:
         finally:
             self._receiving = False
 
-    def _decode(self, frame: bytes) -> Any | None:
+    async def _decode(self, frame: bytes) -> Any | None:
         self.num_received += 1
         self.last_activity = time.monotonic()
         try:
@@ -141,27 +180,22 @@ class Actor:
             self.num_dropped += 1
             what = f"{len(frame)}-byte frame" if isinstance(frame, bytes) else "message"
             log.warning("actor %s dropped a %s: %s", self.name, what, exc)
+            if exc.request_id is not None:
+                error = f"an internal message about this request could not be decoded: {exc}"
+                await self.fail_request(exc.request_id, error, None)
             return None
 
     async def _dispatch(self, message: Any) -> None:
         handler = self.handlers.get(type(message))
-        try:
-            if handler is not None:
-                result = handler(message)
-                if inspect.isawaitable(result):
-                    await result
-        except Exception as exc:
-            self.num_errors += 1
-            log.exception("actor %s: handler for %s failed", self.name, type(message).__name__)
-            await self.on_handler_error(message, exc)
+        request_id = getattr(message, "request_id", None)
+        if handler is not None and isinstance(request_id, str):
+            async with self.guard(request_id, message):
+                await _call(handler, message)
+        elif handler is not None:
+            await _call(handler, message)  # about no single request: an error is fatal
         if isinstance(message, Shutdown):
             log.info("actor %s shutting down: %s", self.name, message.reason)
             self._stopping = True
-
-    def _on_exit(self, task: asyncio.Task[None]) -> None:
-        if not task.cancelled() and task.exception() is not None:
-            self.crash = task.exception()
-            log.error("actor %s crashed", self.name, exc_info=self.crash)
 
     def _close_transports(self) -> None:
         if self._closed:
@@ -172,6 +206,18 @@ class Actor:
             inbox.close()
         for outbox in self.outboxes:
             outbox.close()
+
+
+def _retrieve_exception(task: asyncio.Task[None]) -> None:
+    """The loop logged its crash already (`crash`); asyncio need not warn again."""
+    if not task.cancelled():
+        task.exception()
+
+
+async def _call(handler: Handler, message: Any) -> None:
+    result = handler(message)
+    if inspect.isawaitable(result):
+        await result
 
 
 async def send_message(outbox: Outbox, message: Any) -> None:

@@ -5,6 +5,13 @@ Layout: the tokenizer, scheduler and block manager actors run on the caller's ev
 process (`python -m actors.worker_actor`), reached over ZeroMQ ipc. The scheduler's inbox
 is an ipc socket too, so worker results and requests from the tokenizer arrive through
 one typed inbox.
+
+Supervision (`_watch`, a few times a second): a worker process that exits or an actor
+that crashed (the failure rule's "cannot be tied to one request") ends every open
+request with an error and shuts the engine down. A worker silent past
+`Supervision.worker_timeout_s` (frozen, wedged) makes the engine unhealthy and fails
+every open request; when its heartbeats come back, the engine is healthy again. A
+request older than `Supervision.request_timeout_s` is ended with a timeout error.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import itertools
 import logging
 import shutil
 import subprocess
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -23,11 +31,12 @@ import zmq.asyncio
 
 from actors.actor import await_ready, send_message
 from actors.block_manager_actor import BlockManagerActor
-from actors.codec import InboxDecoder
+from actors.codec import DecodeError, InboxDecoder
 from actors.scheduler_actor import SchedulerActor
 from actors.tokenizer_actor import TokenizerActor
 from actors.transport import inproc_pair, ipc_address, new_run_dir, zmq_inbox, zmq_outbox
 from actors.worker_actor import spawn_worker
+from actors.worker_monitor import WorkerMonitor
 from engine.block_manager import BlockManager
 from engine.config import EngineArgs
 from engine.engine_core import EngineCore
@@ -35,6 +44,7 @@ from engine.messages import (
     INBOXES,
     AbortRequest,
     ChatMessage,
+    ErrorKind,
     GenerateRequest,
     OutputDelta,
     Shutdown,
@@ -42,6 +52,7 @@ from engine.messages import (
 )
 from engine.request_validation import RequestLimits
 from engine.sampling_params import SamplingParams
+from engine.text_checks import check_request_id
 from engine.text_processor import TextProcessor
 from engine.tokenizer import Tokenizer, load_tokenizer
 
@@ -63,6 +74,10 @@ class EngineStatsSnapshot:
     prefix_cache_hit_tokens: int = 0
     num_cached_blocks: int = 0
     num_cache_evictions: int = 0
+    num_timed_out: int = 0  # requests ended by the request timeout so far
+    num_over_deadline: int = 0  # open requests older than the request timeout (stuck)
+    oldest_request_s: float = 0.0  # age of the oldest open request
+    worker_silent_s: float = 0.0  # since the worker's last heartbeat
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -70,15 +85,40 @@ class EngineStatsSnapshot:
         return self.prefix_cache_hit_tokens / q if q else 0.0
 
 
+@dataclass(frozen=True)
+class Supervision:
+    """How the engine watches its worker and its requests: a worker whose heartbeats
+    stop for `worker_timeout_s` is stalled; a request still open after
+    `request_timeout_s` (None: no limit) is ended with a timeout error; both are checked
+    every `interval_s`."""
+
+    worker_timeout_s: float = 5.0
+    request_timeout_s: float | None = None
+    interval_s: float = 0.1
+
+    def __post_init__(self) -> None:
+        if not self.worker_timeout_s > 0:
+            raise ValueError(f"worker_timeout_s must be > 0, got {self.worker_timeout_s}")
+        if self.request_timeout_s is not None and not self.request_timeout_s > 0:
+            raise ValueError(f"request_timeout_s must be > 0 or None, got {self.request_timeout_s}")
+
+
 class AsyncEngine:
     """Start with `await AsyncEngine.start(args)`; stream with `async for out in
     engine.generate(prompt_or_messages, params, request_id)`; `await engine.abort(id)`;
-    `await engine.shutdown()` (no orphan processes, no stale ipc files)."""
+    `await engine.shutdown()` (no orphan processes, no stale ipc files).
 
-    def __init__(self) -> None:
+    Every stream ends: with its outputs' finish reasons, or with one request-wide
+    OutputDelta (index -1) saying "abort" or "error" (`error_kind` says whose fault)."""
+
+    def __init__(self, supervision: Supervision) -> None:
+        self.supervision = supervision
         self._streams: dict[str, asyncio.Queue[OutputDelta]] = {}
+        self._started: dict[str, float] = {}  # request id -> monotonic start
         self._ids = itertools.count()
-        self.error: str | None = None  # set once the engine is unhealthy
+        self.error: str | None = None  # set while the engine is unhealthy
+        self.num_timed_out = 0
+        self._stalled = False
         self._closing = False
 
     @property
@@ -87,15 +127,23 @@ class AsyncEngine:
 
     @classmethod
     async def start(
-        cls, args: EngineArgs, pipeline_depth: int = 2, ready_timeout: float = 300.0
+        cls,
+        args: EngineArgs,
+        pipeline_depth: int = 2,
+        ready_timeout: float = 300.0,
+        supervision: Supervision | None = None,
     ) -> AsyncEngine:
-        self = cls()
+        self = cls(supervision or Supervision())
         self._run_dir = new_run_dir()
         self._ctx = zmq.asyncio.Context()
         sched_address = ipc_address(self._run_dir, "scheduler")
         worker_address = ipc_address(self._run_dir, "worker-0")
+        heartbeat_address = ipc_address(self._run_dir, "heartbeat-0")
         sched_inbox = zmq_inbox(self._ctx, sched_address)
-        self._worker = spawn_worker(args, worker_address, sched_address)
+        self._worker = spawn_worker(
+            args, worker_address, sched_address, heartbeat=heartbeat_address
+        )
+        self._monitor = WorkerMonitor(self._worker, heartbeat_address)
         try:
             ready, _ = await await_ready(
                 sched_inbox,
@@ -107,6 +155,7 @@ class AsyncEngine:
         except BaseException:  # no worker: leave no process, socket or run dir behind
             self._worker.kill()
             self._worker.wait()
+            self._monitor.close()
             sched_inbox.close()
             self._ctx.term()
             shutil.rmtree(self._run_dir, ignore_errors=True)
@@ -164,7 +213,7 @@ class AsyncEngine:
         await self.scheduler.start()
         await self.tokenizer.start()
         self._reader = asyncio.create_task(self._read_outputs())
-        self._watchdog = asyncio.create_task(self._watch_worker())
+        self._watchdog = asyncio.create_task(self._watch())
         return self
 
     async def generate(
@@ -176,15 +225,17 @@ class AsyncEngine:
         """Yields incremental outputs until every sequence (`params.n`, each under its
         `index`) has a finish reason, or a request-wide one (index -1) arrives."""
         request_id = request_id or f"req-{next(self._ids)}"
+        check_request_id(request_id)
         if self.error is not None:
             raise RuntimeError(f"the engine is not healthy: {self.error}")
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in flight")
         queue: asyncio.Queue[OutputDelta] = asyncio.Queue()
         self._streams[request_id] = queue
-        await send_message(self._to_tokenizer, _request(request_id, prompt, params))
+        self._started[request_id] = time.monotonic()
         finished, open_sequences = False, (params or SamplingParams()).n
         try:
+            await send_message(self._to_tokenizer, _request(request_id, prompt, params))
             while not finished:
                 out = await queue.get()
                 if out.finish_reason is not None:
@@ -193,19 +244,28 @@ class AsyncEngine:
                 yield out
         finally:
             del self._streams[request_id]
+            del self._started[request_id]
             if not finished:
                 await self.abort(request_id)  # the caller stopped reading early
 
     async def abort(self, request_id: str) -> None:
         """Stops a request; its stream (if still read) ends with finish_reason "abort"."""
+        await self._end(request_id, OutputDelta.aborted(request_id))
+
+    async def _end(self, request_id: str, final: OutputDelta) -> None:
+        """Ends an open stream with `final` and stops the request in the engine."""
         queue = self._streams.get(request_id)
         if queue is not None:
-            queue.put_nowait(OutputDelta(request_id, "", (), "abort", None, 0, 0, None, index=-1))
-        await send_message(self._to_tokenizer, AbortRequest(request_id))
+            queue.put_nowait(final)
+        if not self._closing:
+            await send_message(self._to_tokenizer, AbortRequest(request_id))
 
     def stats(self) -> EngineStatsSnapshot:
         s = self.scheduler.core.scheduler
         blocks = self.block_manager.manager
+        now = time.monotonic()
+        ages = [now - t for t in self._started.values()]
+        limit = self.supervision.request_timeout_s
         return EngineStatsSnapshot(
             blocks.num_blocks,
             blocks.num_free_blocks,
@@ -217,6 +277,10 @@ class AsyncEngine:
             s.prefix_stats.hit_tokens,
             blocks.kv_cache.pool.num_cached,
             blocks.kv_cache.pool.num_evictions,
+            self.num_timed_out,
+            sum(age > limit for age in ages) if limit is not None else 0,
+            max(ages, default=0.0),
+            self._monitor.check().silent_s,
         )
 
     async def shutdown(self, timeout: float = 10.0) -> None:
@@ -240,34 +304,74 @@ class AsyncEngine:
             self._worker.kill()
             self._worker.wait()
         self._to_worker.close()
+        self._monitor.close()
         self._ctx.term()
         shutil.rmtree(self._run_dir, ignore_errors=True)
 
-    async def _watch_worker(self, interval: float = 0.2) -> None:
-        """A dead worker process (or a crashed in-process actor) ends every open request
-        with finish_reason "error", marks the engine unhealthy and shuts it down cleanly
-        (no restart yet)."""
+    async def _watch(self) -> None:
+        """The supervisor's loop (see the module doc)."""
         actors = (self.tokenizer, self.scheduler, self.block_manager)
-        while self._worker.poll() is None and all(a.is_alive for a in actors):
-            await asyncio.sleep(interval)
+        while True:
+            await asyncio.sleep(self.supervision.interval_s)
+            health = self._monitor.check()
+            dead = next((a for a in actors if not a.is_alive), None)
+            if health.exit_code is not None or dead is not None:
+                break
+            await self._check_stall(health.silent_s)
+            await self._expire_requests()
         if self._closing:
             return
-        if self._worker.returncode is not None:
-            self.error = f"worker process 0 exited with code {self._worker.returncode}"
+        if health.exit_code is not None:
+            self.error = f"worker process 0 exited with code {health.exit_code}"
         else:
-            dead = next(a for a in actors if not a.is_alive)
             self.error = f"the {dead.name} actor stopped: {dead.crash!r}"
         logger.error("%s; failing %d open requests", self.error, len(self._streams))
-        for request_id, queue in self._streams.items():
-            queue.put_nowait(
-                OutputDelta(request_id, "", (), "error", None, 0, 0, self.error, index=-1)
-            )
+        await self._fail_all(self.error)
         await self.shutdown()
+
+    async def _check_stall(self, silent_s: float) -> None:
+        """A silent worker makes the engine unhealthy and fails every open request; its
+        heartbeats coming back make it healthy again."""
+        timeout = self.supervision.worker_timeout_s
+        if silent_s > timeout and not self._stalled:
+            self._stalled = True
+            self.error = (
+                f"worker 0 has sent no heartbeat for {silent_s:.1f} s (timeout {timeout:g} s: "
+                "frozen or overloaded); open requests were failed"
+            )
+            logger.error("%s (%d requests)", self.error, len(self._streams))
+            await self._fail_all(self.error)
+        elif silent_s <= timeout and self._stalled:
+            self._stalled = False
+            self.error = None
+            logger.warning("worker 0 answers again; the engine is healthy")
+
+    async def _expire_requests(self) -> None:
+        limit = self.supervision.request_timeout_s
+        if limit is None:
+            return
+        now = time.monotonic()
+        for request_id in [r for r, t in self._started.items() if now - t > limit]:
+            self.num_timed_out += 1
+            error = f"the request ran past the server's request timeout of {limit:g} s"
+            await self._end(request_id, OutputDelta.failed(request_id, error, ErrorKind.TIMEOUT))
+
+    async def _fail_all(self, error: str) -> None:
+        for request_id in list(self._streams):
+            await self._end(request_id, OutputDelta.failed(request_id, error))
 
     async def _read_outputs(self) -> None:
         decoder = InboxDecoder(INBOXES["client"])
         while True:
-            out = decoder.decode(await self._client_inbox.recv())
+            frame = await self._client_inbox.recv()
+            try:
+                out = decoder.decode(frame)
+            except DecodeError as exc:  # in-process: a bug, but never a hang
+                logger.error("dropped an output: %s", exc)
+                if exc.request_id in self._streams:
+                    error = f"an output could not be decoded: {exc}"
+                    await self._end(exc.request_id, OutputDelta.failed(exc.request_id, error))
+                continue
             queue = self._streams.get(out.request_id)
             if queue is not None:
                 queue.put_nowait(out)

@@ -13,6 +13,7 @@ SamplingParams'). Anything else raises `DecodeError`. No pickle anywhere.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import types
 import typing
@@ -23,7 +24,14 @@ import msgpack
 
 
 class DecodeError(ValueError):
-    """A frame that is not a valid message for this inbox (the actor drops it and goes on)."""
+    """A frame that is not a valid message for this inbox (the actor drops it and goes on).
+
+    `request_id`: the request the frame was about, when its type carries one as its
+    first field and that field reads as a string (the actor then fails that request)."""
+
+    def __init__(self, message: str, request_id: str | None = None) -> None:
+        super().__init__(message)
+        self.request_id = request_id
 
 
 def encode(message: Any) -> bytes:
@@ -79,7 +87,16 @@ class InboxDecoder:
         try:
             return _converter(cls)(values)
         except _Mismatch as bad:
-            raise DecodeError(f"{name}{bad.path}: {bad.reason}") from None
+            raise DecodeError(f"{name}{bad.path}: {bad.reason}", _request_id(cls, values)) from None
+
+
+def _request_id(cls: type, values: Any) -> str | None:
+    """The request id at the head of a frame's fields, if its type starts with one."""
+    names = _field_names(cls)
+    if names and names[0] == "request_id" and type(values) is list and values:
+        head = values[0]
+        return head if type(head) is str else None
+    return None
 
 
 # ---------------------------------------------------------------- decoding
@@ -118,6 +135,8 @@ def _converter(tp: Any) -> Converter:  # noqa: C901 - one branch per type form
         return _exact(lambda v: type(v) is tp, tp.__name__)
     if origin is typing.Literal:
         return _exact(lambda v: v in args, f"one of {args}")
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return _enum(tp)
     if origin in (tuple, list):
         if origin is tuple and not (len(args) == 2 and args[1] is Ellipsis):
             return _fixed_tuple(args)
@@ -134,6 +153,19 @@ def _exact(test: Callable[[Any], bool], what: str) -> Converter:
         if test(v):
             return v
         raise _Mismatch(f"expected {what}, got {_show(v)}")
+
+    return convert
+
+
+def _enum(cls: type[enum.Enum]) -> Converter:
+    """An enum travels as its value (a StrEnum packs as its string)."""
+    values = {m.value: m for m in cls}
+
+    def convert(v: Any) -> Any:
+        try:
+            return values[v]
+        except (KeyError, TypeError):
+            raise _Mismatch(f"expected one of {sorted(values)}, got {_show(v)}") from None
 
     return convert
 

@@ -1,6 +1,7 @@
 """The scheduler actor: one EngineCore, keeping the workers' plan queue full.
 
-After every message it tops the pipeline up: while fewer than `pipeline_depth` plans are
+After every message (`after_message`) it tops the pipeline up: while fewer than
+`pipeline_depth` plans are
 in flight and the core has work, it plans a step, exchanges that step's block traffic
 with the block manager (one ApplyBlockOps out, one BlockOpsApplied back, on a reply inbox
 of its own), and sends the plan to every worker. Depth 2 is scheduling one step ahead
@@ -17,9 +18,8 @@ import logging
 from actors.actor import Actor, send_message
 from actors.codec import InboxDecoder
 from actors.transport import Inbox, Outbox
-from engine.block_ledger import BlockLedgerError
 from engine.engine_core import EngineCore
-from engine.messages import INBOXES, AbortRequest, AddRequest, StepResult
+from engine.messages import INBOXES, AbortRequest, AddRequest, RequestFailed, StepResult
 
 logger = logging.getLogger(__name__)
 
@@ -31,8 +31,12 @@ class BlockManagerTimeout(RuntimeError):
 class SchedulerActor(Actor):
     """Plans steps, sends them to the workers, turns results into TokenDeltas.
 
-    The block exchange is awaited inside the handler, so no other message is handled
-    while one is open: the ledger and the block manager never see interleaved traffic.
+    The block exchange is awaited inside the loop, so no other message is handled while
+    one is open: the ledger and the block manager never see interleaved traffic. A
+    request whose AddRequest or AbortRequest handling raised, or that a worker could not
+    run (`StepResult.failed`), is ended in the core (its blocks freed) and reported to
+    the tokenizer (`RequestFailed`). Planning and results are about every request at
+    once: an exception there stops the actor (the engine then fails every request).
     """
 
     def __init__(
@@ -70,17 +74,18 @@ class SchedulerActor(Actor):
         self.num_exchanges = 0
         self.worker_busy_seconds = 0.0  # summed over results (worker 0's view of a step)
 
-    async def on_handler_error(self, message: object, error: Exception) -> None:
-        """Blocks out of step with the block manager can't be trusted: stop the loop."""
-        if isinstance(error, BlockManagerTimeout | BlockLedgerError):
-            raise error
-
     async def on_add(self, add: AddRequest) -> None:
         self.core.add_request(add)
-        await self._fill_pipeline()
 
     async def on_abort(self, abort: AbortRequest) -> None:
         self.core.abort(abort.request_id)
+
+    async def fail_request(self, request_id: str, error: str, message: object) -> None:
+        """Ends the request in the core and tells the tokenizer, which tells its client."""
+        request_id = self.core.fail(request_id) or request_id
+        await send_message(self.tokenizer, RequestFailed(request_id, error))
+
+    async def after_message(self) -> None:
         await self._fill_pipeline()
 
     async def on_result(self, result: StepResult) -> None:
@@ -93,7 +98,12 @@ class SchedulerActor(Actor):
         deltas = self.core.on_result(result)
         if deltas.request_ids or deltas.ranked:
             await send_message(self.tokenizer, deltas)
-        await self._fill_pipeline()
+        for failed in result.failed:
+            logger.warning(
+                "worker %d could not run %s: %s", result.worker_id, failed.request_id, failed.error
+            )
+            self.num_errors += 1
+            await self.fail_request(failed.request_id, failed.error, result)
 
     async def _fill_pipeline(self) -> None:
         while self.in_flight < self.pipeline_depth:

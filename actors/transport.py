@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+import shutil
 import stat
 import tempfile
 
@@ -156,11 +157,50 @@ def ipc_address(run_dir: str, name: str) -> str:
     return f"ipc://{path}"
 
 
-def new_run_dir() -> str:
-    """A fresh private directory for one run's ipc sockets, under the system temp dir.
+RUN_DIR_PREFIX = "pagedserve-"
 
-    The caller removes it at shutdown (e.g. `shutil.rmtree`)."""
-    return tempfile.mkdtemp(prefix="pagedserve-", dir=tempfile.gettempdir())
+
+def new_run_dir() -> str:
+    """A fresh private directory for one run's ipc sockets, under the system temp dir,
+    named after the process that owns it (`pagedserve-PID-XXXX`).
+
+    The caller removes it at shutdown (e.g. `shutil.rmtree`); a process killed before
+    that leaves it behind for `remove_stale_run_dirs`."""
+    prefix = f"{RUN_DIR_PREFIX}{os.getpid()}-"
+    return tempfile.mkdtemp(prefix=prefix, dir=tempfile.gettempdir())
+
+
+def remove_stale_run_dirs(root: str | None = None) -> list[str]:
+    """Removes the run directories whose owning process is gone (`kill -9` leaves them)
+    and returns their paths. Only this user's directories of the `new_run_dir` form."""
+    root = root or tempfile.gettempdir()
+    removed = []
+    for entry in os.scandir(root):
+        pid = _owner_pid(entry.name)
+        if pid is None or not entry.is_dir(follow_symlinks=False):
+            continue
+        if entry.stat(follow_symlinks=False).st_uid != os.getuid() or _alive(pid):
+            continue
+        shutil.rmtree(entry.path, ignore_errors=True)
+        removed.append(entry.path)
+    return removed
+
+
+def _owner_pid(name: str) -> int | None:
+    if not name.startswith(RUN_DIR_PREFIX):
+        return None
+    pid = name[len(RUN_DIR_PREFIX) :].split("-", 1)[0]
+    return int(pid) if pid.isdigit() else None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _ipc_path(address: str) -> str | None:

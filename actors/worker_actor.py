@@ -2,12 +2,18 @@
 
 Start-up: build the model runner, size and allocate the KV cache, then announce the
 values found (number of blocks, ...) in a `WorkerReady` message. After that each
-`StepPlan` is executed and answered with a `StepResult`; a step that raises is answered
-with `StepResult.error` set instead of killing the process.
+`StepPlan` is executed and answered with a `StepResult`. Requests the worker could not
+run are named in `StepResult.failed` (the Worker's failure rule); an exception that
+cannot be tied to requests ends the actor, and the process exits with status 1.
+
+Liveness: a `Heartbeat` thread sends a `WorkerHeartbeat` every interval on a socket of
+its own, whatever the main thread is doing, so the engine tells a frozen or dead worker
+(silence) from one running a long step (heartbeats that say since when it is busy).
 
 Run as a process: `python -m actors.worker_actor --engine-args JSON --inbox ADDR
---scheduler ADDR [--worker-id N] [--null-worker]` (JSON of `EngineArgs` fields; no
-pickle). Each StepResult carries the seconds the step took to execute (`busy_seconds`).
+--scheduler ADDR [--heartbeat ADDR] [--worker-id N] [--null-worker]` (JSON of
+`EngineArgs` fields; no pickle). Each StepResult carries the seconds the step took to
+execute (`busy_seconds`).
 
 The engine process owns the worker's lifetime: the worker ignores SIGINT (a terminal's
 Ctrl-C reaches the whole process group; the engine's graceful shutdown stops the worker
@@ -26,39 +32,81 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
-import traceback
 
 import zmq
 import zmq.asyncio
 
 from actors.actor import Actor, send_message
+from actors.codec import encode
 from actors.transport import Inbox, Outbox, zmq_inbox, zmq_outbox
 from engine.config import EngineArgs
-from engine.messages import StepPlan, StepResult
+from engine.messages import StepPlan, WorkerHeartbeat
 from engine.worker import Worker, build_null_worker, build_worker
 
 logger = logging.getLogger(__name__)
+HEARTBEAT_INTERVAL_S = 0.5
 
 
 class WorkerActor(Actor):
-    """Executes StepPlans on one Worker and reports each step's sampled tokens."""
+    """Executes StepPlans on one Worker and reports each step's sampled tokens.
+
+    `num_steps` and `busy_since` (monotonic start of the step being executed, 0.0 when
+    idle) are what the heartbeat reports."""
 
     def __init__(self, worker: Worker, inbox: Inbox, scheduler: Outbox) -> None:
         super().__init__(f"worker-{worker.worker_id}", inbox, {StepPlan: self.on_plan}, [scheduler])
         self.worker = worker
         self.scheduler = scheduler
+        self.num_steps = 0
+        self.busy_since = 0.0
 
     async def on_plan(self, plan: StepPlan) -> None:
+        self.busy_since = time.monotonic()
         start = time.perf_counter()
         try:
             result = self.worker.execute(plan)
-        except Exception as exc:  # noqa: BLE001 - the scheduler decides what a failed step means
-            logger.exception("step %d failed", plan.step_id)
-            detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
-            result = StepResult(plan.step_id, self.worker.worker_id, (), detail)
+        finally:
+            self.busy_since = 0.0
         busy = time.perf_counter() - start
+        self.num_steps += 1
         await send_message(self.scheduler, dataclasses.replace(result, busy_seconds=busy))
+
+
+class Heartbeat:
+    """A daemon thread that sends `actor`'s WorkerHeartbeat to `address` every
+    `interval` seconds over a ZeroMQ socket of its own (sockets are not thread-safe),
+    until `stop()`."""
+
+    def __init__(self, actor: WorkerActor, address: str, interval: float) -> None:
+        self.actor, self.address, self.interval = actor, address, interval
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.address)
+        try:
+            while not self._stopped.is_set():
+                actor = self.actor
+                beat = WorkerHeartbeat(
+                    actor.worker.worker_id, time.monotonic(), actor.num_steps, actor.busy_since
+                )
+                sock.send(encode(beat))
+                self._stopped.wait(self.interval)
+        finally:
+            sock.close(linger=0)
+            ctx.term()
 
 
 def engine_args_json(args: EngineArgs) -> str:
@@ -72,9 +120,11 @@ def spawn_worker(
     worker_id: int = 0,
     extra_env: dict[str, str] | None = None,
     null_worker: bool = False,
+    heartbeat: str | None = None,
 ) -> subprocess.Popen:
     """Starts `python -m actors.worker_actor` with this repository importable
-    (`null_worker`: a NullWorker, no model, for control-plane benchmarks)."""
+    (`null_worker`: a NullWorker, no model, for control-plane benchmarks; `heartbeat`:
+    where its heartbeats go, none when None)."""
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     path = os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))
     env = dict(os.environ, PYTHONPATH=path, **(extra_env or {}))
@@ -91,6 +141,7 @@ def spawn_worker(
         "--worker-id",
         str(worker_id),
         *(["--null-worker"] if null_worker else []),
+        *(["--heartbeat", heartbeat] if heartbeat else []),
     ]
     return subprocess.Popen(cmd, env=env)
 
@@ -101,17 +152,26 @@ async def serve(
     scheduler_address: str,
     worker_id: int,
     null_worker: bool = False,
-) -> None:
+    heartbeat_address: str | None = None,
+) -> bool:
+    """Runs the worker until Shutdown or its engine is gone; False if its actor crashed."""
     ctx = zmq.asyncio.Context()
     scheduler = zmq_outbox(ctx, scheduler_address)
     inbox = zmq_inbox(ctx, inbox_address)
+    heartbeat = None
     try:
         build = build_null_worker if null_worker else build_worker
         worker, ready = build(args, worker_id)
         actor = WorkerActor(worker, inbox, scheduler)
+        if heartbeat_address is not None:
+            heartbeat = Heartbeat(actor, heartbeat_address, HEARTBEAT_INTERVAL_S)
+            heartbeat.start()
         await send_message(scheduler, ready)
         await _run_while_parent_lives(actor.run(), os.getppid())
+        return actor.crash is None
     finally:
+        if heartbeat is not None:
+            heartbeat.stop()
         inbox.close()
         scheduler.close()
         ctx.term()
@@ -127,8 +187,8 @@ async def _run_while_parent_lives(run, parent: int, interval: float = 0.5) -> No
             logger.error("engine process %d is gone; the worker exits", parent)
             actor.cancel()
             break
-    with contextlib.suppress(asyncio.CancelledError):
-        await actor
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await actor  # a crash is the actor's to report (Actor.crash)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -137,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--inbox", required=True)
     p.add_argument("--scheduler", required=True)
     p.add_argument("--worker-id", type=int, default=0)
+    p.add_argument("--heartbeat", default=None, help="address for liveness heartbeats")
     p.add_argument(
         "--null-worker", action="store_true", help="no model: sample a fixed token (benchmarks)"
     )
@@ -146,8 +207,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = EngineArgs(**json.loads(ns.engine_args))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine process stops us
-    asyncio.run(serve(args, ns.inbox, ns.scheduler, ns.worker_id, ns.null_worker))
-    return 0
+    ok = asyncio.run(
+        serve(args, ns.inbox, ns.scheduler, ns.worker_id, ns.null_worker, ns.heartbeat)
+    )
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -139,6 +139,17 @@ class EngineCore:
             if request.group is not None and request.group.is_finished:
                 self._groups.pop(request.group.request_id, None)
 
+    def fail(self, request_id: str) -> str | None:
+        """Ends a request that failed (given its id or one of its sequences' ids): every
+        sequence of it, its blocks freed. Returns the request's own id, None if unknown."""
+        request = self.scheduler.requests.get(request_id)
+        if request is not None and request.group is not None:
+            request_id = request.group.request_id
+        elif request is None and request_id not in self._groups:
+            return None
+        self.abort(request_id)
+        return request_id
+
     def schedule(self) -> SchedulerOutput | None:
         """The next step, its tokens counted as computed (None: nothing to tell the
         workers until a result arrives). Its new blocks are pending until the exchange."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from enum import StrEnum
 
 from engine.sampling_params import SamplingParams
 
@@ -43,6 +44,25 @@ class TokenLogprob:
 
 # The logprobs at one position: the chosen token first, then the top candidates asked for.
 LogprobRow = tuple[TokenLogprob, ...]
+
+
+@dataclass(frozen=True)
+class RequestFailed:
+    """`request_id` failed inside the engine and is over: its blocks are freed, and its
+    client gets `error` (scheduler -> tokenizer; worker -> scheduler inside a
+    StepResult, with the id of the sequence it could not run)."""
+
+    request_id: str
+    error: str
+
+
+class ErrorKind(StrEnum):
+    """Why a request ended in an error: its input was refused (the client's to fix), the
+    engine failed it, or it outlived the server's request timeout."""
+
+    INVALID = "invalid_request"
+    ENGINE = "engine_error"
+    TIMEOUT = "timeout"
 
 
 @dataclass(frozen=True)
@@ -166,7 +186,9 @@ class StepResult:
     """What step `step_id` did on worker `worker_id`, column-wise: request
     `sampled_ids[i]` sampled `sampled_token_ids[i]`. `logprobs` holds a one-row entry
     per sampled request that asked for logprobs, `prompt_logprobs` the prompt rows
-    scored; `error` is set if the step failed; `busy_seconds` is how long it executed."""
+    scored; `error` is set if the step failed; `busy_seconds` is how long it executed.
+    `failed`: the sequences the worker could not run (it has forgotten them; the
+    scheduler ends their requests with the error)."""
 
     step_id: int
     worker_id: int
@@ -176,6 +198,12 @@ class StepResult:
     prompt_logprobs: tuple[RequestLogprobs, ...]
     error: str | None
     busy_seconds: float
+    failed: tuple[RequestFailed, ...] = ()
+
+    @classmethod
+    def empty(cls, step_id: int, worker_id: int) -> StepResult:
+        """A step that sampled nothing (a plan of finished ids and block moves only)."""
+        return cls(step_id, worker_id, (), (), (), (), None, 0.0)
 
 
 @dataclass(frozen=True)
@@ -188,6 +216,22 @@ class WorkerReady:
     max_model_len: int
     vocab_size: int
     num_cpu_blocks: int = 0  # blocks of CPU swap space
+
+
+# ---------------------------------------------------------------- heartbeat inbox
+
+
+@dataclass(frozen=True)
+class WorkerHeartbeat:
+    """A worker is alive (worker -> engine client, every interval, from a thread of its
+    own, so a long step does not silence it): when it was sent (`time.monotonic()`,
+    one clock for every process on the host), how many steps it has finished, and
+    since when it has been executing the current one (0.0: idle)."""
+
+    worker_id: int
+    sent_at: float
+    num_steps: int
+    busy_since: float
 
 
 # ---------------------------------------------------------------- scheduler's block_replies inbox
@@ -305,13 +349,25 @@ class OutputDelta:
     logprobs: tuple[LogprobRow, ...] | None = None
     prompt_logprobs: tuple[LogprobRow, ...] | None = None
     index: int = 0  # which sequence of an n > 1 request; -1: the whole request (abort, error)
+    error_kind: ErrorKind | None = None  # set with `error`
+
+    @classmethod
+    def failed(cls, request_id: str, error: str, kind: ErrorKind = ErrorKind.ENGINE) -> OutputDelta:
+        """The request (every sequence of it) ended with `error`."""
+        return cls(request_id, "", (), "error", None, 0, 0, error, index=-1, error_kind=kind)
+
+    @classmethod
+    def aborted(cls, request_id: str) -> OutputDelta:
+        """The request (every sequence of it) was aborted."""
+        return cls(request_id, "", (), "abort", None, 0, 0, None, index=-1)
 
 
 INBOXES: dict[str, tuple[type, ...]] = {
-    "tokenizer": (GenerateRequest, AbortRequest, TokenDeltas, Shutdown),
+    "tokenizer": (GenerateRequest, AbortRequest, TokenDeltas, RequestFailed, Shutdown),
     "scheduler": (AddRequest, AbortRequest, StepResult, WorkerReady, Shutdown),
     "block_replies": (BlockOpsApplied,),
     "block_manager": (ApplyBlockOps, Shutdown),
     "worker": (StepPlan, Shutdown),
+    "heartbeat": (WorkerHeartbeat,),
     "client": (OutputDelta,),
 }

@@ -7,10 +7,17 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.text_checks import check_text
+
 MAX_LOGPROBS = 20  # the most top logprobs a request may ask for, per token
 MAX_ABS_LOGIT_BIAS = 100.0  # OpenAI's bound on a logit_bias value
 MAX_SEQUENCES = 256  # the most sequences (n, best_of) one request may ask for
 MAX_BEAM_WIDTH = 16
+MAX_STOP_STRINGS = 32  # stop strings are matched against every token's text: bounded
+MAX_STOP_STRING_CHARS = 128
+MAX_STOP_TOKEN_IDS = 1024
+MAX_COUNT = 2**31 - 1  # token counts (max_tokens, min_tokens, top_k)
+SEED_RANGE = (-(2**63), 2**64 - 1)  # a seed is a 64-bit value, signed or not (as torch's)
 _GREEDY_EPS = 1e-5  # temperatures below this mean greedy decoding
 
 
@@ -20,22 +27,30 @@ class SamplingParamsError(ValueError):
 
 def _fail(name: str, rule: str, value: Any) -> None:
     kind = f" ({type(value).__name__})" if isinstance(value, bool) else ""
-    raise SamplingParamsError(f"{name} must be {rule}, got {value!r}{kind}")
+    raise SamplingParamsError(f"{name} must be {rule}, got {_shown(value)}{kind}")
+
+
+def _shown(value: Any, limit: int = 80) -> str:
+    """A value for an error message: its repr, cut short (a request may be huge)."""
+    if isinstance(value, list | tuple | dict) and len(value) > 8:
+        return f"a {type(value).__name__} of {len(value)} items"
+    try:
+        text = repr(value)
+    except (ValueError, RecursionError):  # ints past 4,300 digits; deep nesting
+        return f"a {type(value).__name__} too large to show"
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."
 
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _check_int(
-    name: str, value: Any, lo: int, hi: int | None = None, *, none_ok: bool = False
-) -> None:
+def _check_int(name: str, value: Any, lo: int, hi: int, *, none_ok: bool = False) -> None:
     """Reject bools, non-ints and values outside [lo, hi]; None only when `none_ok`."""
     if value is None and none_ok:
         return
-    rule = f"an int >= {lo}" if hi is None else f"an int in [{lo}, {hi}]"
-    rule += " or None" if none_ok else ""
-    if not _is_int(value) or value < lo or (hi is not None and value > hi):
+    rule = f"an int in [{lo}, {hi}]" + (" or None" if none_ok else "")
+    if not _is_int(value) or value < lo or value > hi:
         _fail(name, rule, value)
 
 
@@ -121,13 +136,12 @@ class SamplingParams:
     def _check_ints(self) -> None:
         _check_int("n", self.n, 1, MAX_SEQUENCES)
         _check_int("best_of", self.best_of, self.n, MAX_SEQUENCES, none_ok=True)
-        _check_int("top_k", self.top_k, -1)
+        _check_int("top_k", self.top_k, -1, MAX_COUNT)
         if self.top_k == -1:
             self._set("top_k", 0)
-        if self.seed is not None and not _is_int(self.seed):
-            _fail("seed", "an int or None", self.seed)
-        _check_int("max_tokens", self.max_tokens, 1, none_ok=True)
-        _check_int("min_tokens", self.min_tokens, 0)
+        _check_int("seed", self.seed, *SEED_RANGE, none_ok=True)
+        _check_int("max_tokens", self.max_tokens, 1, MAX_COUNT, none_ok=True)
+        _check_int("min_tokens", self.min_tokens, 0, MAX_COUNT)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             _fail("min_tokens", f"<= max_tokens ({self.max_tokens})", self.min_tokens)
         _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS, none_ok=True)
@@ -217,10 +231,20 @@ def _normalize_stop(stop: Any) -> tuple[str, ...]:
     items = (stop,) if isinstance(stop, str) else stop
     if not isinstance(items, list | tuple):
         _fail("stop", "a str, a list of str or None", stop)
+    if len(items) > MAX_STOP_STRINGS:
+        _fail("stop", f"at most {MAX_STOP_STRINGS} strings", items)
     for s in items:
-        if not isinstance(s, str) or not s:
-            _fail("stop", "a list of non-empty strings", s)
+        if not isinstance(s, str) or not 0 < len(s) <= MAX_STOP_STRING_CHARS:
+            _fail("stop", f"a list of strings of 1 to {MAX_STOP_STRING_CHARS} characters", s)
+        _check_text("stop", s)
     return tuple(items)
+
+
+def _check_text(name: str, text: str) -> None:
+    try:
+        check_text(name, text)
+    except ValueError as exc:
+        raise SamplingParamsError(str(exc)) from None
 
 
 def _normalize_stop_token_ids(ids: Any) -> tuple[int, ...]:
@@ -228,8 +252,10 @@ def _normalize_stop_token_ids(ids: Any) -> tuple[int, ...]:
         return ()
     if not isinstance(ids, list | tuple):
         _fail("stop_token_ids", "a list of non-negative ints or None", ids)
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        _fail("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} token ids", ids)
     for token_id in ids:
-        _check_int("stop_token_ids", token_id, 0)
+        _check_int("stop_token_ids", token_id, 0, MAX_COUNT)
     return tuple(ids)
 
 
@@ -251,8 +277,9 @@ def _normalize_logit_bias(bias: Any) -> dict[int, float] | None:
 
 def _token_id_key(key: Any) -> int:
     """A logit_bias key: an int, or a string of digits as JSON objects deliver it."""
-    if isinstance(key, str) and key.isascii() and key.isdigit():
-        return int(key)
-    if not _is_int(key) or key < 0:
-        _fail("logit_bias", "keyed by token ids (ints >= 0 or strings of digits)", key)
+    if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 10:
+        key = int(key)
+    if not _is_int(key) or not 0 <= key <= MAX_COUNT:
+        rule = f"keyed by token ids (ints in [0, {MAX_COUNT}] or strings of their digits)"
+        _fail("logit_bias", rule, key)
     return key

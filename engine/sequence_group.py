@@ -64,8 +64,9 @@ def best_n(items: list[T], logprob: Callable[[T], float], n: int) -> list[T]:
 
 def sequence_params(params: SamplingParams, index: int) -> SamplingParams:
     """What sequence `index` of a multi-sequence request samples with. With best_of the
-    sampled tokens' logprobs are needed to rank the sequences (logprobs >= 0)."""
-    seed = None if params.seed is None else params.seed + index
+    sampled tokens' logprobs are needed to rank the sequences (logprobs >= 0). Seeds are
+    64-bit: seed + index wraps around 2**64, as the sampler reads seeds modulo 2**64."""
+    seed = None if params.seed is None else (params.seed + index) % 2**64
     logprobs = params.logprobs
     if params.best_of is not None and logprobs is None:
         logprobs = 0

@@ -51,10 +51,15 @@ def hold_back(text: str, stops: tuple[str, ...]) -> int:
     A streamer keeps that many chars back until later text shows whether a stop begins
     there. Only proper prefixes count: a whole stop in `text` is `find_stop`'s business.
     """
-    longest = 0
+    if not text:
+        return 0
+    last, longest = text[-1], 0
     for stop in stops:
-        for n in range(min(len(stop) - 1, len(text)), longest, -1):
+        # Only prefixes ending in text's last char can match: jump between them.
+        n = stop.rfind(last, 0, min(len(stop) - 1, len(text))) + 1
+        while n > longest:
             if text.endswith(stop[:n]):
                 longest = n
                 break
+            n = stop.rfind(last, 0, n - 1) + 1
     return longest

@@ -18,6 +18,7 @@ from engine.messages import (
 from engine.request_validation import RequestLimits, validate_request
 from engine.sequence_group import best_n, sequence_id
 from engine.stop_strings import find_stop, hold_back
+from engine.text_checks import check_text
 from engine.tokenizer import Tokenizer
 
 
@@ -61,6 +62,7 @@ class TextProcessor:
         self.limits = limits
         self.states: dict[str, _TextState] = {}  # by sequence id
         self.sequences: dict[str, list[str]] = {}  # request id -> its sequence ids
+        self.clients: dict[str, str] = {}  # request id -> its client id
         self.ranked: dict[str, list[tuple[float, OutputDelta]]] = {}  # ended, held back
         self._token_texts: dict[int, str] = {}  # one token's text, for logprobs
 
@@ -79,6 +81,7 @@ class TextProcessor:
             else [sequence_id(request.request_id, i) for i in range(k)]
         )
         self.sequences[request.request_id] = ids
+        self.clients[request.request_id] = request.client_id
         ranked = k > params.n
         for index, seq_id in enumerate(ids):
             detokenizer = self._detokenizer(token_ids, params)
@@ -92,6 +95,7 @@ class TextProcessor:
     ) -> AddRequest:
         rid = request.request_id
         self.sequences[rid] = [rid]
+        self.clients[rid] = request.client_id
         self.states[rid] = _TextState(
             request.client_id,
             request,
@@ -148,15 +152,25 @@ class TextProcessor:
         if sum(given) != 1:
             raise ValueError("set exactly one of prompt, prompt_token_ids, messages")
         if request.prompt is not None:
+            check_text("prompt", request.prompt)
             return self.tokenizer.encode(request.prompt)
         if request.prompt_token_ids is not None:
             return list(request.prompt_token_ids)
+        for i, m in enumerate(request.messages):
+            check_text(f"messages[{i}].role", m.role)
+            check_text(f"messages[{i}].content", m.content)
         messages = [{"role": m.role, "content": m.content} for m in request.messages]
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
 
     def client_of(self, request_id: str) -> str | None:
+        """The client of a request or of one of its sequences (None: not in flight)."""
         state = self.states.get(request_id)
-        return None if state is None else state.client_id
+        return self.clients.get(request_id) if state is None else state.client_id
+
+    def request_of(self, sequence_id: str) -> str:
+        """The request a sequence belongs to (the id itself when it is not one)."""
+        state = self.states.get(sequence_id)
+        return sequence_id if state is None else state.request.request_id
 
     def on_token_delta(self, delta: TokenDelta) -> tuple[list[OutputDelta], AbortRequest | None]:
         """The client's deltas (none while held back) and an abort for the scheduler
@@ -230,6 +244,7 @@ class TextProcessor:
         if any(s in self.states for s in self.sequences.get(request_id, ())):
             return False
         self.sequences.pop(request_id, None)
+        self.clients.pop(request_id, None)
         return True
 
     def _decode_rows(self, rows: tuple[LogprobRow, ...] | None) -> tuple[LogprobRow, ...] | None:
@@ -249,6 +264,7 @@ class TextProcessor:
 
     def drop(self, request_id: str) -> None:
         """Forget a request (client abort), every sequence of it."""
+        self.clients.pop(request_id, None)
         for seq_id in self.sequences.pop(request_id, [request_id]):
             self.states.pop(seq_id, None)
         self.ranked.pop(request_id, None)

@@ -12,6 +12,8 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+import jinja2
+
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 # Any of these in a directory means "there is a tokenizer to load here".
@@ -177,9 +179,12 @@ class Tokenizer:
                 f"tokenizer {self.name_or_path!r} has no chat template; send a plain "
                 "prompt instead, or use a chat model whose tokenizer_config.json has one"
             )
-        text = self.hf_tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=False
-        )
+        try:
+            text = self.hf_tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=False
+            )
+        except jinja2.TemplateError as exc:  # e.g. the template's own raise_exception()
+            raise ValueError(f"messages: the chat template refused them: {exc}") from None
         if not isinstance(text, str):  # some versions wrap even untokenized output
             text = text[0] if isinstance(text, list) else str(text)
         return text

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Iterator
 
 from engine.config import EngineArgs
+from engine.errors import describe
 from engine.kv_cache import DEFAULT_CPU_KV_CACHE_MEMORY, num_blocks_for
 from engine.logprobs import Logprob
 from engine.messages import (
+    CachedRequestData,
     LogprobRow,
+    NewRequestData,
+    RequestFailed,
     RequestLogprobs,
     StepPlan,
     StepResult,
@@ -28,6 +33,12 @@ class Worker:
     The worker keeps every running request's token ids, including the tokens it sampled
     itself, so a plan never carries sampled tokens back. Contract: a request id is new in
     exactly one plan, cached afterwards, and dropped when it appears in `finished_ids`.
+
+    The failure rule, per request: a diff that cannot be applied fails its request; a
+    step whose model run raises fails every request it scheduled. A failed request is
+    forgotten, named in `StepResult.failed`, and its rows in plans already on their way
+    are skipped until a plan lists it as finished. A step that also moved blocks (copies,
+    swaps) cannot be tied to its requests: its exception propagates (the engine stops).
     """
 
     def __init__(self, runner: ModelRunner | None, worker_id: int = 0) -> None:
@@ -36,19 +47,22 @@ class Worker:
         self.eos_token_ids = runner.model_config.eos_token_ids if runner else frozenset()
         self.requests: dict[str, Request] = {}
         self.block_tables: dict[str, list[int]] = {}
+        self.failed: set[str] = set()  # forgotten after a failure, until finished
         self._arrivals = itertools.count()
 
     def execute(self, plan: StepPlan) -> StepResult:
-        self._apply(plan)
+        failures: dict[str, str] = {}
+        self._apply(plan, failures)
         copies = tuple(zip(plan.copy_src, plan.copy_dst, strict=True))
         swap_out = tuple(zip(plan.swap_out_src, plan.swap_out_dst, strict=True))
         swap_in = tuple(zip(plan.swap_in_src, plan.swap_in_dst, strict=True))
-        if not plan.scheduled_ids:  # a plan may only carry finished ids (and block moves)
+        runnable = self._runnable(plan, failures)
+        if not runnable:  # a plan may only carry finished ids (and block moves)
             if self.runner is not None:
                 self.runner.move_blocks(
                     SchedulerOutput(plan.step_id, (), (), copies, swap_out, swap_in)
                 )
-            return StepResult(plan.step_id, self.worker_id, (), (), (), (), None, 0.0)
+            return self._result(StepResult.empty(plan.step_id, self.worker_id), failures)
         scheduled = tuple(
             ScheduledRequest(
                 self.requests[rid],
@@ -56,15 +70,39 @@ class Worker:
                 n,
                 self.block_tables[rid],
             )
-            for rid, n in zip(plan.scheduled_ids, plan.num_scheduled_tokens, strict=True)
+            for rid, n in runnable
         )
-        result = self._run(SchedulerOutput(plan.step_id, scheduled, (), copies, swap_out, swap_in))
-        for item in scheduled:
+        step = SchedulerOutput(plan.step_id, scheduled, (), copies, swap_out, swap_in)
+        try:
+            result = self._sample(step)
+        except Exception as exc:
+            if copies or swap_out or swap_in:
+                raise
+            self._forget([rid for rid, _ in runnable], describe(exc), failures)
+            return self._result(StepResult.empty(plan.step_id, self.worker_id), failures)
+        return self._result(result, failures)
+
+    def _runnable(self, plan: StepPlan, failures: dict[str, str]) -> list[tuple[str, int]]:
+        """The plan's rows to run: failed requests skipped, unknown ones failed."""
+        runnable = []
+        for rid, n in zip(plan.scheduled_ids, plan.num_scheduled_tokens, strict=True):
+            if rid in self.failed:
+                continue
+            if rid not in self.requests:
+                self._forget([rid], f"request {rid!r} was scheduled before it was sent", failures)
+                continue
+            runnable.append((rid, n))
+        return runnable
+
+    def _sample(self, step: SchedulerOutput) -> StepResult:
+        """Runs the step, advances the requests it ran, and reports what they sampled."""
+        result = self._run(step)
+        for item in step.scheduled:
             item.request.num_computed_tokens += item.num_scheduled_tokens
         for request_id, token in result.sampled.items():
             self.requests[request_id].output_token_ids.append(token)
         return StepResult(
-            plan.step_id,
+            step.step_id,
             self.worker_id,
             tuple(result.sampled),
             tuple(result.sampled.values()),
@@ -73,6 +111,20 @@ class Worker:
             None,
             0.0,
         )
+
+    @staticmethod
+    def _result(result: StepResult, failures: dict[str, str]) -> StepResult:
+        if not failures:
+            return result
+        failed = tuple(RequestFailed(rid, error) for rid, error in failures.items())
+        return dataclasses.replace(result, failed=failed)
+
+    def _forget(self, request_ids: list[str], error: str, failures: dict[str, str]) -> None:
+        for request_id in request_ids:
+            self.requests.pop(request_id, None)
+            self.block_tables.pop(request_id, None)
+            self.failed.add(request_id)
+            failures.setdefault(request_id, error)
 
     def _run(self, step: SchedulerOutput) -> RunnerResult:
         return self.runner.execute(step)
@@ -88,40 +140,51 @@ class Worker:
             request.prompt_logprobs.extend(rows)  # scored once, even if recomputed later
             yield RequestLogprobs(request.request_id, tuple(_wire_row(r) for r in rows))
 
-    def _apply(self, plan: StepPlan) -> None:
+    def _apply(self, plan: StepPlan, failures: dict[str, str]) -> None:
         for request_id in plan.finished_ids:
             self.requests.pop(request_id, None)
             self.block_tables.pop(request_id, None)
-        eos = self.eos_token_ids
-        for new in plan.new_requests:
-            request = Request(
-                new.request_id,
-                None,
-                list(new.prompt_token_ids),
-                new.params,
-                next(self._arrivals),
-                eos_token_ids=eos,
-                status=RequestStatus.RUNNING,
-            )
-            request.num_computed_tokens = new.num_computed_tokens
-            request.output_token_ids = list(new.output_token_ids)
-            if new.params.prompt_logprobs is not None:
-                request.prompt_logprobs = [None]
-            self.requests[new.request_id] = request
-            self.block_tables[new.request_id] = list(new.block_ids)
-        for cached in plan.cached_requests:
-            table = self.block_tables[cached.request_id]
-            if cached.resumed_from_preemption:
-                table.clear()
-            elif cached.first_block_index >= 0:
-                del table[cached.first_block_index :]
-            table.extend(cached.new_block_ids)
-            request = self.requests[cached.request_id]
-            if not cached.resumed_from_preemption:
-                _check_in_step(request, cached.num_computed_tokens)
-            request.num_computed_tokens = cached.num_computed_tokens
-            if cached.last_token_id is not None:
-                request.output_token_ids[-1] = cached.last_token_id
+            self.failed.discard(request_id)
+        diffs = [(new.request_id, self._add, new) for new in plan.new_requests]
+        diffs += [(cached.request_id, self._update, cached) for cached in plan.cached_requests]
+        for request_id, apply, diff in diffs:
+            if request_id in self.failed:
+                continue
+            try:
+                apply(diff)
+            except Exception as exc:  # noqa: BLE001 - the failure rule: this request only
+                self._forget([request_id], describe(exc), failures)
+
+    def _add(self, new: NewRequestData) -> None:
+        request = Request(
+            new.request_id,
+            None,
+            list(new.prompt_token_ids),
+            new.params,
+            next(self._arrivals),
+            eos_token_ids=self.eos_token_ids,
+            status=RequestStatus.RUNNING,
+        )
+        request.num_computed_tokens = new.num_computed_tokens
+        request.output_token_ids = list(new.output_token_ids)
+        if new.params.prompt_logprobs is not None:
+            request.prompt_logprobs = [None]
+        self.requests[new.request_id] = request
+        self.block_tables[new.request_id] = list(new.block_ids)
+
+    def _update(self, cached: CachedRequestData) -> None:
+        table = self.block_tables[cached.request_id]
+        if cached.resumed_from_preemption:
+            table.clear()
+        elif cached.first_block_index >= 0:
+            del table[cached.first_block_index :]
+        table.extend(cached.new_block_ids)
+        request = self.requests[cached.request_id]
+        if not cached.resumed_from_preemption:
+            _check_in_step(request, cached.num_computed_tokens)
+        request.num_computed_tokens = cached.num_computed_tokens
+        if cached.last_token_id is not None:
+            request.output_token_ids[-1] = cached.last_token_id
 
 
 class NullWorker(Worker):

@@ -20,8 +20,9 @@ from starlette.routing import Route, WebSocketRoute
 from starlette.types import ASGIApp, Receive, Scope, Send
 from starlette.websockets import WebSocket
 
-from actors.async_engine import AsyncEngine
+from actors.async_engine import AsyncEngine, Supervision
 from engine.config import EngineArgs
+from web.api_keys import ApiKeys
 from web.errors import ApiError
 from web.generation import Admission, Generator
 from web.metrics import Metrics
@@ -39,7 +40,7 @@ class ApiKeyMiddleware:
     needs `Authorization: Bearer KEY`; WebSockets check their own (header or first
     message)."""
 
-    def __init__(self, app: ASGIApp, api_keys: frozenset[str]) -> None:
+    def __init__(self, app: ASGIApp, api_keys: ApiKeys) -> None:
         self.app, self.api_keys = app, api_keys
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -47,7 +48,7 @@ class ApiKeyMiddleware:
             await self.app(scope, receive, send)
             return
         header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
-        if header.lower().startswith("bearer ") and header[7:].strip() in self.api_keys:
+        if header.lower().startswith("bearer ") and self.api_keys.matches(header[7:].strip()):
             await self.app(scope, receive, send)
             return
         err = ApiError("unauthorized", "invalid or missing API key (Authorization: Bearer KEY)")
@@ -71,7 +72,11 @@ class Server:
         self.metrics = Metrics(engine.stats, self._web_gauges())
         self.generator = Generator(engine, self.metrics, self.admission)
         self.openai = OpenAIRoutes(self.generator, config)
-        self.limits = StreamLimits(config.max_requests_per_connection, config.default_max_tokens)
+        self.limits = StreamLimits(
+            config.max_requests_per_connection,
+            config.default_max_tokens,
+            config.ws_auth_timeout_s,
+        )
 
     def _web_gauges(self) -> dict:
         return {
@@ -190,7 +195,10 @@ def create_app(engine_args: EngineArgs, config: ServerConfig) -> Starlette:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        engine = await AsyncEngine.start(engine_args, pipeline_depth=config.pipeline_depth)
+        supervision = Supervision(config.worker_timeout_s, config.request_timeout_s)
+        engine = await AsyncEngine.start(
+            engine_args, pipeline_depth=config.pipeline_depth, supervision=supervision
+        )
         app.state.server = Server(engine, config)
         note = " (built-in random-weight model: replies are noise)" if config.builtin else ""
         logger.info("serving %s%s", config.model_name, note)

@@ -70,7 +70,17 @@ def _add_serve_parser(sub) -> None:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument(
-        "--api-key", action="append", default=[], help="required bearer key (repeatable)"
+        "--api-key",
+        action="append",
+        default=[],
+        help="required bearer key (repeatable; visible in the process list: prefer "
+        "--api-key-file or $PAGEDSERVE_API_KEY)",
+    )
+    serve.add_argument(
+        "--api-key-file",
+        action="append",
+        default=[],
+        help="a file of bearer keys, one per line (repeatable)",
     )
     serve.add_argument("--max-queued-requests", type=int, default=256)
     serve.add_argument("--max-requests-per-connection", type=int, default=64)
@@ -81,6 +91,26 @@ def _add_serve_parser(sub) -> None:
     serve.add_argument("--served-model-name", default=None)
     serve.add_argument(
         "--pipeline-depth", type=int, default=2, choices=[1, 2], help="2: plan one step ahead"
+    )
+    serve.add_argument(
+        "--request-timeout",
+        type=float,
+        default=None,
+        help="seconds after which a request still unfinished is ended with a timeout error "
+        "(default: no limit)",
+    )
+    serve.add_argument(
+        "--worker-timeout",
+        type=float,
+        default=5.0,
+        help="seconds without a worker heartbeat before the engine counts it stalled and "
+        "fails its requests (heartbeats come from a thread: long steps do not delay them)",
+    )
+    serve.add_argument(
+        "--ws-auth-timeout",
+        type=float,
+        default=5.0,
+        help="seconds a WebSocket has to authenticate when API keys are set",
     )
     serve.add_argument(
         "--shutdown-grace",
@@ -143,7 +173,9 @@ def _generate(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from actors.transport import remove_stale_run_dirs
     from engine.config import EngineArgs
+    from web.api_keys import ApiKeys
     from web.app import create_app
     from web.draining_server import DrainingServer
     from web.server_config import ServerConfig
@@ -165,7 +197,7 @@ def _serve(args: argparse.Namespace) -> int:
         builtin=builtin,
         host=args.host,
         port=args.port,
-        api_keys=frozenset(args.api_key),
+        api_keys=ApiKeys.from_environment(args.api_key, args.api_key_file),
         max_queued_requests=args.max_queued_requests,
         max_requests_per_connection=args.max_requests_per_connection,
         max_message_bytes=args.max_message_bytes,
@@ -174,9 +206,14 @@ def _serve(args: argparse.Namespace) -> int:
         session_max_chars=args.session_max_chars,
         pipeline_depth=args.pipeline_depth,
         shutdown_grace_s=args.shutdown_grace,
+        request_timeout_s=args.request_timeout,
+        worker_timeout_s=args.worker_timeout,
+        ws_auth_timeout_s=args.ws_auth_timeout,
     )
     engine_args = EngineArgs(model=args.model, **_engine_kwargs(args))
     engine_args.build()  # configuration errors surface here, before the server starts
+    for stale in remove_stale_run_dirs():
+        logging.getLogger(__name__).info("removed %s, left by a server that died", stale)
     app = create_app(engine_args, config)
     uv_config = uvicorn.Config(
         app,

@@ -8,10 +8,11 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from actors.async_engine import AsyncEngine
-from engine.messages import OutputDelta
+from engine.messages import ErrorKind, OutputDelta
 from engine.sampling_params import SamplingParams
 from web.errors import ApiError, invalid
 from web.metrics import Metrics
+from web.params import field_of
 
 PromptInput = str | list[int] | list[dict]
 
@@ -86,11 +87,13 @@ class Generator:
         self, prompt: PromptInput, params: SamplingParams, request_id: str, timing: Timing
     ) -> AsyncIterator[OutputDelta]:
         """Yields the engine's deltas; raises ApiError for a refused request (validation,
-        overload, an unhealthy engine). Leaving the loop early aborts the request."""
+        overload, an unhealthy engine). A request that fails later ends with an error
+        delta (`failure()` turns it into an ApiError). Leaving the loop early aborts the
+        request."""
         if self.draining:
             raise ApiError("shutting_down", "the server is shutting down; retry elsewhere")
         if not self.engine.is_healthy:
-            raise ApiError("engine_error", f"the engine is not healthy: {self.engine.error}")
+            raise ApiError("unavailable", f"the engine is not healthy: {self.engine.error}")
         try:
             self.admission.admit()
         except ApiError:
@@ -100,9 +103,9 @@ class Generator:
         self.live.add(request_id)
         try:
             async for out in self.engine.generate(prompt, params, request_id):
-                if out.error is not None and out.num_prompt_tokens == 0 and self.engine.is_healthy:
+                if out.error_kind is ErrorKind.INVALID:
                     self.metrics.rejected.labels("invalid_request").inc()
-                    raise invalid(out.error)  # refused by the tokenizer's validation
+                    raise failure(out)  # refused by the tokenizer's validation
                 if queued:
                     queued = False
                     self.admission.leave()
@@ -129,3 +132,13 @@ class Generator:
             timing.finished = now
             m.e2e.observe(now - timing.arrival)
             m.requests.labels(out.finish_reason).inc()
+
+
+def failure(out: OutputDelta) -> ApiError:
+    """The ApiError of a request's final error delta."""
+    message = out.error or "the request failed"
+    if out.error_kind is ErrorKind.INVALID:
+        return invalid(message, field_of(message))
+    if out.error_kind is ErrorKind.TIMEOUT:
+        return ApiError("timeout", message)
+    return ApiError("engine_error", message)

@@ -63,6 +63,7 @@ class Metrics:
         self.rejected = Counter(
             "pagedserve_rejected_requests", "Requests refused, by error code", ["code"], registry=r
         )
+
         gauges = {
             "pagedserve_num_requests_running": ("Requests running", lambda s: s.num_running),
             "pagedserve_num_requests_waiting": (
@@ -94,6 +95,23 @@ class Metrics:
             "pagedserve_prefix_cache_evictions": (
                 "Cached blocks evicted so far",
                 lambda s: s.num_cache_evictions,
+            ),
+            "pagedserve_num_requests_over_deadline": (
+                "Open requests older than --request-timeout (the watchdog ends them; "
+                "above 0 for long means requests are stuck)",
+                lambda s: s.num_over_deadline,
+            ),
+            "pagedserve_num_timed_out_requests": (
+                "Requests ended by --request-timeout so far",
+                lambda s: s.num_timed_out,
+            ),
+            "pagedserve_oldest_request_age_seconds": (
+                "Age of the oldest open request",
+                lambda s: s.oldest_request_s,
+            ),
+            "pagedserve_worker_silence_seconds": (
+                "Seconds since the worker's last heartbeat",
+                lambda s: s.worker_silent_s,
             ),
         }
         for name, (doc, read) in gauges.items():

@@ -4,26 +4,35 @@
 the prompt's shared blocks (a seeded request gives sequence i the seed `seed + i`).
 vLLM's `use_beam_search` (with `length_penalty`, `early_stopping`; width `best_of`, else
 `n`) returns the n best beams, each choice whole when the search ends.
+
+Every request gets an answer that says what happened: a result; a 4xx naming the field
+at fault; a 5xx when the engine failed it (504 past the request timeout, 503 when the
+server shut down before it finished: never a 200 that passes an abort off as a stop).
+A plain request whose client hangs up is aborted at once (its blocks freed); a stream's
+is aborted when its next chunk cannot be written.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
-import json
+import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from engine.messages import LogprobRow, OutputDelta
+from engine.messages import OutputDelta
 from engine.sampling_params import SamplingParams
 from web.errors import ApiError, invalid
-from web.generation import Generator, PromptInput, Timing
+from web.frames import read_json_body
+from web.generation import Generator, PromptInput, Timing, failure
+from web.openai_format import ChoiceTally, logprobs_json, sse, usage
 from web.params import (
     BEAM_FIELDS,
     SAMPLING_FIELDS,
@@ -34,10 +43,12 @@ from web.params import (
 )
 from web.server_config import ServerConfig
 
+logger = logging.getLogger(__name__)
 _COMMON = {"model", "n", "stream", "stream_options", "max_tokens", "logit_bias", "user"}
 _COMMON |= {*SAMPLING_FIELDS, *BEAM_FIELDS}
 COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix"}
 CHAT_FIELDS = _COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}
+CLIENT_GONE = 499  # the status logged for a request whose client hung up (nginx's)
 
 
 @dataclass(frozen=True)
@@ -67,13 +78,19 @@ class OpenAIRoutes:
 
     async def _serve(self, request: Request, chat: bool) -> Response:
         try:
-            job = self._parse(await _json_body(request, self.config.max_message_bytes), chat)
+            body = await read_json_body(request, self.config.max_message_bytes)
+            job = self._parse(body, chat)
             if job.stream:
                 return await self._stream(job, chat)
-            return JSONResponse(await self._complete(job, chat))
+            result = await _unless_disconnected(request, self._complete(job, chat))
+            return JSONResponse(result) if result is not None else Response(status_code=CLIENT_GONE)
         except ApiError as err:
-            headers = {"Retry-After": "1"} if err.code == "overloaded" else None
+            headers = {"Retry-After": "1"} if err.status == 503 else None
             return JSONResponse(err.openai_body(), err.status, headers=headers)
+        except Exception:  # a bug, never the client's input: logged, answered, served on
+            logger.exception("%s failed", request.url.path)
+            err = ApiError("engine_error", "internal error while handling the request")
+            return JSONResponse(err.openai_body(), err.status)
 
     # -- parsing -------------------------------------------------------------------
     def _parse(self, body: dict[str, Any], chat: bool) -> Job:
@@ -85,7 +102,7 @@ class OpenAIRoutes:
         if model is not None and model != self.config.model_name:
             raise ApiError(
                 "not_found",
-                f"model {model!r} is not served here; this server "
+                f"model {str(model)[:100]!r} is not served here; this server "
                 f"serves {self.config.model_name!r}",
                 "model",
             )
@@ -95,7 +112,7 @@ class OpenAIRoutes:
         n = num_choices(body)
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
-            raise invalid(f"stream must be a bool, got {stream!r}", "stream")
+            raise invalid(f"stream must be a bool, got {str(stream)[:40]!r}", "stream")
         ranked = best_of(body, n, stream)
         options = body.get("stream_options") or {}
         if not isinstance(options, dict):
@@ -117,9 +134,11 @@ class OpenAIRoutes:
         )
 
     # -- running -------------------------------------------------------------------
-    async def _choices(self, job: Job) -> AsyncIterator[tuple[int, OutputDelta]]:
-        """All choices' deltas as they come, tagged with the choice index."""
-        queue: asyncio.Queue[tuple[int, OutputDelta] | BaseException | None] = asyncio.Queue()
+    async def _choices(self, job: Job) -> AsyncIterator[tuple[list[int], OutputDelta]]:
+        """All choices' deltas as they come, each with the choice indices it is about
+        (one, or every choice of its prompt for a request-wide end: abort, error)."""
+        queue: asyncio.Queue[tuple[list[int], OutputDelta] | BaseException | None]
+        queue = asyncio.Queue()
         n = job.params.n
 
         async def run(p: int, prompt: PromptInput) -> None:
@@ -127,7 +146,8 @@ class OpenAIRoutes:
                 rid = f"{job.request_id}-{p}"
                 timing = Timing(time.monotonic())
                 async for out in self.generator.stream(prompt, job.params, rid, timing):
-                    await queue.put((p * n + max(out.index, 0), out))
+                    which = [p * n + i for i in range(n)] if out.index < 0 else [p * n + out.index]
+                    await queue.put((which, out))
             except BaseException as exc:  # noqa: BLE001 - handed to the consumer
                 await queue.put(exc)
                 return
@@ -150,45 +170,50 @@ class OpenAIRoutes:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _complete(self, job: Job, chat: bool) -> dict[str, Any]:
-        texts: dict[int, list[str]] = {}
-        rows: dict[int, list[LogprobRow]] = {}
-        finals: dict[int, OutputDelta] = {}
-        async for index, out in self._choices(job):
-            _raise_failed(out)
-            texts.setdefault(index, []).append(out.text)
-            rows.setdefault(index, []).extend(out.logprobs or ())
-            if out.finish_reason is not None:
-                finals[index] = out
-        choices = []
-        for index in sorted(finals):
-            out, text = finals[index], "".join(texts[index])
-            logprobs = (
-                self._logprobs(rows[index], chat, job.top_logprobs)
-                if job.top_logprobs is not None
-                else None
-            )
-            if chat:
-                choice = {"index": index, "message": {"role": "assistant", "content": text}}
-            else:
-                choice = {"index": index, "text": text}
-            choice |= {
-                "logprobs": logprobs,
-                "finish_reason": _finish(out),
-                "stop_reason": out.stop_reason,
-            }
-            choices.append(choice)
+        tallies: dict[int, ChoiceTally] = {}
+        async for which, out in self._choices(job):
+            if out.finish_reason == "error":
+                raise failure(out)
+            for index in which:
+                tally = tallies.setdefault(index, ChoiceTally())
+                if tally.final is None:
+                    tally.add(out)
+            if out.finish_reason == "abort":
+                raise self._aborted(tallies)
+        choices = [self._choice(index, tallies[index], chat, job) for index in sorted(tallies)]
         return {
             "id": job.request_id,
             "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()),
             "model": self.config.model_name,
             "choices": choices,
-            "usage": _usage(finals),
+            "usage": usage(tallies),
+        }
+
+    def _aborted(self, tallies: dict[int, ChoiceTally]) -> ApiError:
+        done = sum(t.num_output_tokens for t in tallies.values())
+        what = "the server shut down" if self.generator.draining else "the request was aborted"
+        code = "shutting_down" if self.generator.draining else "engine_error"
+        return ApiError(code, f"{what} before it finished ({done} tokens were generated)")
+
+    def _choice(self, index: int, tally: ChoiceTally, chat: bool, job: Job) -> dict[str, Any]:
+        if chat:
+            choice = {"index": index, "message": {"role": "assistant", "content": tally.text}}
+        else:
+            choice = {"index": index, "text": tally.text}
+        top = job.top_logprobs
+        return choice | {
+            "logprobs": logprobs_json(tally.rows, chat, top) if top is not None else None,
+            "finish_reason": tally.final.finish_reason,
+            "stop_reason": tally.final.stop_reason,
         }
 
     async def _stream(self, job: Job, chat: bool) -> Response:
         stream = self._choices(job)
-        first = await _first_or_error(stream)  # refusals become an HTTP error, not a stream
+        first = await anext(stream, None)  # refusals become an HTTP error, not a stream
+        if first is not None and first[1].finish_reason == "error":
+            await stream.aclose()
+            raise failure(first[1])
         return StreamingResponse(
             self._sse(job, chat, first, stream), media_type="text/event-stream"
         )
@@ -200,73 +225,42 @@ class OpenAIRoutes:
             "created": int(time.time()),
             "model": self.config.model_name,
         }
-        finals: dict[int, OutputDelta] = {}
-        started: set[int] = set()
+        tallies: dict[int, ChoiceTally] = {}
         items = _prepend(first, stream)
         try:
-            async for index, out in items:
+            async for which, out in items:
                 if out.finish_reason == "error":
-                    yield _sse(
-                        {
-                            "error": ApiError("engine_error", out.error or "failed").openai_body()[
-                                "error"
-                            ]
-                        }
-                    )
+                    yield sse({"error": failure(out).openai_body()["error"]})
                     break
-                choice: dict[str, Any] = {"index": index}
-                if chat:
-                    delta = {"content": out.text}
-                    if index not in started:
-                        delta["role"] = "assistant"
-                    choice["delta"] = delta
-                else:
-                    choice["text"] = out.text
-                started.add(index)
-                rows = out.logprobs or ()
-                choice["logprobs"] = (
-                    self._logprobs(rows, chat, job.top_logprobs)
-                    if job.top_logprobs is not None and rows
-                    else None
-                )
-                choice["finish_reason"] = _finish(out)
-                if out.finish_reason is not None:
-                    finals[index] = out
-                    choice["stop_reason"] = out.stop_reason
-                chunk = {**head, "choices": [choice]}
-                if job.include_usage:
-                    chunk["usage"] = None
-                yield _sse(chunk)
+                for index in which:
+                    tally = tallies.setdefault(index, ChoiceTally())
+                    if tally.final is None:
+                        tally.add(out)
+                        first_chunk = len(tally.texts) == 1
+                        choice = self._chunk(index, out, chat, job, first_chunk)
+                        yield sse({**head, "choices": [choice]})
             if job.include_usage:
-                yield _sse({**head, "choices": [], "usage": _usage(finals)})
+                yield sse({**head, "choices": [], "usage": usage(tallies)})
             yield "data: [DONE]\n\n"
         finally:
             await items.aclose()
 
-    def _logprobs(self, rows, chat: bool, k: int) -> dict[str, Any]:
+    def _chunk(
+        self, index: int, out: OutputDelta, chat: bool, job: Job, first: bool
+    ) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": index}
         if chat:
-            return {"content": [_chat_logprob(row, self._top(row, k)) for row in rows]}
-        return {
-            "tokens": [row[0].decoded_token for row in rows],
-            "token_logprobs": [row[0].logprob for row in rows],
-            "top_logprobs": [
-                {c.decoded_token: c.logprob for c in self._top(row, k)} for row in rows
-            ],
-            "text_offset": None,
-        }
-
-    @staticmethod
-    def _top(row: LogprobRow, k: int) -> list:
-        """The row's top-k candidates by rank (the sampled token may rank below them)."""
-        return sorted((c for c in row if c.rank is not None and c.rank <= k), key=lambda c: c.rank)
-
-
-def _chat_logprob(row: LogprobRow, top: list) -> dict[str, Any]:
-    def entry(c) -> dict[str, Any]:
-        token = c.decoded_token or ""
-        return {"token": token, "logprob": c.logprob, "bytes": list(token.encode("utf-8"))}
-
-    return {**entry(row[0]), "top_logprobs": [entry(c) for c in top]}
+            choice["delta"] = (
+                {"role": "assistant", "content": out.text} if first else {"content": out.text}
+            )
+        else:
+            choice["text"] = out.text
+        rows, top = out.logprobs or (), job.top_logprobs
+        choice["logprobs"] = logprobs_json(rows, chat, top) if top is not None and rows else None
+        choice["finish_reason"] = out.finish_reason
+        if out.finish_reason is not None:
+            choice["stop_reason"] = out.stop_reason
+        return choice
 
 
 def _prompts(prompt: Any) -> list[PromptInput]:
@@ -286,34 +280,26 @@ def _prompts(prompt: Any) -> list[PromptInput]:
     )
 
 
-def _raise_failed(out: OutputDelta) -> None:
-    if out.finish_reason == "error":
-        raise ApiError("engine_error", out.error or "the request failed")
+async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any | None:
+    """`work`'s result, or None once the client hangs up first (then `work` is
+    cancelled, which aborts its engine requests: no zombie decoding)."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_client_gone(request))
+    done, _ = await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    if task in done:
+        gone.cancel()
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task
+    logger.info("client of %s hung up; its request was aborted", request.url.path)
+    return None
 
 
-def _finish(out: OutputDelta) -> str | None:
-    return {"abort": "stop"}.get(out.finish_reason, out.finish_reason)
-
-
-def _usage(finals: dict[int, OutputDelta]) -> dict[str, int]:
-    prompt = sum(o.num_prompt_tokens for o in finals.values())
-    completion = sum(o.num_output_tokens for o in finals.values())
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-    }
-
-
-def _sse(obj: dict[str, Any]) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-
-async def _first_or_error(stream):
-    try:
-        return await anext(stream)
-    except StopAsyncIteration:
-        return None
+async def _client_gone(request: Request) -> None:
+    """Returns when the server learns that the client disconnected (its body is read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _prepend(first, stream):
@@ -321,18 +307,3 @@ async def _prepend(first, stream):
         yield first
         async for item in stream:
             yield item
-
-
-async def _json_body(request: Request, limit: int) -> dict[str, Any]:
-    raw = await request.body()
-    if len(raw) > limit:
-        raise invalid(f"request body is {len(raw)} bytes; the limit is {limit}")
-    try:
-        body = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as exc:
-        raise invalid(f"request body is not valid UTF-8: {exc}") from None
-    except ValueError as exc:
-        raise invalid(f"request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise invalid("request body must be a JSON object")
-    return body

@@ -3,6 +3,7 @@ checked before anything reaches the engine. Every error names its field."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from engine.sampling_params import SamplingParams
@@ -44,7 +45,7 @@ def sampling_params(body: dict[str, Any], *, chat: bool, default_max_tokens: int
     try:
         return SamplingParams(**kwargs)
     except ValueError as exc:
-        raise invalid(str(exc), _field_of(str(exc))) from None
+        raise invalid(str(exc), field_of(str(exc))) from None
 
 
 def best_of(body: dict[str, Any], n: int, stream: bool) -> int | None:
@@ -95,10 +96,19 @@ def _logprobs(body: dict[str, Any], chat: bool) -> dict[str, Any]:
     return {} if count is None else {"logprobs": count}
 
 
-def _field_of(message: str) -> str | None:
-    """SamplingParams errors start with the field name."""
-    head = message.split(" ", 1)[0]
-    return head if head.isidentifier() else None
+_FIELD_HEAD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+KNOWN_FIELDS = frozenset(
+    {*SAMPLING_FIELDS, *BEAM_FIELDS, "n", "best_of", "max_tokens", "logprobs", "top_logprobs"}
+    | {"logit_bias", "prompt", "messages", "prompt_token_ids", "request_id", "use_beam_search"}
+    | {"prompt_logprobs", "max_completion_tokens"}
+)
+
+
+def field_of(message: str) -> str | None:
+    """The field an engine error names: validation errors start with it
+    ("seed must be ...", "messages[0].content holds ...")."""
+    head = _FIELD_HEAD.match(message)
+    return head.group() if head and head.group() in KNOWN_FIELDS else None
 
 
 def chat_messages(value: Any) -> list[dict[str, str]]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from web.api_keys import ApiKeys
+
 
 @dataclass(frozen=True)
 class ServerConfig:
@@ -16,7 +18,7 @@ class ServerConfig:
     builtin: bool = False
     host: str = "127.0.0.1"
     port: int = 8000
-    api_keys: frozenset[str] = field(default_factory=frozenset)
+    api_keys: ApiKeys = field(default_factory=ApiKeys)
     max_queued_requests: int = 256
     max_requests_per_connection: int = 64
     max_message_bytes: int = 1 << 20  # WebSocket frames and HTTP bodies
@@ -25,6 +27,9 @@ class ServerConfig:
     session_max_chars: int = 32_000
     pipeline_depth: int = 2
     shutdown_grace_s: float = 5.0  # in-flight requests' time to finish on SIGINT/SIGTERM
+    request_timeout_s: float | None = None  # end requests still open after this long
+    worker_timeout_s: float = 5.0  # a worker silent this long is stalled
+    ws_auth_timeout_s: float = 5.0  # a WebSocket not authenticated by then is closed
 
     def __post_init__(self) -> None:
         for name in ("max_queued_requests", "max_requests_per_connection", "max_message_bytes"):
@@ -32,5 +37,10 @@ class ServerConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.shutdown_grace_s <= 3600:
             raise ValueError(f"shutdown_grace_s must be in [0, 3600], got {self.shutdown_grace_s}")
+        for name in ("worker_timeout_s", "ws_auth_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.request_timeout_s is not None and not self.request_timeout_s > 0:
+            raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")

@@ -1,4 +1,10 @@
-"""Server-side chat sessions: the message history of a multi-turn chat."""
+"""Server-side chat sessions: the message history of a multi-turn chat.
+
+A session belongs to whoever opened it: the API key (by fingerprint) when the server
+has keys, else the WebSocket connection, whose sessions close with it. Another owner
+asking for it by id is told it does not exist. Sessions are bounded in number (per
+owner and in all) and in characters (the system text counts too).
+"""
 
 from __future__ import annotations
 
@@ -6,8 +12,12 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
+from engine.text_checks import check_text
 from web.errors import ApiError, invalid
+
+MAX_SESSION_ID_CHARS = 128
 
 
 @dataclass
@@ -17,56 +27,82 @@ class Session:
     prefix a prefix cache reuses)."""
 
     session_id: str
+    owner: str
     messages: list[dict[str, str]] = field(default_factory=list)
     last_used: float = 0.0
     busy: bool = False  # a turn is generating: a second one must wait for it
 
+    @property
+    def num_chars(self) -> int:
+        return sum(len(m["content"]) for m in self.messages)
+
 
 class SessionStore:
     """Sessions by id, each bounded by `max_history_chars` (the oldest non-system turns
-    are dropped first) and expired `ttl_s` seconds after their last turn."""
+    are dropped first), at most `max_per_owner` per owner and `max_sessions` in all,
+    expired `ttl_s` seconds after their last turn."""
 
     def __init__(
         self,
         ttl_s: float = 1800.0,
         max_history_chars: int = 32_000,
         max_sessions: int = 10_000,
+        max_per_owner: int = 64,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.ttl_s = ttl_s
         self.max_history_chars = max_history_chars
         self.max_sessions = max_sessions
+        self.max_per_owner = max_per_owner
         self.clock = clock
         self._sessions: dict[str, Session] = {}
 
     def __len__(self) -> int:
         return len(self._sessions)
 
-    def open(self, session_id: str | None = None, system: str | None = None) -> Session:
+    def open(self, owner: str, session_id: Any = None, system: Any = None) -> Session:
+        """The owner's session `session_id` (made if new; a fresh id when None)."""
         self.expire()
+        _check_id(session_id, none_ok=True)
+        system = self._check_system(system)
         if session_id is not None and session_id in self._sessions:
-            return self.get(session_id)
+            return self.get(owner, session_id)
         if len(self._sessions) >= self.max_sessions:
             raise ApiError("overloaded", f"too many open sessions (max {self.max_sessions})")
+        if sum(s.owner == owner for s in self._sessions.values()) >= self.max_per_owner:
+            raise invalid(
+                f"this client has {self.max_per_owner} open sessions, the most allowed; "
+                "close one (session.close) first",
+                "session_id",
+            )
         sid = session_id or uuid.uuid4().hex
-        session = Session(sid, last_used=self.clock())
+        session = Session(sid, owner, last_used=self.clock())
         if system:
             session.messages.append({"role": "system", "content": system})
         self._sessions[sid] = session
         return session
 
-    def get(self, session_id: str) -> Session:
+    def get(self, owner: str, session_id: Any) -> Session:
         self.expire()
+        _check_id(session_id)
         session = self._sessions.get(session_id)
-        if session is None:
+        if session is None or session.owner != owner:  # another's: as if it did not exist
             raise ApiError(
                 "not_found", f"no session {session_id!r} (closed or expired)", "session_id"
             )
         session.last_used = self.clock()
         return session
 
-    def close(self, session_id: str) -> None:
-        self._sessions.pop(session_id, None)
+    def close(self, owner: str, session_id: Any) -> None:
+        _check_id(session_id)
+        session = self._sessions.get(session_id)
+        if session is not None and session.owner == owner:
+            del self._sessions[session_id]
+
+    def close_owned_by(self, owner: str) -> None:
+        """Closes every session of `owner` (a connection that went away)."""
+        for sid in [sid for sid, s in self._sessions.items() if s.owner == owner]:
+            del self._sessions[sid]
 
     def begin_turn(self, session: Session, message: dict[str, str]) -> list[dict[str, str]]:
         """The messages to render for this turn (history + `message`)."""
@@ -83,20 +119,31 @@ class SessionStore:
         history as it was) and trims the history to its bound."""
         session.busy = False
         session.last_used = self.clock()
-        if reply is None:
+        if reply is None or session.session_id not in self._sessions:
             return
         session.messages += [message, {"role": "assistant", "content": reply}]
         self._trim(session)
 
     def _trim(self, session: Session) -> None:
-        def size() -> int:
-            return sum(len(m["content"]) for m in session.messages)
-
-        while size() > self.max_history_chars:
+        while session.num_chars > self.max_history_chars:
             first = 1 if session.messages and session.messages[0]["role"] == "system" else 0
             if len(session.messages) - first <= 2:
                 break  # keep at least the last exchange
             del session.messages[first : first + 2]
+
+    def _check_system(self, system: Any) -> str | None:
+        if system is None:
+            return None
+        if not isinstance(system, str):
+            raise invalid(f"system must be a string, got {type(system).__name__}", "system")
+        if len(system) > self.max_history_chars:
+            raise invalid(
+                f"system has {len(system):,} characters; a session holds at most "
+                f"{self.max_history_chars:,} (--session-max-chars)",
+                "system",
+            )
+        _check_text("system", system)
+        return system
 
     def expire(self) -> None:
         now = self.clock()
@@ -107,3 +154,22 @@ class SessionStore:
         ]
         for sid in stale:
             del self._sessions[sid]
+
+
+def _check_id(session_id: Any, none_ok: bool = False) -> None:
+    if session_id is None and none_ok:
+        return
+    if not isinstance(session_id, str) or not 0 < len(session_id) <= MAX_SESSION_ID_CHARS:
+        raise invalid(
+            f"session_id must be a string of 1 to {MAX_SESSION_ID_CHARS} characters, "
+            f"got {repr(session_id)[:60]}",
+            "session_id",
+        )
+    _check_text("session_id", session_id)
+
+
+def _check_text(name: str, text: str) -> None:
+    try:
+        check_text(name, text)
+    except ValueError as exc:
+        raise invalid(str(exc), name) from None

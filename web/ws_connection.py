@@ -12,8 +12,14 @@ Client -> server (JSON text frames, or msgpack binary frames):
 Server -> client (msgpack binary frames when the URL says `?encoding=msgpack`):
   {"type": "delta", "id", "text", "token_ids", "logprobs"?}
   {"type": "done", "id", "finish_reason", "stop_reason", "usage", "timing", "session_id"?}
-  {"type": "error", "id", "code", "message"}
+  {"type": "error", "id", "code", "message", "param"?}
   {"type": "session", "session_id", "messages"}    {"type": "pong"}
+
+Connection rule: nothing a client sends closes the socket abnormally or touches its
+other requests. A frame that cannot be served gets an `error` event (with its `id` when
+it had a readable one); the documented closes are 1008 (bad or missing API key, or none
+within `auth_timeout_s`), 1009 (frame over --max-message-bytes), 4008 (a client that
+stopped reading its events) and 1001 (server shutting down).
 
 A slow reader never holds anything up: events go into a per-connection buffer where a
 request's unsent deltas merge into one, and a writer task drains it at the reader's pace.
@@ -27,22 +33,25 @@ import itertools
 import json
 import logging
 import time
-from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
 import msgpack
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
+from engine.text_checks import check_text
+from web.api_keys import ApiKeys
 from web.errors import ApiError, invalid
-from web.generation import Generator, Timing
+from web.event_buffer import MAX_CONTROL_EVENTS, EventBuffer
+from web.frames import parse_json, parse_msgpack
+from web.generation import Generator, Timing, failure
 from web.params import SAMPLING_FIELDS, chat_messages, sampling_params
 from web.sessions import SessionStore
 
 logger = logging.getLogger(__name__)
 _conn_ids = itertools.count()
 MAX_ID_LEN = 128
-MAX_CONTROL_EVENTS = 1024  # unsent non-delta events before a connection is closed
+POLICY_CLOSE = 1008  # close code: bad or missing API key
 SLOW_READER_CLOSE = 4008  # close code: the client left MAX_CONTROL_EVENTS events unread
 SHUTDOWN_CLOSE = 1001  # close code ("going away"): the server is shutting down
 GENERATE_KEYS = {"type", "id", "prompt", "messages", "prompt_token_ids", "session_id"}
@@ -55,55 +64,14 @@ class StreamLimits:
 
     max_requests: int = 64  # concurrent requests on one connection
     default_max_tokens: int = 256
-
-
-class EventBuffer:
-    """Events waiting for a slow client, in order; a request's unsent deltas coalesce.
-
-    Deltas merge, so only the other events (done, error, pong, session) can pile up:
-    past MAX_CONTROL_EVENTS of them `push` refuses (returns False) from then on, and the
-    connection is closed with SLOW_READER_CLOSE."""
-
-    def __init__(self) -> None:
-        self.events: deque[dict[str, Any]] = deque()
-        self.open_delta: dict[str, dict[str, Any]] = {}  # id -> its unsent delta event
-        self.ready = asyncio.Event()
-        self.overflowed = False
-
-    def push(self, event: dict[str, Any]) -> bool:
-        if self.overflowed:
-            return False
-        rid = event.get("id")
-        if event["type"] == "delta":
-            pending = self.open_delta.get(rid)
-            if pending is not None:
-                pending["text"] += event["text"]
-                pending["token_ids"] += event["token_ids"]
-                if "logprobs" in event:
-                    pending.setdefault("logprobs", []).extend(event["logprobs"])
-                return True
-            self.open_delta[rid] = event
-        else:
-            self.open_delta.pop(rid, None)  # later deltas must not merge before this
-            if len(self.events) - len(self.open_delta) >= MAX_CONTROL_EVENTS:
-                self.overflowed = True
-                return False
-        self.events.append(event)
-        self.ready.set()
-        return True
-
-    def pop(self) -> dict[str, Any] | None:
-        if not self.events:
-            self.ready.clear()
-            return None
-        event = self.events.popleft()
-        if event["type"] == "delta" and self.open_delta.get(event["id"]) is event:
-            del self.open_delta[event["id"]]
-        return event
+    auth_timeout_s: float = 5.0  # a socket not authenticated by then is closed
 
 
 class StreamConnection:
-    """One WebSocket client: reads commands, runs its requests, writes events."""
+    """One WebSocket client: reads commands, runs its requests, writes events.
+
+    Its sessions belong to its API key when the server has keys (they outlive the
+    socket, for a reconnecting client), else to the connection (closed with it)."""
 
     def __init__(
         self,
@@ -111,15 +79,17 @@ class StreamConnection:
         generator: Generator,
         sessions: SessionStore,
         limits: StreamLimits,
-        api_keys: frozenset[str],
+        api_keys: ApiKeys,
         binary: bool,
     ) -> None:
         self.ws, self.generator, self.sessions = ws, generator, sessions
         self.limits, self.api_keys, self.binary = limits, api_keys, binary
         self.prefix = f"ws{next(_conn_ids)}-"
+        self.owner = f"conn:{self.prefix}"
         self.buffer = EventBuffer()
         self.tasks: dict[str, asyncio.Task[None]] = {}
-        self.authorized = not api_keys or _bearer(ws.headers.get("authorization")) in api_keys
+        self.authorized = not api_keys
+        self._claim(_bearer(ws.headers.get("authorization")))
         self.closing = False
         self._writer: asyncio.Task[None] | None = None
         self._closer: asyncio.Task[None] | None = None
@@ -129,9 +99,14 @@ class StreamConnection:
         await self.ws.accept()
         self._writer = asyncio.create_task(self._write())
         try:
-            await self._read()
+            if not self.authorized:
+                await self._await_auth()
+            if self.authorized:
+                await self._read()
         finally:
             await self._cancel_requests()
+            if self.owner.startswith("conn:"):
+                self.sessions.close_owned_by(self.owner)
             self._writer.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._writer
@@ -157,6 +132,33 @@ class StreamConnection:
             task.cancel()  # their generators abort the engine requests
         await asyncio.gather(*self.tasks.values(), return_exceptions=True)
 
+    # -- authentication ------------------------------------------------------------
+    def _claim(self, key: str | None) -> bool:
+        """Authorizes the connection if `key` is one of the server's keys."""
+        if self.api_keys.matches(key):
+            self.authorized = True
+            self.owner = f"key:{ApiKeys.fingerprint(key)}"
+        return self.authorized
+
+    async def _await_auth(self) -> None:
+        """The first frame must be an `auth` message with a valid key, within the
+        timeout; otherwise the socket is closed with 1008."""
+        try:
+            async with asyncio.timeout(self.limits.auth_timeout_s):
+                frame = await self.ws.receive()
+        except TimeoutError:
+            await self.ws.close(POLICY_CLOSE, "no API key within the authentication timeout")
+            return
+        except (WebSocketDisconnect, RuntimeError):
+            return
+        if frame["type"] == "websocket.disconnect":
+            return
+        with contextlib.suppress(ApiError):
+            message = _parse(frame)
+            if message.get("type") == "auth" and self._claim(message.get("token")):
+                return
+        await self.ws.close(POLICY_CLOSE, "invalid or missing API key")
+
     # -- reading -----------------------------------------------------------------
     async def _read(self) -> None:
         while True:
@@ -167,22 +169,12 @@ class StreamConnection:
             if frame["type"] == "websocket.disconnect" or self.closing:
                 return
             try:
-                message = _parse(frame)
-                if not self.authorized:
-                    self._authorize(message)
-                    continue
-                self._dispatch(message)
+                self._dispatch(_parse(frame))
             except ApiError as err:
-                if err.code == "unauthorized":
-                    await self.ws.close(1008, err.message[:120])
-                    return
                 self._emit(err.event(_id_of(frame)))
-
-    def _authorize(self, message: dict[str, Any]) -> None:
-        if message.get("type") == "auth" and message.get("token") in self.api_keys:
-            self.authorized = True
-            return
-        raise ApiError("unauthorized", "invalid or missing API key")
+            except Exception:  # a bug, not the client's: its frame fails, the rest go on
+                logger.exception("%s: a frame failed", self.prefix)
+                self._emit(ApiError("engine_error", "internal error").event(_id_of(frame)))
 
     def _dispatch(self, message: dict[str, Any]) -> None:
         kind = message.get("type")
@@ -195,26 +187,28 @@ class StreamConnection:
         elif kind == "ping":
             self._emit({"type": "pong"})
         elif kind == "session.open":
-            session = self.sessions.open(message.get("session_id"), message.get("system"))
+            _only_keys(message, {"type", "session_id", "system"})
+            session = self.sessions.open(
+                self.owner, message.get("session_id"), message.get("system")
+            )
             self._emit(
                 {"type": "session", "session_id": session.session_id, "messages": session.messages}
             )
         elif kind == "session.close":
-            self.sessions.close(str(message.get("session_id")))
+            _only_keys(message, {"type", "session_id"})
+            self.sessions.close(self.owner, message.get("session_id"))
         elif kind == "auth":
             pass  # already authorized (or no key configured)
         else:
             raise invalid(
-                f"unknown message type {kind!r}; expected generate, cancel, ping, "
+                f"unknown message type {str(kind)[:40]!r}; expected generate, cancel, ping, "
                 "session.open, session.close or auth",
                 "type",
             )
 
     def _generate(self, message: dict[str, Any]) -> None:
         rid = _request_id(message)
-        unknown = set(message) - GENERATE_KEYS
-        if unknown:
-            raise invalid(f"unknown field(s) {sorted(unknown)} in generate", sorted(unknown)[0])
+        _only_keys(message, GENERATE_KEYS)
         if rid in self.tasks:
             raise invalid(f"id {rid!r} is already in flight on this connection", "id")
         if len(self.tasks) >= self.limits.max_requests:
@@ -224,7 +218,7 @@ class StreamConnection:
             )
         body = message.get("params") or {}
         if not isinstance(body, dict):
-            raise invalid(f"params must be an object, got {body!r}", "params")
+            raise invalid(f"params must be an object, got {type(body).__name__}", "params")
         params = sampling_params(
             _check_params(body), chat=False, default_max_tokens=self.limits.default_max_tokens
         )
@@ -239,14 +233,17 @@ class StreamConnection:
                 text = text.get("content")
             if not isinstance(text, str) or not text:
                 raise invalid("a session turn needs a non-empty 'message' string", "message")
-            session = self.sessions.get(str(sid))
+            _check_text("message", text)
+            session = self.sessions.get(self.owner, sid)
             user = {"role": "user", "content": text}
             return self.sessions.begin_turn(session, user), (session, user)
         given = [
             k for k in ("prompt", "messages", "prompt_token_ids") if message.get(k) is not None
         ]
         if len(given) != 1:
-            raise invalid("set exactly one of prompt, messages, prompt_token_ids (or session_id)")
+            raise invalid(
+                "set exactly one of prompt, messages, prompt_token_ids (or session_id)", "prompt"
+            )
         value = message[given[0]]
         if given[0] == "prompt" and not isinstance(value, str):
             raise invalid(f"prompt must be a string, got {type(value).__name__}", "prompt")
@@ -262,37 +259,22 @@ class StreamConnection:
         timing = Timing(time.monotonic())
         reply: str | None = None
         text: list[str] = []
+        counted = None  # the latest delta with token counts (an abort carries none)
         try:
             async for out in self.generator.stream(prompt, params, self.prefix + rid, timing):
                 if out.finish_reason == "error":
-                    raise ApiError("engine_error", out.error or "the request failed")
+                    raise failure(out)
+                if out.num_prompt_tokens or out.num_output_tokens:
+                    counted = out
                 if out.text or out.token_ids:
                     text.append(out.text)
                     self._emit(_delta_event(rid, out))
                 if out.finish_reason is not None:
                     reply = "".join(text) if out.finish_reason in ("stop", "length") else None
-                    done = {
-                        "type": "done",
-                        "id": rid,
-                        "finish_reason": out.finish_reason,
-                        "stop_reason": out.stop_reason,
-                        "usage": _usage(out),
-                        "timing": timing.summary(),
-                    }
-                    if turn is not None:
-                        done["session_id"] = turn[0].session_id
-                    self._emit(done)
+                    done = self._done(rid, out.finish_reason, out.stop_reason, counted, timing)
+                    self._emit(done | _session_of(turn))
         except asyncio.CancelledError:
-            self._emit(
-                {
-                    "type": "done",
-                    "id": rid,
-                    "finish_reason": "abort",
-                    "stop_reason": None,
-                    "usage": None,
-                    "timing": timing.summary(),
-                }
-            )
+            self._emit(self._done(rid, "abort", None, counted, timing) | _session_of(turn))
         except ApiError as err:
             self._emit(err.event(rid))
         except Exception as exc:  # noqa: BLE001 - one request's failure stays its own
@@ -302,6 +284,17 @@ class StreamConnection:
             self.tasks.pop(rid, None)
             if turn is not None:
                 self.sessions.end_turn(turn[0], turn[1], reply)
+
+    @staticmethod
+    def _done(rid: str, reason: str, stop_reason, counted, timing: Timing) -> dict[str, Any]:
+        return {
+            "type": "done",
+            "id": rid,
+            "finish_reason": reason,
+            "stop_reason": stop_reason,
+            "usage": None if counted is None else _usage(counted),
+            "timing": timing.summary(),
+        }
 
     # -- writing -----------------------------------------------------------------
     def _emit(self, event: dict[str, Any]) -> None:
@@ -316,39 +309,65 @@ class StreamConnection:
         while True:
             await self.buffer.ready.wait()
             while (event := self.buffer.pop()) is not None:
-                if self.binary:
-                    await self.ws.send_bytes(msgpack.packb(event, use_bin_type=True))
-                else:
-                    await self.ws.send_text(json.dumps(event, ensure_ascii=False))
+                await self._send(event)
             if self.closing:
                 return
 
+    async def _send(self, event: dict[str, Any]) -> None:
+        try:
+            if self.binary:
+                await self.ws.send_bytes(msgpack.packb(event, use_bin_type=True))
+            else:
+                await self.ws.send_text(json.dumps(event, ensure_ascii=False))
+        except (TypeError, ValueError) as exc:  # unencodable (a bug): say so, go on
+            logger.error("%s: an event could not be encoded: %s", self.prefix, exc)
+            if event.get("type") != "error":
+                rid = event.get("id")
+                error = ApiError("engine_error", "an event could not be encoded")
+                await self._send(error.event(rid if isinstance(rid, str) else None))
+
+
+def _session_of(turn) -> dict[str, Any]:
+    return {} if turn is None else {"session_id": turn[0].session_id}
+
 
 def _parse(frame: dict[str, Any]) -> dict[str, Any]:
-    try:
-        if frame.get("bytes") is not None:
-            message = msgpack.unpackb(frame["bytes"], raw=False)
-        else:
-            message = json.loads(frame.get("text") or "")
-    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
-        raise invalid(f"invalid JSON/msgpack frame: {exc}") from None
-    if not isinstance(message, dict):
-        raise invalid(f"a message must be an object, got {type(message).__name__}")
-    return message
+    if frame.get("bytes") is not None:
+        return parse_msgpack(frame["bytes"], "frame")
+    return parse_json(frame.get("text") or "", "frame")
 
 
 def _id_of(frame: dict[str, Any]) -> str | None:
+    """The frame's request id, if it has a readable one (for its error event)."""
     with contextlib.suppress(ApiError):
         rid = _parse(frame).get("id")
-        return rid if isinstance(rid, str) else None
+        if isinstance(rid, str) and 0 < len(rid) <= MAX_ID_LEN:
+            with contextlib.suppress(ValueError):
+                check_text("id", rid)
+                return rid
     return None
 
 
 def _request_id(message: dict[str, Any]) -> str:
     rid = message.get("id")
     if not isinstance(rid, str) or not 0 < len(rid) <= MAX_ID_LEN:
-        raise invalid(f"id must be a string of 1 to {MAX_ID_LEN} characters, got {rid!r}", "id")
+        shown = repr(rid)[:60] if not isinstance(rid, list | dict) else type(rid).__name__
+        raise invalid(f"id must be a string of 1 to {MAX_ID_LEN} characters, got {shown}", "id")
+    _check_text("id", rid)
     return rid
+
+
+def _only_keys(message: dict[str, Any], allowed: set[str]) -> None:
+    unknown = sorted(set(message) - allowed)
+    if unknown:
+        raise invalid(f"unknown field(s) {unknown} in {message.get('type')}", unknown[0])
+
+
+def _check_text(name: str, text: str) -> None:
+    try:
+        check_text(name, text)
+    except ValueError as exc:
+        raise invalid(str(exc), name) from None
 
 
 def _check_params(body: dict[str, Any]) -> dict[str, Any]:

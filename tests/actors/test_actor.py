@@ -1,5 +1,7 @@
-"""The actor base: dispatch by type; bad frames and failing handlers never kill the loop;
-Shutdown and stop() end it cleanly (no task, no ipc file left); the ready handshake."""
+"""The actor base: dispatch by type; the failure rule (an error about one request fails
+that request and the loop goes on; any other error ends the loop); bad frames are
+dropped; Shutdown and stop() end it cleanly (no task, no ipc file left); the ready
+handshake."""
 
 from __future__ import annotations
 
@@ -40,9 +42,10 @@ EMPTY_RESULT = StepResult(1, 0, (), (), (), (), None, 0.0)
 
 
 class EchoActor(Actor):
-    """Echoes AbortRequest back (async handler); records BlockOp (sync handler).
+    """Echoes AbortRequest back (async handler); records BlockOp (sync handler) and the
+    requests it failed.
 
-    The request id "boom" makes the echo handler raise."""
+    The request id "boom" makes the echo handler raise; a BlockOp of kind "boom" too."""
 
     def __init__(self, inbox: Inbox, reply: Outbox, **handler_overrides: Any) -> None:
         handlers = {AbortRequest: self.on_abort, BlockOp: self.on_token}
@@ -50,6 +53,8 @@ class EchoActor(Actor):
         super().__init__("echo", inbox, handlers, outboxes=[reply])
         self.reply = reply
         self.tokens: list[int] = []
+        self.failed: list[tuple[str, str]] = []
+        self.after = 0
 
     async def on_abort(self, message: AbortRequest) -> None:
         if message.request_id == "boom":
@@ -57,7 +62,15 @@ class EchoActor(Actor):
         await send_message(self.reply, message)
 
     def on_token(self, message: BlockOp) -> None:
+        if message.kind == "boom":
+            raise RuntimeError("no single request to blame")
         self.tokens.append(message.num)
+
+    async def fail_request(self, request_id: str, error: str, message: Any) -> None:
+        self.failed.append((request_id, error))
+
+    async def after_message(self) -> None:
+        self.after += 1
 
 
 @dataclass
@@ -124,6 +137,7 @@ async def test_messages_are_dispatched_by_type(rig):
     assert rig.actor.tokens == list(range(50))
     assert rig.actor.num_received == 100
     assert (rig.actor.num_dropped, rig.actor.num_errors) == (0, 0)
+    assert rig.actor.after == 100  # after_message ran after each
 
 
 def bad_frames() -> list[bytes]:
@@ -157,14 +171,18 @@ async def test_bad_frames_are_dropped_and_counted_and_the_actor_keeps_going(rig)
     assert rig.actor.num_dropped == len(frames)
     assert rig.actor.num_errors == 0
     assert rig.actor.is_alive
+    # The frame that names a request (an AbortRequest of "x" with a field too many) fails it.
+    assert [rid for rid, _ in rig.actor.failed] == ["x"]
+    assert all("could not be decoded" in error for _, error in rig.actor.failed)
 
 
-async def test_a_failing_handler_is_counted_and_the_loop_continues(rig):
+async def test_a_failing_handler_fails_its_request_and_the_loop_continues(rig):
     await rig.send(AbortRequest("boom"))
     await rig.send(AbortRequest("boom"))
     await rig.send(AbortRequest("still here"))
     assert (await rig.reply()).request_id == "still here"
     assert rig.actor.num_errors == 2
+    assert rig.actor.failed == [("boom", "RuntimeError: handler failed on purpose")] * 2
     assert rig.actor.is_alive and rig.actor.crash is None
 
 
@@ -249,22 +267,27 @@ async def test_shutdown_runs_its_handler_first():
     assert seen == ["bye"]
 
 
-async def test_on_handler_error_sees_the_error_and_may_make_it_fatal():
-    class Fatal(EchoActor):
-        async def on_handler_error(self, message: Any, error: Exception) -> None:
-            raise SystemError(f"giving up after {message.request_id}: {error}")
-
+async def test_an_error_about_no_single_request_ends_the_loop():
     outbox, inbox = inproc_pair()
     _, reply_in = reply = inproc_pair()
-    actor = Fatal(inbox, reply[0])
+    actor = EchoActor(inbox, reply[0])
     await actor.start()
-    await send_message(outbox, AbortRequest("boom"))
+    await send_message(outbox, BlockOp("boom", "r"))
     await wait_until(lambda: not actor.is_alive)
-    assert isinstance(actor.crash, SystemError)
-    assert "handler failed on purpose" in str(actor.crash)
-    assert actor.num_errors == 1
+    assert isinstance(actor.crash, RuntimeError) and "no single request" in str(actor.crash)
+    assert actor.failed == []
     await actor.stop()
     reply_in.close()
+
+
+async def test_an_actor_that_cannot_fail_requests_stops_rather_than_lose_one():
+    outbox, inbox = inproc_pair()
+    actor = Actor("plain", inbox, {AbortRequest: lambda m: 1 / 0})
+    await actor.start()
+    await send_message(outbox, AbortRequest("r"))
+    await wait_until(lambda: not actor.is_alive)
+    assert "cannot fail request 'r'" in str(actor.crash)
+    assert "ZeroDivisionError" in str(actor.crash)
 
 
 async def test_actor_cannot_start_twice():

@@ -78,6 +78,10 @@ SAMPLES = [
     ),
     m.OutputDelta("r1", " once", (12,), None, None, 3, 1, None),
     m.OutputDelta("r1", " once", (12,), "stop", None, 3, 1, None, (DECODED,), ()),
+    m.OutputDelta.failed("r1", "ValueError: bad", m.ErrorKind.INVALID),
+    m.RequestFailed("r1", "TypeError: cannot encode"),
+    m.StepResult(6, 0, ("r2",), (5,), (), (), None, 0.1, (m.RequestFailed("r1", "boom"),)),
+    m.WorkerHeartbeat(0, 12345.5, 17, 0.0),
 ]
 
 # The wire format: field names in order. Changing this table means a protocol change.
@@ -131,7 +135,10 @@ FIELD_ORDER = {
         "prompt_logprobs",
         "error",
         "busy_seconds",
+        "failed",
     ],
+    "RequestFailed": ["request_id", "error"],
+    "WorkerHeartbeat": ["worker_id", "sent_at", "num_steps", "busy_since"],
     "WorkerReady": [
         "worker_id",
         "num_blocks",
@@ -191,6 +198,7 @@ FIELD_ORDER = {
         "logprobs",
         "prompt_logprobs",
         "index",
+        "error_kind",
     ],
     "SamplingParams": [
         "n",
@@ -274,13 +282,15 @@ def _frame(name, fields):
         (_frame("AddRequest", ["r", [1, "x"], [], 0.0]), "prompt_token_ids"),
         (_frame("AddRequest", ["r", [1, True], [], 0.0]), "prompt_token_ids"),
         (_frame("AddRequest", ["r", [1], [1] * 5, 0.0]), "params"),
-        (_frame("StepResult", [1, 0, ["r"], [1.5], [], [], None, 0.0]), "sampled_token_ids"),
-        (_frame("StepResult", [1, 0, ["r"], [True], [], [], None, 0.0]), "sampled_token_ids"),
+        (_frame("StepResult", [1, 0, ["r"], [1.5], [], [], None, 0.0, []]), "sampled_token_ids"),
+        (_frame("StepResult", [1, 0, ["r"], [True], [], [], None, 0.0, []]), "sampled_token_ids"),
         (
-            _frame("StepResult", [1, 0, [], [], [["r", [[[1, -0.5, "x", None]]]]], [], None, 0.0]),
+            _frame(
+                "StepResult", [1, 0, [], [], [["r", [[[1, -0.5, "x", None]]]]], [], None, 0.0, []]
+            ),
             "rank",
         ),
-        (_frame("StepResult", [1, 0, [], None]), "expected 8 fields"),
+        (_frame("StepResult", [1, 0, [], None]), "expected 9 fields"),
     ],
 )
 def test_garbage_and_wrong_types_are_rejected(frame, reason):

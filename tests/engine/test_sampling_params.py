@@ -2,7 +2,15 @@ import math
 
 import pytest
 
-from engine.sampling_params import MAX_LOGPROBS, SamplingParams, SamplingParamsError
+from engine.sampling_params import (
+    MAX_COUNT,
+    MAX_LOGPROBS,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    SamplingParams,
+    SamplingParamsError,
+)
 
 INVALID = [
     ("n", 0),
@@ -38,6 +46,21 @@ INVALID = [
     ("seed", 1.0),
     ("seed", "7"),
     ("seed", True),
+    # What the wire carries: a seed is 64-bit, counts are bounded (the 2**70 seed once
+    # passed validation and then hung its request in the msgpack codec).
+    ("seed", 2**70),
+    ("seed", 2**64),
+    ("seed", -(2**63) - 1),
+    ("top_k", 2**70),
+    ("max_tokens", MAX_COUNT + 1),
+    ("min_tokens", 2**100),
+    ("stop_token_ids", [2**64]),
+    ("logit_bias", {2**64: 1.0}),
+    ("logit_bias", {"9" * 5000: 1.0}),
+    ("stop", ["x"] * (MAX_STOP_STRINGS + 1)),
+    ("stop", "y" * (MAX_STOP_STRING_CHARS + 1)),
+    ("stop", ["ok", "bad \ud800 surrogate"]),
+    ("stop_token_ids", [1] * (MAX_STOP_TOKEN_IDS + 1)),
     ("stop", ""),
     ("stop", ["ok", ""]),
     ("stop", ["ok", 3]),
@@ -107,8 +130,10 @@ VALID = [
     {"presence_penalty": -2.0, "frequency_penalty": 2.0},
     {"repetition_penalty": 1e-3},
     {"repetition_penalty": 50.0},
-    {"seed": -(2**70)},
-    {"seed": 2**80},
+    {"seed": -(2**63)},
+    {"seed": 2**64 - 1},
+    {"stop": ["s"] * MAX_STOP_STRINGS},
+    {"stop": "z" * MAX_STOP_STRING_CHARS},
     {"seed": 0},
     {"max_tokens": None, "min_tokens": 1000},
     {"max_tokens": 1},

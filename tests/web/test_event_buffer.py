@@ -7,14 +7,10 @@ from __future__ import annotations
 import asyncio
 import json
 
+from web.api_keys import ApiKeys
+from web.event_buffer import MAX_CONTROL_EVENTS, EventBuffer
 from web.sessions import SessionStore
-from web.ws_connection import (
-    MAX_CONTROL_EVENTS,
-    SLOW_READER_CLOSE,
-    EventBuffer,
-    StreamConnection,
-    StreamLimits,
-)
+from web.ws_connection import SLOW_READER_CLOSE, StreamConnection, StreamLimits
 
 
 def delta(rid: str, text: str, ids: list[int]) -> dict:
@@ -83,7 +79,7 @@ async def test_a_client_that_stops_reading_is_closed_with_4008() -> None:
     pings = [json.dumps({"type": "ping"})] * (MAX_CONTROL_EVENTS + 50)
     ws = StalledSocket(pings, reads=10)
     conn = StreamConnection(
-        ws, None, SessionStore(60.0, 1000), StreamLimits(), frozenset(), binary=False
+        ws, None, SessionStore(60.0, 1000), StreamLimits(), ApiKeys(), binary=False
     )
     await asyncio.wait_for(conn.serve(), 5)
     assert ws.closed is not None

@@ -1,0 +1,70 @@
+"""OpenAI response shapes: choices tallied from engine deltas, logprobs, usage, SSE lines."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.messages import LogprobRow, OutputDelta
+
+
+@dataclass
+class ChoiceTally:
+    """One choice as its deltas arrive: text, logprob rows, the final delta, and the
+    latest token counts (a request-wide abort carries none of its own)."""
+
+    texts: list[str] = field(default_factory=list)
+    rows: list[LogprobRow] = field(default_factory=list)
+    final: OutputDelta | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+
+    def add(self, out: OutputDelta) -> None:
+        self.texts.append(out.text)
+        self.rows.extend(out.logprobs or ())
+        if out.num_prompt_tokens or out.num_output_tokens:
+            self.num_prompt_tokens = out.num_prompt_tokens
+            self.num_output_tokens = out.num_output_tokens
+        if out.finish_reason is not None:
+            self.final = out
+
+    @property
+    def text(self) -> str:
+        return "".join(self.texts)
+
+
+def usage(tallies: dict[int, ChoiceTally]) -> dict[str, int]:
+    """Prompt and completion tokens summed over the choices."""
+    prompt = sum(t.num_prompt_tokens for t in tallies.values())
+    completion = sum(t.num_output_tokens for t in tallies.values())
+    total = prompt + completion
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": total}
+
+
+def logprobs_json(rows: list[LogprobRow] | tuple[LogprobRow, ...], chat: bool, k: int) -> dict:
+    if chat:
+        return {"content": [_chat_logprob(row, _top(row, k)) for row in rows]}
+    return {
+        "tokens": [row[0].decoded_token for row in rows],
+        "token_logprobs": [row[0].logprob for row in rows],
+        "top_logprobs": [{c.decoded_token: c.logprob for c in _top(row, k)} for row in rows],
+        "text_offset": None,
+    }
+
+
+def _top(row: LogprobRow, k: int) -> list:
+    """The row's top-k candidates by rank (the sampled token may rank below them)."""
+    return sorted((c for c in row if c.rank is not None and c.rank <= k), key=lambda c: c.rank)
+
+
+def _chat_logprob(row: LogprobRow, top: list) -> dict[str, Any]:
+    def entry(c) -> dict[str, Any]:
+        token = c.decoded_token or ""
+        return {"token": token, "logprob": c.logprob, "bytes": list(token.encode("utf-8"))}
+
+    return {**entry(row[0]), "top_logprobs": [entry(c) for c in top]}
+
+
+def sse(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
