@@ -19,7 +19,7 @@ import websockets
 
 from web.launch import ServerProcess
 
-GRACE_S = 2.0
+GRACE_S = 0.5
 LONG = {"max_tokens": 1900, "ignore_eos": True}  # far longer than the grace period
 SHORT = {"max_tokens": 12, "ignore_eos": True}  # finishes within it
 
@@ -86,9 +86,14 @@ async def sse_stream(client: httpx.AsyncClient, url: str, started: asyncio.Event
     return lines
 
 
+async def plain_request(client: httpx.AsyncClient, url: str) -> httpx.Response:
+    return await client.post(f"{url}/v1/completions", json={"prompt": "Once", **LONG})
+
+
 async def load_then_signal(server: ServerProcess, send_signal):
-    """Two WebSockets and two SSE streams mid-generation, plus a short request; then the
-    signal. Returns the WebSocket clients, their close codes and the SSE data lines."""
+    """Two WebSockets and two SSE streams mid-generation, a plain (non-streaming) HTTP
+    request, plus a short request; then the signal. Returns the WebSocket clients, their
+    close codes, the SSE data lines and the plain request's response."""
     clients = [WsClient(await websockets.connect(f"ws://127.0.0.1:{server.port}/v1/stream"))]
     clients.append(WsClient(await websockets.connect(f"ws://127.0.0.1:{server.port}/v1/stream")))
     readers = [asyncio.create_task(c.read_until_closed()) for c in clients]
@@ -97,6 +102,7 @@ async def load_then_signal(server: ServerProcess, send_signal):
     async with httpx.AsyncClient(timeout=60) as http:
         started = [asyncio.Event() for _ in range(2)]
         sse = [asyncio.create_task(sse_stream(http, server.url, s)) for s in started]
+        plain = asyncio.create_task(plain_request(http, server.url))
         for c in clients:
             await asyncio.wait_for(c.first_delta[f"long{clients.index(c)}"].wait(), 30)
         for s in started:
@@ -106,7 +112,8 @@ async def load_then_signal(server: ServerProcess, send_signal):
         send_signal()
         codes = await asyncio.wait_for(asyncio.gather(*readers), 30)
         sse_lines = await asyncio.wait_for(asyncio.gather(*sse), 30)
-    return clients, codes, sse_lines
+        plain_response = await asyncio.wait_for(plain, 30)
+    return clients, codes, sse_lines, plain_response
 
 
 @pytest.mark.parametrize("how", ["sigterm", "ctrl-c"])
@@ -128,7 +135,7 @@ async def test_graceful_shutdown_under_load(how: str) -> None:
                 os.killpg(server.proc.pid, signal.SIGINT)
 
         start = time.monotonic()
-        clients, codes, sse_lines = await load_then_signal(server, send_signal)
+        clients, codes, sse_lines, plain = await load_then_signal(server, send_signal)
         rc = await asyncio.to_thread(server.proc.wait, 30)
         took = time.monotonic() - start
     finally:
@@ -145,7 +152,11 @@ async def test_graceful_shutdown_under_load(how: str) -> None:
     for lines in sse_lines:
         assert lines[-1] == "[DONE]"
         finals = [json.loads(x)["choices"][0]["finish_reason"] for x in lines[:-1]]
-        assert finals[-1] is not None and all(f is None for f in finals[:-1])
+        assert finals[-1] == "abort" and all(f is None for f in finals[:-1])
+    # the plain request is told it was cut short, not handed a 200 that looks finished
+    assert plain.status_code == 503, plain.text
+    error = plain.json()["error"]
+    assert error["code"] == "shutting_down" and "before it finished" in error["message"]
     assert rc == 0
     assert took < GRACE_S + 15
     deadline = time.monotonic() + 5
@@ -167,8 +178,13 @@ async def test_worker_exits_when_the_server_process_is_killed() -> None:
         while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
         assert not any(alive(pid) for pid in workers), "an orphaned worker kept running"
+        assert all(d.is_dir() for d in run_dirs)  # the killed server could not remove it
+        following = ServerProcess([], env={"OMP_NUM_THREADS": "1"})
+        following.start(timeout=120)  # the next server removes what the dead one left
+        following.stop()
+        assert not any(d.exists() for d in run_dirs)
     finally:
-        for run_dir in run_dirs:  # the killed server could not remove its socket dir
+        for run_dir in run_dirs:
             shutil.rmtree(run_dir, ignore_errors=True)
 
 
