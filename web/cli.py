@@ -119,6 +119,23 @@ def _add_serve_parser(sub) -> None:
         help="seconds in-flight requests get to finish on SIGINT/SIGTERM before they are "
         "aborted (default 5)",
     )
+    serve.add_argument(
+        "--http-header-timeout",
+        type=_positive_seconds,
+        default=10.0,
+        help="seconds a connection gets to send a request's headers, from connecting or "
+        "from its previous response (slowloris bound; default 10)",
+    )
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
+    return value
 
 
 def _add_chat_parser(sub) -> None:
@@ -178,6 +195,7 @@ def _serve(args: argparse.Namespace) -> int:
     from web.api_keys import ApiKeys
     from web.app import create_app
     from web.draining_server import DrainingServer
+    from web.http_protocol import HeaderTimeoutH11Protocol
     from web.server_config import ServerConfig
 
     builtin = args.model is None
@@ -219,6 +237,7 @@ def _serve(args: argparse.Namespace) -> int:
         app,
         host=config.host,
         port=config.port,
+        http=HeaderTimeoutH11Protocol.factory(args.http_header_timeout),
         ws_max_size=config.max_message_bytes,
         timeout_graceful_shutdown=5,  # after the app's own drain (DrainingServer)
         log_level="info",
