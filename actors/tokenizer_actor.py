@@ -1,9 +1,13 @@
 """The tokenizer actor: one TextProcessor between clients and the scheduler.
 
-Text work runs off the event loop: tokenizing a prompt (a megabyte of text takes about a
-second) and detokenizing a step's tokens run on one thread of the actor's own, so the
-loop that the scheduler and the web layer share keeps serving meanwhile. One thread, and
-one message at a time: the processor is never used from two threads at once.
+Text work runs off the event loop that the scheduler and the web layer share, and no
+request's text work holds up another's:
+- admission (`TextProcessor.prepare`: tokenizing, validating; a megabyte of prompt
+  takes about a second) runs as a task of its own on an admission thread, so the actor
+  goes on handling other messages, the token deltas of running requests included;
+- everything that touches the processor's state (registering an admitted request,
+  detokenizing a step, forgetting a request) runs on ONE text thread, one call at a
+  time: the state is never used from two threads at once.
 """
 
 from __future__ import annotations
@@ -47,12 +51,13 @@ class _StepText:
 class TokenizerActor(Actor):
     """Tokenizes requests for the scheduler and streams text deltas to each client.
 
-    A request that fails validation is answered at once with an `OutputDelta` carrying
+    A request that fails validation is answered with an `OutputDelta` carrying
     `finish_reason="error"`, `error_kind=INVALID` and the message; nothing reaches the
     scheduler. A request whose handling raised anything else (the failure rule) is
     forgotten, aborted at the scheduler and answered with an engine error; so is one the
-    scheduler reports failed (`RequestFailed`). Deltas for a client without an outbox
-    are logged and dropped.
+    scheduler reports failed (`RequestFailed`). A request aborted while it is being
+    admitted never reaches the scheduler. Deltas for a client without an outbox are
+    logged and dropped.
     """
 
     def __init__(
@@ -72,41 +77,65 @@ class TokenizerActor(Actor):
         self.processor = processor
         self.scheduler = scheduler
         self.clients = clients
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
+        self.admitting: dict[str, asyncio.Task[None]] = {}
+        self._admission = ThreadPoolExecutor(1, thread_name_prefix="admission")
+        self._text = ThreadPoolExecutor(1, thread_name_prefix="text")
 
     async def on_generate(self, request: GenerateRequest) -> None:
-        try:
-            add = await self._off_loop(self.processor.admit, request, time.time())
-        except ValueError as exc:
-            error = OutputDelta.failed(request.request_id, str(exc), ErrorKind.INVALID)
-            await self._to_client(request.client_id, error)
+        rid = request.request_id
+        if rid in self.admitting:
+            error = f"request_id {rid!r} is already in flight"
+            await self._to_client(
+                request.client_id, OutputDelta.failed(rid, error, ErrorKind.INVALID)
+            )
             return
-        await send_message(self.scheduler, add)
+        self.admitting[rid] = asyncio.create_task(self._admit(request), name=f"admit:{rid}")
+
+    async def _admit(self, request: GenerateRequest) -> None:
+        """Prepares the request on the admission thread, then registers it and hands it
+        to the scheduler (unless it was aborted meanwhile)."""
+        rid = request.request_id
+        try:
+            async with self.guard(rid, request):
+                try:
+                    token_ids = await self._run(self._admission, self.processor.prepare, request)
+                    add = await self._on_text(
+                        self.processor.register, request, token_ids, time.time()
+                    )
+                except ValueError as exc:
+                    error = OutputDelta.failed(rid, str(exc), ErrorKind.INVALID)
+                    await self._to_client(request.client_id, error)
+                    return
+                await send_message(self.scheduler, add)
+        finally:
+            self.admitting.pop(rid, None)
 
     async def on_abort(self, abort: AbortRequest) -> None:
-        self.processor.drop(abort.request_id)
+        admitting = self.admitting.pop(abort.request_id, None)
+        if admitting is not None:
+            admitting.cancel()  # its client has its own "abort" already
+        await self._on_text(self.processor.drop, abort.request_id)
         await send_message(self.scheduler, abort)
 
     async def on_request_failed(self, failed: RequestFailed) -> None:
-        client = self.processor.client_of(failed.request_id)
-        self.processor.drop(failed.request_id)
+        client = await self._on_text(self._forget, failed.request_id)
         if client is not None:
             await self._to_client(client, OutputDelta.failed(failed.request_id, failed.error))
 
     async def on_token_deltas(self, message: TokenDeltas) -> None:
-        step = await self._off_loop(self._step_text, message)
+        step = await self._on_text(self._step_text, message)
         for abort in step.aborts:
             await send_message(self.scheduler, abort)
         for client, out in step.outs:
             await self._to_client(client, out)
         for seq_id, error in step.failed:
-            request_id = self.processor.request_of(seq_id)
+            request_id = await self._on_text(self.processor.request_of, seq_id)
             logger.warning("text of %s failed: %s", seq_id, error)
             self.num_errors += 1
             await self.fail_request(request_id, error, message)
 
     def _step_text(self, message: TokenDeltas) -> _StepText:
-        """On the actor's thread: every delta's text, each under its own guard."""
+        """On the text thread: every delta's text, each under its own guard."""
         step = _StepText()
         for delta in message.deltas():
             try:
@@ -125,17 +154,27 @@ class TokenizerActor(Actor):
                 step.failed += [(seq.request_id, describe(exc)) for seq in message.ranked[:1]]
         return step
 
+    def _forget(self, request_id: str) -> str | None:
+        """On the text thread: drops the request; returns its client (None: unknown)."""
+        client = self.processor.client_of(request_id)
+        self.processor.drop(request_id)
+        return client
+
     async def fail_request(self, request_id: str, error: str, message: Any) -> None:
         """Forgets the request, aborts it at the scheduler, tells its client."""
-        client = self.processor.client_of(request_id) or getattr(message, "client_id", None)
-        self.processor.drop(request_id)
+        client = await self._on_text(self._forget, request_id)
+        client = client or getattr(message, "client_id", None)
         await send_message(self.scheduler, AbortRequest(request_id))
         if client is not None:
             await self._to_client(client, OutputDelta.failed(request_id, error))
 
-    async def _off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+    async def _on_text(self, fn: Callable[..., T], *args: Any) -> T:
+        return await self._run(self._text, fn, *args)
+
+    @staticmethod
+    async def _run(thread: ThreadPoolExecutor, fn: Callable[..., T], *args: Any) -> T:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._thread, functools.partial(fn, *args))
+        return await loop.run_in_executor(thread, functools.partial(fn, *args))
 
     async def _to_client(self, client_id: str, delta: OutputDelta) -> None:
         outbox = self.clients.get(client_id)
@@ -145,5 +184,8 @@ class TokenizerActor(Actor):
         await send_message(outbox, delta)
 
     def _close_transports(self) -> None:
+        for task in self.admitting.values():
+            task.cancel()
         super()._close_transports()
-        self._thread.shutdown(wait=False, cancel_futures=True)
+        self._admission.shutdown(wait=False, cancel_futures=True)
+        self._text.shutdown(wait=False, cancel_futures=True)

@@ -67,11 +67,24 @@ class TextProcessor:
         self._token_texts: dict[int, str] = {}  # one token's text, for logprobs
 
     def admit(self, request: GenerateRequest, arrival_time: float) -> AddRequest:
+        """`prepare` then `register`."""
+        return self.register(request, self.prepare(request), arrival_time)
+
+    def prepare(self, request: GenerateRequest) -> list[int]:
+        """The request's prompt token ids, checked against the limits (ValueError naming
+        the field otherwise). Reads no state and keeps none: it may run on any thread,
+        beside the other methods (the slow part of admission: tokenizing)."""
+        token_ids = self._token_ids(request)
+        validate_request(token_ids, request.params, self.limits)
+        return token_ids
+
+    def register(
+        self, request: GenerateRequest, token_ids: list[int], arrival_time: float
+    ) -> AddRequest:
+        """Starts keeping the prepared request's text state; the AddRequest for it."""
         if request.request_id in self.sequences:
             raise ValueError(f"request_id {request.request_id!r} is already in flight")
-        token_ids = self._token_ids(request)
         params = request.params
-        validate_request(token_ids, params, self.limits)
         if params.use_beam_search:
             return self._admit_beam_search(request, token_ids, arrival_time)
         k = params.num_sequences
@@ -153,14 +166,28 @@ class TextProcessor:
             raise ValueError("set exactly one of prompt, prompt_token_ids, messages")
         if request.prompt is not None:
             check_text("prompt", request.prompt)
+            self._check_length("prompt", len(request.prompt))
             return self.tokenizer.encode(request.prompt)
         if request.prompt_token_ids is not None:
             return list(request.prompt_token_ids)
         for i, m in enumerate(request.messages):
             check_text(f"messages[{i}].role", m.role)
             check_text(f"messages[{i}].content", m.content)
+        self._check_length("messages", sum(len(m.content) for m in request.messages))
         messages = [{"role": m.role, "content": m.content} for m in request.messages]
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+
+    def _check_length(self, name: str, num_chars: int) -> None:
+        """Refuses text too long for the context whatever its tokens, before the work
+        of tokenizing it (a megabyte takes about a second)."""
+        max_model_len, per_token = self.limits.max_model_len, self.tokenizer.max_token_chars
+        if num_chars >= max_model_len * per_token:
+            raise ValueError(
+                f"{name} has {num_chars:,} characters, so at least "
+                f"{num_chars // per_token:,} tokens (no token of this model covers more than "
+                f"{per_token} characters); this model's context (max_model_len) is "
+                f"{max_model_len:,} tokens"
+            )
 
     def client_of(self, request_id: str) -> str | None:
         """The client of a request or of one of its sequences (None: not in flight)."""

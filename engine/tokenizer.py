@@ -139,6 +139,13 @@ class Tokenizer:
         return frozenset(i for i, token in added.items() if getattr(token, "special", False))
 
     @cached_property
+    def max_token_chars(self) -> int:
+        """No token stands for more characters of text than its piece has (byte-level,
+        SentencePiece and WordPiece pieces are at least as long as their text), so a text
+        of n characters has at least n / max_token_chars tokens."""
+        return max(map(len, self.hf_tokenizer.get_vocab()), default=1) or 1
+
+    @cached_property
     def byte_fallback_ids(self) -> frozenset[int]:
         """Ids of SentencePiece byte-fallback pieces (`<0x00>` ... `<0xFF>`); empty for
         vocabularies without them (e.g. byte-level BPE)."""

@@ -7,6 +7,7 @@ deeply nested value would otherwise blow the parser's or a later repr's stack).
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -16,20 +17,26 @@ from starlette.requests import Request
 from web.errors import invalid
 
 MAX_DEPTH = 32  # the deepest legitimate request (chat content parts) nests 5 levels
+BODY_TIMEOUT_S = 30.0  # a request body (at most --max-message-bytes) must arrive by then
 
 
 async def read_json_body(request: Request, limit: int) -> dict[str, Any]:
     """The request's JSON object, refused as soon as it is known to exceed `limit` bytes
-    (by its Content-Length, or while it streams in): never read whole first."""
+    (by its Content-Length, or while it streams in): never read whole first. A body that
+    trickles in slower than BODY_TIMEOUT_S is refused too."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise invalid(f"request body is {int(declared):,} bytes; the limit is {limit:,}")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise invalid(f"request body is over the limit of {limit:,} bytes")
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(BODY_TIMEOUT_S):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise invalid(f"request body is over the limit of {limit:,} bytes")
+                chunks.append(chunk)
+    except TimeoutError:
+        raise invalid(f"request body did not arrive within {BODY_TIMEOUT_S:g} s") from None
     return parse_json(b"".join(chunks), "request body")
 
 

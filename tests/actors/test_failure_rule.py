@@ -80,14 +80,14 @@ async def test_a_value_the_codec_cannot_carry_fails_only_its_request(engine):
 
 async def test_an_exception_in_the_tokenizer_fails_only_its_request(engine, monkeypatch):
     processor = engine.tokenizer.processor
-    admit = processor.admit
+    prepare = processor.prepare
 
-    def admit_or_raise(request, arrival_time):
+    def prepare_or_raise(request):
         if request.request_id == "faulty":
             raise RuntimeError("tokenizer fault injected")
-        return admit(request, arrival_time)
+        return prepare(request)
 
-    monkeypatch.setattr(processor, "admit", admit_or_raise)
+    monkeypatch.setattr(processor, "prepare", prepare_or_raise)
     out = await fails_alone(engine, ("hello", SHORT))
     assert "tokenizer fault injected" in out.error
 

@@ -47,14 +47,17 @@ class RunningServer:
 
 
 def start_server(
-    model_dir: str | None = None, api_key: str | None = None, extra: list[str] | None = None
+    model_dir: str | None = None,
+    api_key: str | None = None,
+    extra: list[str] | None = None,
+    env: dict[str, str] | None = None,
 ) -> RunningServer:
     args = ["--max-num-seqs", "64", "--kv-cache-memory", str(64 << 20)]
     if model_dir is not None:
         args += ["--model", model_dir, "--served-model-name", "test-model"]
     if api_key is not None:
         args += ["--api-key", api_key]
-    process = ServerProcess(args + (extra or []), env={"OMP_NUM_THREADS": "1"})
+    process = ServerProcess(args + (extra or []), env={"OMP_NUM_THREADS": "1", **(env or {})})
     process.start(timeout=120)
     name = "pagedserve-builtin-tiny" if model_dir is None else "test-model"
     return RunningServer(process.port, name, model_dir, api_key, process)

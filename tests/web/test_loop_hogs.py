@@ -1,0 +1,74 @@
+"""Hostile requests do not hold up the others: one with 80,000 stop strings (0.87 MB),
+one that announces a 200 MiB body, and a megabyte of prompt are each refused by name,
+and a stream running beside them is not slowed beyond 10% (the stop list once slowed one
+21x, the megabyte prompt blocked the event loop for about a second)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import statistics
+import time
+
+import httpx
+import pytest
+import websockets
+
+STREAM = {"max_tokens": 1500, "ignore_eos": True}
+STOPS = json.dumps({"prompt": "x", "stop": ["stop-word"] * 80_000}).encode()
+PROMPT = json.dumps({"prompt": "word " * 200_000}).encode()
+
+
+async def stream_seconds(server) -> float:
+    """Seconds from the first to the last token of a 1,500-token WebSocket stream."""
+    async with websockets.connect(f"{server.ws}/v1/stream") as ws:
+        message = {"type": "generate", "id": "s", "prompt": "Once", "params": STREAM}
+        await ws.send(json.dumps(message))
+        first = last = None
+        async with asyncio.timeout(60):
+            while (event := json.loads(await ws.recv()))["type"] != "done":
+                last = time.monotonic()
+                first = first or last
+        assert event["finish_reason"] == "length"
+    return last - first
+
+
+def huge_body_head(port: int) -> str:
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 209715200\r\n\r\n{"
+        )
+        return read_reply(sock)
+
+
+async def hostile(server) -> None:
+    async with httpx.AsyncClient(timeout=30) as client:
+        stops = await client.post(f"{server.http}/v1/completions", content=STOPS)
+        assert stops.status_code == 400 and stops.json()["error"]["param"] == "stop"
+        prompt = await client.post(f"{server.http}/v1/completions", content=PROMPT)
+        assert prompt.status_code == 400 and prompt.json()["error"]["param"] == "prompt"
+    head = await asyncio.to_thread(huge_body_head, server.port)
+    assert head.startswith("HTTP/1.1 400") and "limit" in head
+
+
+@pytest.mark.timeout(300)
+async def test_refusing_hostile_requests_does_not_slow_a_concurrent_stream(builtin_server):
+    await stream_seconds(builtin_server)  # warm-up
+    alone, beside = [], []
+    for _ in range(3):  # interleaved, so load drifts hit both alike
+        alone.append(await stream_seconds(builtin_server))
+        stream = asyncio.create_task(stream_seconds(builtin_server))
+        await asyncio.sleep(0.05)  # the stream is under way
+        await hostile(builtin_server)
+        beside.append(await stream)
+    ratio = statistics.median(beside) / statistics.median(alone)
+    assert ratio < 1.10, f"stream took {ratio:.2f}x as long beside hostile requests"
+
+
+def read_reply(sock: socket.socket) -> str:
+    """The server's whole answer (it closes the connection after it)."""
+    data = b""
+    while chunk := sock.recv(4096):
+        data += chunk
+    return data.decode("latin-1")
