@@ -23,7 +23,8 @@ def plan(step, new_requests=(), cached=(), scheduled=(), finished=(), copies=())
     counts = tuple(n for _, n in scheduled)
     src = tuple(s for s, _ in copies)
     dst = tuple(d for _, d in copies)
-    return StepPlan(step, tuple(new_requests), tuple(cached), ids, counts, tuple(finished), src, dst)
+    news, finished = tuple(new_requests), tuple(finished)
+    return StepPlan(step, news, tuple(cached), ids, counts, finished, src, dst)
 
 
 class FaultyWorker(NullWorker):

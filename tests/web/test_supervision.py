@@ -69,9 +69,7 @@ def timed_server():
 async def test_the_request_timeout_ends_a_request_that_runs_too_long(timed_server):
     server = timed_server
     start = time.monotonic()
-    plain = httpx.post(
-        f"{server.http}/v1/completions", json={"prompt": "Once", **LONG}, timeout=30
-    )
+    plain = httpx.post(f"{server.http}/v1/completions", json={"prompt": "Once", **LONG}, timeout=30)
     assert plain.status_code == 504 and plain.json()["error"]["code"] == "timeout"
     assert "request timeout of 1 s" in plain.json()["error"]["message"]
     assert time.monotonic() - start < 3.0
