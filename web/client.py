@@ -44,8 +44,8 @@ class InvalidRequestError(PagedServeError):
 
 
 class OverloadedError(PagedServeError):
-    """The server's queue (or this connection's request cap) is full, or the server is
-    shutting down: retry later (or elsewhere)."""
+    """The server's queue (or this connection's request cap) is full, the server is
+    shutting down, or its engine is unhealthy for now: retry later (or elsewhere)."""
 
     code = "overloaded"
 
@@ -56,6 +56,12 @@ class NotFoundError(PagedServeError):
 
 class EngineError(PagedServeError):
     code = "engine_error"
+
+
+class RequestTimeoutError(EngineError):
+    """The request ran past the server's --request-timeout."""
+
+    code = "timeout"
 
 
 class ConnectionLostError(PagedServeError):
@@ -70,10 +76,12 @@ _ERRORS: dict[str, type[PagedServeError]] = {
         OverloadedError,
         NotFoundError,
         EngineError,
+        RequestTimeoutError,
         ConnectionLostError,
     )
 }
 _ERRORS |= {"too_many_requests": OverloadedError, "shutting_down": OverloadedError}
+_ERRORS |= {"unavailable": OverloadedError}  # the engine is unhealthy for now
 
 
 @dataclass(frozen=True)
