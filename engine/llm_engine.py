@@ -22,6 +22,7 @@ from engine.sequence_group import SequenceGroup, sequence_id, sequence_params
 from engine.stats import EngineStats, SharingSaving, SlotUtilization
 from engine.stop_checker import StopChecker
 from engine.stop_strings import find_stop
+from engine.text_checks import check_text
 from engine.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -305,6 +306,7 @@ class LLMEngine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("prompt is text but the tokenizer is disabled; pass token ids")
+            check_text("prompt", prompt)
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, list | tuple) and all(
             isinstance(t, int) and not isinstance(t, bool) for t in prompt

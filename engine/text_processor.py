@@ -170,9 +170,6 @@ class TextProcessor:
             return self.tokenizer.encode(request.prompt)
         if request.prompt_token_ids is not None:
             return list(request.prompt_token_ids)
-        for i, m in enumerate(request.messages):
-            check_text(f"messages[{i}].role", m.role)
-            check_text(f"messages[{i}].content", m.content)
         self._check_length("messages", sum(len(m.content) for m in request.messages))
         messages = [{"role": m.role, "content": m.content} for m in request.messages]
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)

@@ -14,6 +14,8 @@ from typing import Any
 
 import jinja2
 
+from engine.text_checks import check_text
+
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 # Any of these in a directory means "there is a tokenizer to load here".
@@ -63,7 +65,8 @@ def load_tokenizer(
 
 def validate_messages(messages: Any) -> None:
     """Raise ValueError naming the bad index and field unless `messages` is a non-empty
-    list of dicts with `"role"` in CHAT_ROLES and a string `"content"` (other keys pass)."""
+    list of dicts with `"role"` in CHAT_ROLES and a string `"content"` of valid Unicode
+    (other keys pass)."""
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...}")
     for i, message in enumerate(messages):
@@ -81,6 +84,7 @@ def validate_messages(messages: Any) -> None:
             raise ValueError(
                 f"messages[{i}].content must be a string, got {type(content).__name__}"
             )
+        check_text(f"messages[{i}].content", content)
 
 
 class Tokenizer:

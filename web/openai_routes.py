@@ -39,6 +39,7 @@ from web.params import (
     best_of,
     chat_messages,
     num_choices,
+    only_keys,
     sampling_params,
 )
 from web.server_config import ServerConfig
@@ -94,10 +95,7 @@ class OpenAIRoutes:
 
     # -- parsing -------------------------------------------------------------------
     def _parse(self, body: dict[str, Any], chat: bool) -> Job:
-        allowed = CHAT_FIELDS if chat else COMPLETION_FIELDS
-        unknown = sorted(set(body) - allowed)
-        if unknown:
-            raise invalid(f"unknown field(s) {unknown}", unknown[0])
+        only_keys(body, CHAT_FIELDS if chat else COMPLETION_FIELDS, "the request")
         model = body.get("model")
         if model is not None and model != self.config.model_name:
             raise ApiError(

@@ -7,6 +7,7 @@ import re
 from typing import Any
 
 from engine.sampling_params import SamplingParams
+from engine.text_checks import check_text
 from web.errors import invalid
 
 # Body fields passed through to SamplingParams under the same name.
@@ -126,3 +127,19 @@ def chat_messages(value: Any) -> list[dict[str, str]]:
             raise invalid(f"messages[{i}].content must be a string", "messages")
         out.append({"role": m["role"], "content": content})
     return out
+
+
+def valid_text(name: str, text: str) -> str:
+    """`text` if it is valid Unicode (no lone surrogate), else invalid_request naming it."""
+    try:
+        check_text(name, text)
+    except ValueError as exc:
+        raise invalid(str(exc), name) from None
+    return text
+
+
+def only_keys(message: dict[str, Any], allowed: set[str], what: str) -> None:
+    """Refuses a message with fields outside `allowed`, naming the first."""
+    unknown = sorted(set(message) - allowed)
+    if unknown:
+        raise invalid(f"unknown field(s) {unknown} in {what}", unknown[0])

@@ -14,8 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.text_checks import check_text
 from web.errors import ApiError, invalid
+from web.params import valid_text
 
 MAX_SESSION_ID_CHARS = 128
 
@@ -142,7 +142,7 @@ class SessionStore:
                 f"{self.max_history_chars:,} (--session-max-chars)",
                 "system",
             )
-        _check_text("system", system)
+        valid_text("system", system)
         return system
 
     def expire(self) -> None:
@@ -165,11 +165,4 @@ def _check_id(session_id: Any, none_ok: bool = False) -> None:
             f"got {repr(session_id)[:60]}",
             "session_id",
         )
-    _check_text("session_id", session_id)
-
-
-def _check_text(name: str, text: str) -> None:
-    try:
-        check_text(name, text)
-    except ValueError as exc:
-        raise invalid(str(exc), name) from None
+    valid_text("session_id", session_id)

@@ -45,7 +45,7 @@ from web.errors import ApiError, invalid
 from web.event_buffer import MAX_CONTROL_EVENTS, EventBuffer
 from web.frames import parse_json, parse_msgpack
 from web.generation import Generator, Timing, failure
-from web.params import SAMPLING_FIELDS, chat_messages, sampling_params
+from web.params import SAMPLING_FIELDS, chat_messages, only_keys, sampling_params, valid_text
 from web.sessions import SessionStore
 
 logger = logging.getLogger(__name__)
@@ -187,7 +187,7 @@ class StreamConnection:
         elif kind == "ping":
             self._emit({"type": "pong"})
         elif kind == "session.open":
-            _only_keys(message, {"type", "session_id", "system"})
+            only_keys(message, {"type", "session_id", "system"}, "session.open")
             session = self.sessions.open(
                 self.owner, message.get("session_id"), message.get("system")
             )
@@ -195,7 +195,7 @@ class StreamConnection:
                 {"type": "session", "session_id": session.session_id, "messages": session.messages}
             )
         elif kind == "session.close":
-            _only_keys(message, {"type", "session_id"})
+            only_keys(message, {"type", "session_id"}, "session.close")
             self.sessions.close(self.owner, message.get("session_id"))
         elif kind == "auth":
             pass  # already authorized (or no key configured)
@@ -208,7 +208,7 @@ class StreamConnection:
 
     def _generate(self, message: dict[str, Any]) -> None:
         rid = _request_id(message)
-        _only_keys(message, GENERATE_KEYS)
+        only_keys(message, GENERATE_KEYS, "generate")
         if rid in self.tasks:
             raise invalid(f"id {rid!r} is already in flight on this connection", "id")
         if len(self.tasks) >= self.limits.max_requests:
@@ -233,7 +233,7 @@ class StreamConnection:
                 text = text.get("content")
             if not isinstance(text, str) or not text:
                 raise invalid("a session turn needs a non-empty 'message' string", "message")
-            _check_text("message", text)
+            valid_text("message", text)
             session = self.sessions.get(self.owner, sid)
             user = {"role": "user", "content": text}
             return self.sessions.begin_turn(session, user), (session, user)
@@ -353,31 +353,12 @@ def _request_id(message: dict[str, Any]) -> str:
     if not isinstance(rid, str) or not 0 < len(rid) <= MAX_ID_LEN:
         shown = repr(rid)[:60] if not isinstance(rid, list | dict) else type(rid).__name__
         raise invalid(f"id must be a string of 1 to {MAX_ID_LEN} characters, got {shown}", "id")
-    _check_text("id", rid)
-    return rid
-
-
-def _only_keys(message: dict[str, Any], allowed: set[str]) -> None:
-    unknown = sorted(set(message) - allowed)
-    if unknown:
-        raise invalid(f"unknown field(s) {unknown} in {message.get('type')}", unknown[0])
-
-
-def _check_text(name: str, text: str) -> None:
-    try:
-        check_text(name, text)
-    except ValueError as exc:
-        raise invalid(str(exc), name) from None
+    return valid_text("id", rid)
 
 
 def _check_params(body: dict[str, Any]) -> dict[str, Any]:
     allowed = {*SAMPLING_FIELDS, "max_tokens", "logprobs", "logit_bias"}
-    unknown = set(body) - allowed
-    if unknown:
-        raise invalid(
-            f"unknown sampling field(s) {sorted(unknown)}; allowed: {sorted(allowed)}",
-            sorted(unknown)[0],
-        )
+    only_keys(body, allowed, f"params (allowed: {sorted(allowed)})")
     return body
 
 
