@@ -33,11 +33,14 @@ class ApiError(Exception):
     """A request the server refuses or could not serve.
 
     `code` is one of STATUS_OF_CODE; `param` names the offending field when there is one;
+    `close` asks an HTTP answer to close its connection (a body left unread);
     the message says what is wrong and what is allowed. Both are made safe to send
     whatever the client sent: lone surrogates escaped, the message cut to
     MAX_MESSAGE_CHARS."""
 
-    def __init__(self, code: str, message: str, param: str | None = None) -> None:
+    def __init__(
+        self, code: str, message: str, param: str | None = None, *, close: bool = False
+    ) -> None:
         if code not in STATUS_OF_CODE:
             raise ValueError(f"unknown error code {code!r}")
         message = _sendable(message)
@@ -46,6 +49,7 @@ class ApiError(Exception):
         super().__init__(message)
         self.code, self.message = code, message
         self.param = None if param is None else _sendable(str(param))[:200]
+        self.close = close  # HTTP: close the connection after the answer (body left unread)
 
     @property
     def status(self) -> int:
@@ -72,5 +76,5 @@ def _sendable(text: str) -> str:
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
-def invalid(message: str, param: str | None = None) -> ApiError:
-    return ApiError("invalid_request", message, param)
+def invalid(message: str, param: str | None = None, *, close: bool = False) -> ApiError:
+    return ApiError("invalid_request", message, param, close=close)

@@ -26,17 +26,20 @@ async def read_json_body(request: Request, limit: int) -> dict[str, Any]:
     trickles in slower than BODY_TIMEOUT_S is refused too."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
-        raise invalid(f"request body is {int(declared):,} bytes; the limit is {limit:,}")
+        message = f"request body is {int(declared):,} bytes; the limit is {limit:,}"
+        raise invalid(message, close=True)
     chunks, size = [], 0
     try:
         async with asyncio.timeout(BODY_TIMEOUT_S):
             async for chunk in request.stream():
                 size += len(chunk)
                 if size > limit:
-                    raise invalid(f"request body is over the limit of {limit:,} bytes")
+                    message = f"request body is over the limit of {limit:,} bytes"
+                    raise invalid(message, close=True)
                 chunks.append(chunk)
     except TimeoutError:
-        raise invalid(f"request body did not arrive within {BODY_TIMEOUT_S:g} s") from None
+        message = f"request body did not arrive within {BODY_TIMEOUT_S:g} s"
+        raise invalid(message, close=True) from None
     return parse_json(b"".join(chunks), "request body")
 
 

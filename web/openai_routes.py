@@ -86,7 +86,8 @@ class OpenAIRoutes:
             result = await _unless_disconnected(request, self._complete(job, chat))
             return JSONResponse(result) if result is not None else Response(status_code=CLIENT_GONE)
         except ApiError as err:
-            headers = {"Retry-After": "1"} if err.status == 503 else None
+            headers = {"Retry-After": "1"} if err.status == 503 else {}
+            headers |= {"Connection": "close"} if err.close else {}
             return JSONResponse(err.openai_body(), err.status, headers=headers)
         except Exception:  # a bug, never the client's input: logged, answered, served on
             logger.exception("%s failed", request.url.path)
