@@ -78,58 +78,56 @@ async def test_a_value_the_codec_cannot_carry_fails_only_its_request(engine):
     assert out.error_kind is ErrorKind.ENGINE and "int" in out.error
 
 
+def inject(monkeypatch, obj, name: str, fault, *, after: bool = False) -> None:
+    """Wraps `obj.name`: raises what `fault(arg)` returns (None: no fault), before the
+    original runs or, with `after`, once it has run (a change half made)."""
+    original = getattr(obj, name)
+
+    def faulty(*args):
+        result = original(*args) if after else None
+        if (error := fault(*args)) is not None:
+            raise error
+        return result if after else original(*args)
+
+    monkeypatch.setattr(obj, name, faulty)
+
+
+def when(request_id: str, error: Exception):
+    """A fault for the message (or delta) of `request_id`."""
+    return lambda message, *_: error if message.request_id == request_id else None
+
+
 async def test_an_exception_in_the_tokenizer_fails_only_its_request(engine, monkeypatch):
-    processor = engine.tokenizer.processor
-    prepare = processor.prepare
-
-    def prepare_or_raise(request):
-        if request.request_id == "faulty":
-            raise RuntimeError("tokenizer fault injected")
-        return prepare(request)
-
-    monkeypatch.setattr(processor, "prepare", prepare_or_raise)
+    fault = when("faulty", RuntimeError("tokenizer fault injected"))
+    inject(monkeypatch, engine.tokenizer.processor, "prepare", fault)
     out = await fails_alone(engine, ("hello", SHORT))
     assert "tokenizer fault injected" in out.error
 
 
 async def test_an_exception_while_detokenizing_fails_only_its_request(engine, monkeypatch):
     processor = engine.tokenizer.processor
-    on_token_delta = processor.on_token_delta
 
-    def detokenize_or_raise(delta):
-        if delta.request_id == "faulty" and processor.states["faulty"].num_output_tokens >= 2:
-            raise UnicodeError("detokenizer fault injected")
-        return on_token_delta(delta)
+    def third_token(delta):
+        state = processor.states.get(delta.request_id)
+        late = delta.request_id == "faulty" and state.num_output_tokens >= 2
+        return UnicodeError("detokenizer fault injected") if late else None
 
-    monkeypatch.setattr(processor, "on_token_delta", detokenize_or_raise)
+    inject(monkeypatch, processor, "on_token_delta", third_token)
     out = await fails_alone(engine, ("hello", LONG))
     assert "detokenizer fault injected" in out.error
 
 
 async def test_an_exception_in_the_scheduler_fails_only_its_request(engine, monkeypatch):
-    core = engine.scheduler.core
-    add_request = core.add_request
-
-    def add_or_raise(add):
-        add_request(add)  # half done: it holds a place in the scheduler when it raises
-        if add.request_id == "faulty":
-            raise KeyError("scheduler fault injected")
-
-    monkeypatch.setattr(core, "add_request", add_or_raise)
+    fault = when("faulty", KeyError("scheduler fault injected"))
+    # after: the request holds a place in the scheduler when the handler raises
+    inject(monkeypatch, engine.scheduler.core, "add_request", fault, after=True)
     out = await fails_alone(engine, ("hello", LONG))
     assert "scheduler fault injected" in out.error
 
 
 async def test_n_sequences_fail_together(engine, monkeypatch):
-    processor = engine.tokenizer.processor
-    on_token_delta = processor.on_token_delta
-
-    def raise_on_second_sequence(delta):
-        if delta.request_id == "faulty#1":
-            raise RuntimeError("one sequence failed")
-        return on_token_delta(delta)
-
-    monkeypatch.setattr(processor, "on_token_delta", raise_on_second_sequence)
+    fault = when("faulty#1", RuntimeError("one sequence failed"))
+    inject(monkeypatch, engine.tokenizer.processor, "on_token_delta", fault)
     out = await fails_alone(engine, ("hello", dataclasses.replace(LONG, n=3)))
     assert "one sequence failed" in out.error
 
