@@ -24,21 +24,24 @@ class RequestLimits:
     max_num_seqs: int = 0
 
 
-def validate_request(token_ids: list[int], params: SamplingParams, limits: RequestLimits) -> None:
-    """Raises ValueError naming the field and the allowed range."""
+def validate_request(
+    token_ids: list[int], params: SamplingParams, limits: RequestLimits, field: str = "prompt"
+) -> None:
+    """Raises ValueError naming the field and the allowed range (`field`: what the
+    prompt's tokens came from: "prompt", text or token ids, or "messages")."""
     vocab_size, max_model_len = limits.vocab_size, limits.max_model_len
     if params.stop and not limits.has_tokenizer:
         raise ValueError("stop strings need a tokenizer; this engine has none (use stop_token_ids)")
     params.check_vocab(vocab_size)
     if not token_ids:
-        raise ValueError("prompt is empty: it must have at least 1 token")
+        raise ValueError(f"{field} is empty: it must give at least 1 token")
     bad = [t for t in token_ids if not 0 <= t < vocab_size]
     if bad:
-        raise ValueError(f"prompt token ids must be in [0, {vocab_size}); got {bad[:5]}")
+        raise ValueError(f"{field}: token ids must be in [0, {vocab_size}); got {bad[:5]}")
     if len(token_ids) >= max_model_len:
         raise ValueError(
-            f"prompt has {len(token_ids):,} tokens; this model's context (max_model_len) is "
-            f"{max_model_len:,}, leaving no room to generate; shorten the prompt to at most "
+            f"{field} has {len(token_ids):,} tokens; this model's context (max_model_len) is "
+            f"{max_model_len:,}, leaving no room to generate; shorten it to at most "
             f"{max_model_len - 1:,} tokens"
         )
     if params.use_beam_search:

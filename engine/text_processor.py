@@ -75,7 +75,8 @@ class TextProcessor:
         the field otherwise). Reads no state and keeps none: it may run on any thread,
         beside the other methods (the slow part of admission: tokenizing)."""
         token_ids = self._token_ids(request)
-        validate_request(token_ids, request.params, self.limits)
+        field = "messages" if request.messages is not None else "prompt"
+        validate_request(token_ids, request.params, self.limits, field)
         return token_ids
 
     def register(

@@ -45,6 +45,15 @@ async def read_json_body(request: Request, limit: int) -> dict[str, Any]:
 
 def parse_json(raw: bytes | str, what: str) -> dict[str, Any]:
     """`what` names the input in errors ("request body", "frame")."""
+    return as_object(load_json(raw, what), what)
+
+
+def parse_msgpack(raw: bytes, what: str) -> dict[str, Any]:
+    return as_object(load_msgpack(raw, what), what)
+
+
+def load_json(raw: bytes | str, what: str) -> Any:
+    """The decoded value, whatever it is (`as_object` checks it is a request)."""
     try:
         text = raw.decode("utf-8") if isinstance(raw, bytes) else raw
     except UnicodeDecodeError as exc:
@@ -55,25 +64,26 @@ def parse_json(raw: bytes | str, what: str) -> dict[str, Any]:
         raise invalid(f"{what} is nested too deeply (at most {MAX_DEPTH} levels)") from None
     except ValueError as exc:
         raise invalid(f"{what} is not valid JSON: {exc}") from None
-    return _object(value, what)
+    return value
 
 
-def parse_msgpack(raw: bytes, what: str) -> dict[str, Any]:
+def load_msgpack(raw: bytes, what: str) -> Any:
     try:
         value = msgpack.unpackb(raw, raw=False, strict_map_key=False)
     except msgpack.StackError:
         raise invalid(f"{what} is nested too deeply (at most {MAX_DEPTH} levels)") from None
     except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError) as exc:
         raise invalid(f"{what} is not valid msgpack: {exc}") from None
-    return _object(value, what)
+    return value
 
 
-def _object(value: Any, what: str) -> dict[str, Any]:
+def as_object(value: Any, what: str) -> dict[str, Any]:
+    """`value` if it is an object of string keys nested at most MAX_DEPTH levels."""
     if not isinstance(value, dict):
         raise invalid(f"{what} must be an object, got {type(value).__name__}")
     bad_key = next((k for k in value if not isinstance(k, str)), None)
     if bad_key is not None:
-        raise invalid(f"{what} has a non-string key {str(bad_key)[:40]!r}")
+        raise invalid(f"{what} has a non-string key {repr(bad_key)[:40]}; keys are field names")
     for key, item in value.items():
         depth = _depth(item)
         if depth >= MAX_DEPTH:

@@ -43,7 +43,7 @@ from engine.text_checks import check_text
 from web.api_keys import ApiKeys
 from web.errors import ApiError, invalid
 from web.event_buffer import MAX_CONTROL_EVENTS, EventBuffer
-from web.frames import parse_json, parse_msgpack
+from web.frames import as_object, load_json, load_msgpack
 from web.generation import Generator, Timing, failure
 from web.params import SAMPLING_FIELDS, chat_messages, only_keys, sampling_params, valid_text
 from web.sessions import SessionStore
@@ -332,15 +332,20 @@ def _session_of(turn) -> dict[str, Any]:
 
 
 def _parse(frame: dict[str, Any]) -> dict[str, Any]:
+    return as_object(_load(frame), "frame")
+
+
+def _load(frame: dict[str, Any]) -> Any:
     if frame.get("bytes") is not None:
-        return parse_msgpack(frame["bytes"], "frame")
-    return parse_json(frame.get("text") or "", "frame")
+        return load_msgpack(frame["bytes"], "frame")
+    return load_json(frame.get("text") or "", "frame")
 
 
 def _id_of(frame: dict[str, Any]) -> str | None:
     """The frame's request id, if it has a readable one (for its error event)."""
     with contextlib.suppress(ApiError):
-        rid = _parse(frame).get("id")
+        value = _load(frame)
+        rid = value.get("id") if isinstance(value, dict) else None
         if isinstance(rid, str) and 0 < len(rid) <= MAX_ID_LEN:
             with contextlib.suppress(ValueError):
                 check_text("id", rid)
