@@ -140,6 +140,7 @@ def valid_text(name: str, text: str) -> str:
 
 def only_keys(message: dict[str, Any], allowed: set[str], what: str) -> None:
     """Refuses a message with fields outside `allowed`, naming the first."""
-    unknown = sorted(set(message) - allowed)
+    unknown = sorted(set(message) - allowed, key=repr)  # keys of any type (msgpack)
     if unknown:
-        raise invalid(f"unknown field(s) {unknown} in {what}", unknown[0])
+        first = unknown[0] if isinstance(unknown[0], str) else repr(unknown[0])
+        raise invalid(f"unknown field(s) {unknown} in {what}", first)
