@@ -1,13 +1,13 @@
 """The scheduler actor: one EngineCore, keeping the workers' plan queue full.
 
 After every message (`after_message`) it tops the pipeline up: while fewer than
-`pipeline_depth` plans are
-in flight and the core has work, it plans a step, exchanges that step's block traffic
-with the block manager (one ApplyBlockOps out, one BlockOpsApplied back, on a reply inbox
-of its own), and sends the plan to every worker. Depth 2 is scheduling one step ahead
-(plan N+1 goes out before result N is back); depth 1 is the synchronous mode, kept so
-the two can be compared. Frees of requests that ended are exchanged before the actor
-waits again, so an aborted request's blocks are free within the step.
+`pipeline_depth` plans are in flight and the core has work, it plans a step, exchanges
+that step's block traffic with the block manager (one ApplyBlockOps out, one
+BlockOpsApplied back, on a reply inbox of its own), and sends the plan to every worker.
+Depth 2 is scheduling one step ahead (plan N+1 goes out before result N is back); depth
+1 is the synchronous mode, kept so the two can be compared. Frees of requests that
+ended are exchanged before the actor waits again, so an aborted request's blocks are
+free within the step.
 """
 
 from __future__ import annotations
