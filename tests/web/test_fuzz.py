@@ -723,12 +723,18 @@ def _fuzz_ws_msgpack(peers: dict[str, WsPeer], frame: Any, replies: str) -> None
     check_ws_frame(peers[replies], "test_ws_generate_msgpack", frame, "msgpack")
 
 
-def test_ws_generate_msgpack(server) -> None:
+def on_both_encodings(server, fuzz: Callable[[dict[str, WsPeer]], None]) -> None:
+    """Runs `fuzz` with a msgpack-replies peer and a JSON-replies peer; both must still
+    serve afterwards, and the server must end idle."""
     with WsPeer(server, binary=True) as mp, WsPeer(server, binary=False) as plain:
-        _fuzz_ws_msgpack({"msgpack": mp, "json": plain})
+        fuzz({"msgpack": mp, "json": plain})
         mp.probe()
         plain.probe()
     assert_idle(server)
+
+
+def test_ws_generate_msgpack(server) -> None:
+    on_both_encodings(server, _fuzz_ws_msgpack)
 
 
 def _encoded(strategy: Callable[..., st.SearchStrategy]) -> st.SearchStrategy:
@@ -810,8 +816,4 @@ def _fuzz_control(peers: dict[str, WsPeer], encoded) -> None:
 
 
 def test_ws_control_frames(server) -> None:
-    with WsPeer(server, binary=True) as mp, WsPeer(server, binary=False) as plain:
-        _fuzz_control({"msgpack": mp, "json": plain})
-        mp.probe()
-        plain.probe()
-    assert_idle(server)
+    on_both_encodings(server, _fuzz_control)
