@@ -20,7 +20,7 @@ from starlette.routing import Route, WebSocketRoute
 from starlette.types import ASGIApp, Receive, Scope, Send
 from starlette.websockets import WebSocket
 
-from actors.async_engine import AsyncEngine, Supervision
+from actors.async_engine import AsyncEngine
 from engine.config import EngineArgs
 from web.api_keys import ApiKeys
 from web.errors import ApiError
@@ -195,9 +195,8 @@ def create_app(engine_args: EngineArgs, config: ServerConfig) -> Starlette:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        supervision = Supervision(config.worker_timeout_s, config.request_timeout_s)
         engine = await AsyncEngine.start(
-            engine_args, pipeline_depth=config.pipeline_depth, supervision=supervision
+            engine_args, pipeline_depth=config.pipeline_depth, supervision=config.supervision
         )
         app.state.server = Server(engine, config)
         note = " (built-in random-weight model: replies are noise)" if config.builtin else ""

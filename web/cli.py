@@ -190,6 +190,7 @@ def _generate(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from actors.async_engine import Supervision
     from actors.transport import remove_stale_run_dirs
     from engine.config import EngineArgs
     from web.api_keys import ApiKeys
@@ -224,8 +225,7 @@ def _serve(args: argparse.Namespace) -> int:
         session_max_chars=args.session_max_chars,
         pipeline_depth=args.pipeline_depth,
         shutdown_grace_s=args.shutdown_grace,
-        request_timeout_s=args.request_timeout,
-        worker_timeout_s=args.worker_timeout,
+        supervision=Supervision(args.worker_timeout, args.request_timeout),
         ws_auth_timeout_s=args.ws_auth_timeout,
     )
     engine_args = EngineArgs(model=args.model, **_engine_kwargs(args))

@@ -48,10 +48,6 @@ def parse_json(raw: bytes | str, what: str) -> dict[str, Any]:
     return as_object(load_json(raw, what), what)
 
 
-def parse_msgpack(raw: bytes, what: str) -> dict[str, Any]:
-    return as_object(load_msgpack(raw, what), what)
-
-
 def load_json(raw: bytes | str, what: str) -> Any:
     """The decoded value, whatever it is (`as_object` checks it is a request)."""
     try:

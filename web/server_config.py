@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from actors.async_engine import Supervision
 from web.api_keys import ApiKeys
 
 
@@ -27,8 +28,7 @@ class ServerConfig:
     session_max_chars: int = 32_000
     pipeline_depth: int = 2
     shutdown_grace_s: float = 5.0  # in-flight requests' time to finish on SIGINT/SIGTERM
-    request_timeout_s: float | None = None  # end requests still open after this long
-    worker_timeout_s: float = 5.0  # a worker silent this long is stalled
+    supervision: Supervision = field(default_factory=Supervision)  # worker and request timeouts
     ws_auth_timeout_s: float = 5.0  # a WebSocket not authenticated by then is closed
 
     def __post_init__(self) -> None:
@@ -37,10 +37,7 @@ class ServerConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.shutdown_grace_s <= 3600:
             raise ValueError(f"shutdown_grace_s must be in [0, 3600], got {self.shutdown_grace_s}")
-        for name in ("worker_timeout_s", "ws_auth_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.request_timeout_s is not None and not self.request_timeout_s > 0:
-            raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
+        if not self.ws_auth_timeout_s > 0:
+            raise ValueError(f"ws_auth_timeout_s must be > 0, got {self.ws_auth_timeout_s}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
