@@ -24,7 +24,7 @@ import shutil
 import subprocess
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import zmq
 import zmq.asyncio
@@ -85,6 +85,14 @@ class EngineStatsSnapshot:
         return self.prefix_cache_hit_tokens / q if q else 0.0
 
 
+@dataclass
+class _OpenStream:
+    """A request being streamed: where its outputs go, and when it started."""
+
+    queue: asyncio.Queue[OutputDelta] = field(default_factory=asyncio.Queue)
+    started: float = field(default_factory=time.monotonic)  # monotonic
+
+
 @dataclass(frozen=True)
 class Supervision:
     """How the engine watches its worker and its requests: a worker whose heartbeats
@@ -113,8 +121,7 @@ class AsyncEngine:
 
     def __init__(self, supervision: Supervision) -> None:
         self.supervision = supervision
-        self._streams: dict[str, asyncio.Queue[OutputDelta]] = {}
-        self._started: dict[str, float] = {}  # request id -> monotonic start
+        self._streams: dict[str, _OpenStream] = {}
         self._ids = itertools.count()
         self.error: str | None = None  # set while the engine is unhealthy
         self.num_timed_out = 0
@@ -230,21 +237,18 @@ class AsyncEngine:
             raise RuntimeError(f"the engine is not healthy: {self.error}")
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in flight")
-        queue: asyncio.Queue[OutputDelta] = asyncio.Queue()
-        self._streams[request_id] = queue
-        self._started[request_id] = time.monotonic()
+        stream = self._streams[request_id] = _OpenStream()
         finished, open_sequences = False, (params or SamplingParams()).n
         try:
             await send_message(self._to_tokenizer, _request(request_id, prompt, params))
             while not finished:
-                out = await queue.get()
+                out = await stream.queue.get()
                 if out.finish_reason is not None:
                     open_sequences = 0 if out.index < 0 else open_sequences - 1
                 finished = open_sequences == 0
                 yield out
         finally:
             del self._streams[request_id]
-            del self._started[request_id]
             if not finished:
                 await self.abort(request_id)  # the caller stopped reading early
 
@@ -254,9 +258,9 @@ class AsyncEngine:
 
     async def _end(self, request_id: str, final: OutputDelta) -> None:
         """Ends an open stream with `final` and stops the request in the engine."""
-        queue = self._streams.get(request_id)
-        if queue is not None:
-            queue.put_nowait(final)
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.queue.put_nowait(final)
         if not self._closing:
             await send_message(self._to_tokenizer, AbortRequest(request_id))
 
@@ -264,7 +268,7 @@ class AsyncEngine:
         s = self.scheduler.core.scheduler
         blocks = self.block_manager.manager
         now = time.monotonic()
-        ages = [now - t for t in self._started.values()]
+        ages = [now - stream.started for stream in self._streams.values()]
         limit = self.supervision.request_timeout_s
         return EngineStatsSnapshot(
             blocks.num_blocks,
@@ -351,7 +355,8 @@ class AsyncEngine:
         if limit is None:
             return
         now = time.monotonic()
-        for request_id in [r for r, t in self._started.items() if now - t > limit]:
+        late = [r for r, stream in self._streams.items() if now - stream.started > limit]
+        for request_id in late:
             self.num_timed_out += 1
             error = f"the request ran past the server's request timeout of {limit:g} s"
             await self._end(request_id, OutputDelta.failed(request_id, error, ErrorKind.TIMEOUT))
@@ -372,9 +377,9 @@ class AsyncEngine:
                     error = f"an output could not be decoded: {exc}"
                     await self._end(exc.request_id, OutputDelta.failed(exc.request_id, error))
                 continue
-            queue = self._streams.get(out.request_id)
-            if queue is not None:
-                queue.put_nowait(out)
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream.queue.put_nowait(out)
 
 
 def _request(request_id: str, prompt, params: SamplingParams | None) -> GenerateRequest:

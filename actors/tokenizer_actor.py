@@ -41,11 +41,11 @@ T = TypeVar("T")
 @dataclass
 class _StepText:
     """What one TokenDeltas turned into: deltas per client, aborts for the scheduler
-    (stop strings), and the sequences whose text work raised."""
+    (stop strings), and the requests whose text work raised."""
 
     outs: list[tuple[str, OutputDelta]] = field(default_factory=list)
     aborts: list[AbortRequest] = field(default_factory=list)
-    failed: list[tuple[str, str]] = field(default_factory=list)  # (sequence id, error)
+    failed: list[tuple[str, str]] = field(default_factory=list)  # (request id, error)
 
 
 class TokenizerActor(Actor):
@@ -108,7 +108,8 @@ class TokenizerActor(Actor):
                     return
                 await send_message(self.scheduler, add)
         finally:
-            self.admitting.pop(rid, None)
+            if self.admitting.get(rid) is asyncio.current_task():  # not a later namesake
+                del self.admitting[rid]
 
     async def on_abort(self, abort: AbortRequest) -> None:
         admitting = self.admitting.pop(abort.request_id, None)
@@ -128,9 +129,8 @@ class TokenizerActor(Actor):
             await send_message(self.scheduler, abort)
         for client, out in step.outs:
             await self._to_client(client, out)
-        for seq_id, error in step.failed:
-            request_id = await self._on_text(self.processor.request_of, seq_id)
-            logger.warning("text of %s failed: %s", seq_id, error)
+        for request_id, error in step.failed:
+            logger.warning("text of %s failed: %s", request_id, error)
             self.num_errors += 1
             await self.fail_request(request_id, error, message)
 
@@ -138,11 +138,12 @@ class TokenizerActor(Actor):
         """On the text thread: every delta's text, each under its own guard."""
         step = _StepText()
         for delta in message.deltas():
+            request_id = self.processor.request_of(delta.request_id)  # n > 1: its sequence
             try:
                 client = self.processor.client_of(delta.request_id)
                 outs, abort = self.processor.on_token_delta(delta)
             except Exception as exc:  # noqa: BLE001 - the failure rule: this request only
-                step.failed.append((delta.request_id, describe(exc)))
+                step.failed.append((request_id, describe(exc)))
                 continue
             if abort is not None:
                 step.aborts.append(abort)

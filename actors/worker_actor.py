@@ -8,7 +8,7 @@ cannot be tied to requests ends the actor, and the process exits with status 1.
 
 Liveness: a `Heartbeat` thread sends a `WorkerHeartbeat` every interval on a socket of
 its own, whatever the main thread is doing, so the engine tells a frozen or dead worker
-(silence) from one running a long step (heartbeats that say since when it is busy).
+(silence) from one running a long step (heartbeats go on).
 
 Run as a process: `python -m actors.worker_actor --engine-args JSON --inbox ADDR
 --scheduler ADDR [--heartbeat ADDR] [--worker-id N] [--null-worker]` (JSON of
@@ -50,37 +50,27 @@ HEARTBEAT_INTERVAL_S = 0.5
 
 
 class WorkerActor(Actor):
-    """Executes StepPlans on one Worker and reports each step's sampled tokens.
-
-    `num_steps` and `busy_since` (monotonic start of the step being executed, 0.0 when
-    idle) are what the heartbeat reports."""
+    """Executes StepPlans on one Worker and reports each step's sampled tokens."""
 
     def __init__(self, worker: Worker, inbox: Inbox, scheduler: Outbox) -> None:
         super().__init__(f"worker-{worker.worker_id}", inbox, {StepPlan: self.on_plan}, [scheduler])
         self.worker = worker
         self.scheduler = scheduler
-        self.num_steps = 0
-        self.busy_since = 0.0
 
     async def on_plan(self, plan: StepPlan) -> None:
-        self.busy_since = time.monotonic()
         start = time.perf_counter()
-        try:
-            result = self.worker.execute(plan)
-        finally:
-            self.busy_since = 0.0
+        result = self.worker.execute(plan)
         busy = time.perf_counter() - start
-        self.num_steps += 1
         await send_message(self.scheduler, dataclasses.replace(result, busy_seconds=busy))
 
 
 class Heartbeat:
-    """A daemon thread that sends `actor`'s WorkerHeartbeat to `address` every
-    `interval` seconds over a ZeroMQ socket of its own (sockets are not thread-safe),
-    until `stop()`."""
+    """A daemon thread that sends worker `worker_id`'s WorkerHeartbeat to `address`
+    every `interval` seconds over a ZeroMQ socket of its own (sockets are not
+    thread-safe), until `stop()`."""
 
-    def __init__(self, actor: WorkerActor, address: str, interval: float) -> None:
-        self.actor, self.address, self.interval = actor, address, interval
+    def __init__(self, worker_id: int, address: str, interval: float) -> None:
+        self.worker_id, self.address, self.interval = worker_id, address, interval
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
 
@@ -98,11 +88,7 @@ class Heartbeat:
         sock.connect(self.address)
         try:
             while not self._stopped.is_set():
-                actor = self.actor
-                beat = WorkerHeartbeat(
-                    actor.worker.worker_id, time.monotonic(), actor.num_steps, actor.busy_since
-                )
-                sock.send(encode(beat))
+                sock.send(encode(WorkerHeartbeat(self.worker_id, time.monotonic())))
                 self._stopped.wait(self.interval)
         finally:
             sock.close(linger=0)
@@ -164,7 +150,7 @@ async def serve(
         worker, ready = build(args, worker_id)
         actor = WorkerActor(worker, inbox, scheduler)
         if heartbeat_address is not None:
-            heartbeat = Heartbeat(actor, heartbeat_address, HEARTBEAT_INTERVAL_S)
+            heartbeat = Heartbeat(worker_id, heartbeat_address, HEARTBEAT_INTERVAL_S)
             heartbeat.start()
         await send_message(scheduler, ready)
         await _run_while_parent_lives(actor.run(), os.getppid())

@@ -25,12 +25,10 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class WorkerHealth:
     """One look at a worker: `exit_code` once its process has exited; `silent_s`, the
-    seconds since its last heartbeat was sent; `busy_s`, how long its current step has
-    run (0.0 when idle)."""
+    seconds since its last heartbeat was sent."""
 
     exit_code: int | None
     silent_s: float
-    busy_s: float
 
 
 class WorkerMonitor:
@@ -47,16 +45,15 @@ class WorkerMonitor:
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.bind(address)
         self._decoder = InboxDecoder(INBOXES["heartbeat"])
-        self._last = WorkerHeartbeat(-1, time.monotonic(), 0, 0.0)  # start-up counts as heard
+        self._last = WorkerHeartbeat(-1, time.monotonic())  # start-up counts as heard
         self._closed = False
 
     def check(self) -> WorkerHealth:
         while not self._closed and (beat := self._next_heartbeat()) is not None:
             if beat.sent_at >= self._last.sent_at:
                 self._last = beat
-        now, last = time.monotonic(), self._last
-        busy = now - last.busy_since if last.busy_since else 0.0
-        return WorkerHealth(self.process.poll(), max(0.0, now - last.sent_at), busy)
+        silent = max(0.0, time.monotonic() - self._last.sent_at)
+        return WorkerHealth(self.process.poll(), silent)
 
     def _next_heartbeat(self) -> WorkerHeartbeat | None:
         try:

@@ -225,13 +225,10 @@ class WorkerReady:
 class WorkerHeartbeat:
     """A worker is alive (worker -> engine client, every interval, from a thread of its
     own, so a long step does not silence it): when it was sent (`time.monotonic()`,
-    one clock for every process on the host), how many steps it has finished, and
-    since when it has been executing the current one (0.0: idle)."""
+    one clock for every process on the host)."""
 
     worker_id: int
     sent_at: float
-    num_steps: int
-    busy_since: float
 
 
 # ---------------------------------------------------------------- scheduler's block_replies inbox

@@ -81,7 +81,7 @@ SAMPLES = [
     m.OutputDelta.failed("r1", "ValueError: bad", m.ErrorKind.INVALID),
     m.RequestFailed("r1", "TypeError: cannot encode"),
     m.StepResult(6, 0, ("r2",), (5,), (), (), None, 0.1, (m.RequestFailed("r1", "boom"),)),
-    m.WorkerHeartbeat(0, 12345.5, 17, 0.0),
+    m.WorkerHeartbeat(0, 12345.5),
 ]
 
 # The wire format: field names in order. Changing this table means a protocol change.
@@ -138,7 +138,7 @@ FIELD_ORDER = {
         "failed",
     ],
     "RequestFailed": ["request_id", "error"],
-    "WorkerHeartbeat": ["worker_id", "sent_at", "num_steps", "busy_since"],
+    "WorkerHeartbeat": ["worker_id", "sent_at"],
     "WorkerReady": [
         "worker_id",
         "num_blocks",
