@@ -37,9 +37,7 @@ from actors.tokenizer_actor import TokenizerActor
 from actors.transport import inproc_pair, ipc_address, new_run_dir, zmq_inbox, zmq_outbox
 from actors.worker_actor import spawn_worker
 from actors.worker_monitor import WorkerMonitor
-from engine.block_manager import BlockManager
 from engine.config import EngineArgs
-from engine.engine_core import EngineCore
 from engine.messages import (
     INBOXES,
     AbortRequest,
@@ -50,39 +48,25 @@ from engine.messages import (
     Shutdown,
     WorkerReady,
 )
-from engine.request_validation import RequestLimits
 from engine.sampling_params import SamplingParams
+from engine.stats import EngineStats
 from engine.text_checks import check_request_id
-from engine.text_processor import TextProcessor
-from engine.tokenizer import Tokenizer, load_tokenizer
+from engine.wiring import build_engine
 
 logger = logging.getLogger(__name__)
 CLIENT_ID = "async-engine"
 
 
 @dataclass(frozen=True)
-class EngineStatsSnapshot:
-    """What `AsyncEngine.stats()` reports (free blocks include cached ones nobody holds)."""
+class WatchStats:
+    """What the supervisor sees (`AsyncEngine.watch_stats()`): requests ended by the
+    request timeout so far, open requests past it now (stuck), the oldest open
+    request's age, and the seconds since the worker's last heartbeat."""
 
-    num_blocks: int
-    num_free_blocks: int
-    num_running: int
-    num_waiting: int
-    num_preemptions: int
-    num_steps: int
-    prefix_cache_queried_tokens: int = 0
-    prefix_cache_hit_tokens: int = 0
-    num_cached_blocks: int = 0
-    num_cache_evictions: int = 0
-    num_timed_out: int = 0  # requests ended by the request timeout so far
-    num_over_deadline: int = 0  # open requests older than the request timeout (stuck)
-    oldest_request_s: float = 0.0  # age of the oldest open request
-    worker_silent_s: float = 0.0  # since the worker's last heartbeat
-
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        q = self.prefix_cache_queried_tokens
-        return self.prefix_cache_hit_tokens / q if q else 0.0
+    num_timed_out: int
+    num_over_deadline: int
+    oldest_request_s: float
+    worker_silent_s: float
 
 
 @dataclass
@@ -168,29 +152,15 @@ class AsyncEngine:
             shutil.rmtree(self._run_dir, ignore_errors=True)
             raise
         config = args.build()  # reads config.json only; the worker holds the weights
-        caching = config.cache.enable_prefix_caching
-        core = EngineCore(
-            config.scheduler,
-            ready.num_blocks,
-            ready.block_size,
-            config.model.eos_token_ids,
-            caching,
-            ready.num_cpu_blocks,
-            config.cache.preemption_mode,
-        )
-        tokenizer = Tokenizer(load_tokenizer(args.tokenizer or config.model.model_dir))
+        parts = build_engine(config, ready, with_block_manager=True)
         to_tokenizer, tokenizer_inbox = inproc_pair()
         to_client, self._client_inbox = inproc_pair()
         to_blocks, blocks_inbox = inproc_pair()
         to_replies, replies_inbox = inproc_pair()
         self._to_worker = zmq_outbox(self._ctx, worker_address)
-        self.block_manager = BlockManagerActor(
-            BlockManager(ready.num_blocks, ready.block_size, caching, 0, ready.num_cpu_blocks),
-            blocks_inbox,
-            to_replies,
-        )
+        self.block_manager = BlockManagerActor(parts.block_manager, blocks_inbox, to_replies)
         self.scheduler = SchedulerActor(
-            core,
+            parts.core,
             sched_inbox,
             [self._to_worker],
             to_tokenizer,
@@ -199,18 +169,7 @@ class AsyncEngine:
             pipeline_depth,
         )
         self.tokenizer = TokenizerActor(
-            TextProcessor(
-                tokenizer,
-                RequestLimits(
-                    ready.vocab_size,
-                    ready.max_model_len,
-                    config.model.eos_token_ids,
-                    True,
-                    ready.num_blocks,
-                    ready.block_size,
-                    config.scheduler.max_num_seqs,
-                ),
-            ),
+            parts.processor,
             tokenizer_inbox,
             zmq_outbox(self._ctx, sched_address),
             {CLIENT_ID: to_client},
@@ -264,23 +223,15 @@ class AsyncEngine:
         if not self._closing:
             await send_message(self._to_tokenizer, AbortRequest(request_id))
 
-    def stats(self) -> EngineStatsSnapshot:
-        s = self.scheduler.core.scheduler
-        blocks = self.block_manager.manager
+    def stats(self) -> EngineStats:
+        """The engine core's stats: the keys `LLM.stats()` has."""
+        return self.scheduler.core.stats()
+
+    def watch_stats(self) -> WatchStats:
         now = time.monotonic()
         ages = [now - stream.started for stream in self._streams.values()]
         limit = self.supervision.request_timeout_s
-        return EngineStatsSnapshot(
-            blocks.num_blocks,
-            blocks.num_free_blocks,
-            len(s.running),
-            len(s.waiting),
-            s.num_preemptions,
-            self.scheduler.num_steps,
-            s.prefix_stats.queried_tokens,
-            s.prefix_stats.hit_tokens,
-            blocks.kv_cache.pool.num_cached,
-            blocks.kv_cache.pool.num_evictions,
+        return WatchStats(
             self.num_timed_out,
             sum(age > limit for age in ages) if limit is not None else 0,
             max(ages, default=0.0),

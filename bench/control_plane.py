@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import platform
 import random
@@ -56,11 +57,10 @@ from actors.transport import (  # noqa: E402
     zmq_outbox,
 )
 from actors.worker_actor import spawn_worker  # noqa: E402
-from engine.block_manager import BlockManager  # noqa: E402
 from engine.config import EngineArgs  # noqa: E402
-from engine.engine_core import EngineCore  # noqa: E402
 from engine.messages import INBOXES, AbortRequest, AddRequest, Shutdown, WorkerReady  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
+from engine.wiring import build_engine  # noqa: E402
 
 SHORT_STEP_SHAPE = {**MODEL_SHAPE, "hidden_size": 128, "intermediate_size": 344}
 SHORT_STEP_SHAPE.update(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4)
@@ -98,19 +98,16 @@ class Rig:
         self.proc = spawn_worker(self.args, work, sched, extra_env=env, null_worker=self.null)
         decoder = InboxDecoder(INBOXES["scheduler"])
         ready, _ = await await_ready(inbox, decoder, WorkerReady, 300, sender="worker")
-        config = self.args.build()
-        eos = config.model.eos_token_ids
-        caching = config.cache.enable_prefix_caching  # as served: on by default
-        core = EngineCore(config.scheduler, ready.num_blocks, ready.block_size, eos, caching)
+        # As served (prefix caching on by default); no text processing: no tokenizer.
+        config = dataclasses.replace(self.args.build(), skip_tokenizer_init=True)
+        parts = build_engine(config, ready, with_block_manager=True)
         to_sink, self.sink_inbox = inproc_pair()
         to_blocks, blocks_inbox = inproc_pair()
         to_replies, replies_inbox = inproc_pair()
-        self.blocks = BlockManagerActor(
-            BlockManager(ready.num_blocks, ready.block_size, caching), blocks_inbox, to_replies
-        )
+        self.blocks = BlockManagerActor(parts.block_manager, blocks_inbox, to_replies)
         self.to_worker = zmq_outbox(self.ctx, work)
         self.scheduler = SchedulerActor(
-            core, inbox, [self.to_worker], to_sink, to_blocks, replies_inbox, self.depth
+            parts.core, inbox, [self.to_worker], to_sink, to_blocks, replies_inbox, self.depth
         )
         self.to_scheduler = zmq_outbox(self.ctx, sched)
         await self.blocks.start()

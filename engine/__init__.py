@@ -2,7 +2,6 @@
 
 from engine.config import EngineArgs, EngineConfig
 from engine.llm import LLM
-from engine.llm_engine import LLMEngine
 from engine.logprobs import Logprob
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams, SamplingParamsError
@@ -14,7 +13,6 @@ __all__ = [
     "EngineArgs",
     "EngineConfig",
     "EngineStats",
-    "LLMEngine",
     "Logprob",
     "RequestOutput",
     "SamplingParams",

@@ -14,10 +14,12 @@ beam's offers is in (a beam group computes every other step when planning ahead)
 builder then tells the worker the chosen token (`last_token_id`), and a forked beam goes
 out as a new request with its parent's tokens.
 
-The block tables live in the block manager; the core plans on a `BlockLedger`, a
-replica that knows every block id at once and logs its changes, so a step is:
-`schedule()`, one exchange of `block_traffic()` for the block manager's
-`BlockOpsApplied` (`on_blocks_reserved` checks it), and `build_plan()`.
+The block tables are injected. In-process (the offline `LLM`) they are a plain
+`KVCacheManager` and a step is `schedule()` then `build_plan()`. Where a block-manager
+actor holds the authoritative tables, the core plans on a `BlockLedger`, a replica that
+knows every block id at once and logs its changes, and a step is `schedule()`, one
+exchange of `block_traffic()` for the block manager's `BlockOpsApplied`
+(`on_blocks_reserved` checks it), and `build_plan()`.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from functools import partial
 from engine.beam_group import BeamGroup, beam_params, beam_search_for, top_offers
 from engine.block_ledger import BlockLedger
 from engine.config import SchedulerConfig
+from engine.kv_cache_manager import KVCacheManager
 from engine.messages import (
     AddRequest,
     ApplyBlockOps,
@@ -45,6 +48,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.scheduler_output import SchedulerOutput
 from engine.sequence_group import SequenceGroup, sequence_id, sequence_params
+from engine.stats import EngineStats, SharingSaving, SlotUtilization
 from engine.step_plan_builder import StepPlanBuilder
 from engine.stop_checker import StopChecker
 
@@ -52,20 +56,21 @@ PLACEHOLDER = -1
 
 
 class EngineCore:
-    """Scheduler + block ledger + plan diffs + token-level stop checks."""
+    """Scheduler + block tables + plan diffs + token-level stop checks + the stats.
+
+    `blocks`: the block tables to plan on (a `BlockLedger` when a block manager elsewhere
+    holds the real ones; `engine/wiring.py` builds both ways)."""
 
     def __init__(
         self,
         config: SchedulerConfig,
-        num_blocks: int,
-        block_size: int,
+        blocks: KVCacheManager,
         eos_token_ids: frozenset[int],
-        enable_prefix_caching: bool = False,
-        num_cpu_blocks: int = 0,
         preemption_mode: str = "recompute",
     ) -> None:
-        self.blocks = BlockLedger(num_blocks, block_size, enable_prefix_caching, 0, num_cpu_blocks)
-        self.scheduler = Scheduler(config, self.blocks, preemption_mode=preemption_mode)
+        self.blocks = blocks
+        self._ledger = blocks if isinstance(blocks, BlockLedger) else None
+        self.scheduler = Scheduler(config, blocks, preemption_mode=preemption_mode)
         self.builder = StepPlanBuilder()
         self.stop_checker = StopChecker()
         self.eos_token_ids = eos_token_ids
@@ -74,6 +79,9 @@ class EngineCore:
         self._may_stop = set(eos_token_ids)  # every token that can end some request
         self._arrival = 0
         self._groups: dict[str, SequenceGroup] = {}  # n > 1 requests in flight
+        self.num_steps = 0
+        self.utilization = SlotUtilization()
+        self.sharing = SharingSaving()
 
     @property
     def has_unfinished(self) -> bool:
@@ -157,20 +165,66 @@ class EngineCore:
         if output.is_empty and not self._finished_ids:
             return None
         self.scheduler.advance(output, placeholder=PLACEHOLDER)
+        if not output.is_empty:
+            self.num_steps += 1
+            self._record_usage()
         return output
 
     def block_traffic(self) -> ApplyBlockOps | None:
-        """The block ops since the last exchange, or None when there are none."""
-        return self.blocks.take_traffic() if self.blocks.has_traffic else None
+        """The block ops since the last exchange, or None when there are none (always
+        None on local block tables: there is nobody to tell)."""
+        ledger = self._ledger
+        return ledger.take_traffic() if ledger is not None and ledger.has_traffic else None
 
     def on_blocks_reserved(self, reply: BlockOpsApplied) -> None:
-        self.blocks.apply(reply)
+        self._ledger.apply(reply)
 
-    def plan(self, exchange: Callable[[ApplyBlockOps], BlockOpsApplied]) -> StepPlan | None:
-        """schedule + block exchange + build_plan in one call, for a block manager within
-        reach (tests, benchmarks). The exchange also
-        runs when there is no step, so frees of finished requests are never held back
-        (`exchange=block_manager.apply`)."""
+    def _record_usage(self) -> None:
+        """Once per step: token slots holding real tokens, and blocks saved by sharing."""
+        blocks = self.blocks
+        stored = sum(r.num_computed_tokens for r in self.scheduler.running)
+        self.utilization.record(stored, blocks.num_allocated_slots())
+        self.sharing.record(blocks.num_table_blocks(), blocks.pool.num_used)
+
+    def stats(self) -> EngineStats:
+        """The one stats source (`LLM.stats()`, `AsyncEngine.stats()`, `/metrics`)."""
+        blocks, scheduler = self.blocks, self.scheduler
+        return EngineStats(
+            num_blocks=blocks.num_blocks,
+            num_used_blocks=blocks.num_blocks - blocks.num_free_blocks,
+            num_free_blocks=blocks.num_free_blocks,
+            kv_slot_utilization=self.utilization.last,
+            mean_kv_slot_utilization=self.utilization.mean,
+            num_preemptions=scheduler.num_preemptions,
+            num_steps=self.num_steps,
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
+            prefix_cache_queried_tokens=scheduler.prefix_stats.queried_tokens,
+            prefix_cache_hit_tokens=scheduler.prefix_stats.hit_tokens,
+            num_cached_blocks=blocks.pool.num_cached,
+            num_cache_evictions=blocks.pool.num_evictions,
+            num_swaps=scheduler.num_swaps,
+            num_swapped_blocks=blocks.num_swapped_blocks,
+            kv_sharing_saving=self.sharing.last,
+            mean_kv_sharing_saving=self.sharing.mean,
+        )
+
+    def check_integrity(self) -> None:
+        """The scheduler's requests and the block tables agree (tests call it)."""
+        self.scheduler.check_integrity()
+
+    def reset_prefix_cache(self) -> int:
+        """Forgets every cached prefix (later requests compute their prompts in full);
+        returns how many cached blocks were dropped."""
+        return self.blocks.reset_prefix_cache()
+
+    def plan(
+        self, exchange: Callable[[ApplyBlockOps], BlockOpsApplied] | None = None
+    ) -> StepPlan | None:
+        """schedule + block exchange + build_plan in one call: on local block tables
+        (no exchange), or with a block manager within reach (`exchange=manager.apply`).
+        The exchange also runs when there is no step, so frees of finished requests are
+        never held back."""
         output = self.schedule()
         traffic = self.block_traffic()
         if traffic is not None:

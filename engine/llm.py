@@ -9,10 +9,12 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from engine.config import EngineArgs
-from engine.llm_engine import LLMEngine
+from engine.in_process import InProcessEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.stats import EngineStats
+from engine.wiring import build_engine
+from engine.worker import build_worker
 
 Prompt = str | list[int]
 Messages = list[dict[str, Any]]
@@ -24,10 +26,17 @@ class LLM:
     `generate` accepts one prompt or a list (strings or token-id lists) and one
     SamplingParams or one per prompt; it returns one RequestOutput per prompt, in input
     order. Invalid prompts or params raise ValueError before anything is queued.
+
+    It runs the served engine in-process (`InProcessEngine`: the same text processor,
+    engine core and worker as `pagedserve serve`), so both give the same outputs;
+    `pipeline_depth=2` plans one step ahead as the server does.
     """
 
-    def __init__(self, model: str, **kwargs: Any) -> None:
-        self.engine = LLMEngine(EngineArgs(model=model, **kwargs).build())
+    def __init__(self, model: str, pipeline_depth: int = 1, **kwargs: Any) -> None:
+        args = EngineArgs(model=model, **kwargs)
+        self.config = args.build()
+        worker, ready = build_worker(args, config=self.config)
+        self.engine = InProcessEngine(build_engine(self.config, ready), worker, pipeline_depth)
         self._ids = itertools.count()
 
     def get_tokenizer(self):

@@ -22,13 +22,23 @@ from engine.text_checks import check_text
 from engine.tokenizer import Tokenizer
 
 
+class NoText:
+    """The detokenizer of an engine without a tokenizer: no text, ever."""
+
+    def append(self, token_ids: list[int]) -> str:
+        return ""
+
+    def flush(self) -> str:
+        return ""
+
+
 @dataclass
 class _TextState:
     """What the processor keeps per request between deltas."""
 
     client_id: str
     request: GenerateRequest
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | NoText
     num_prompt_tokens: int
     index: int = 0  # which of the request's n sequences
     num_output_tokens: int = 0
@@ -55,9 +65,14 @@ class TextProcessor:
     nothing streams: once every sequence has ended, the n of highest cumulative logprob
     go out whole, best first. A beam search streams nothing either: the engine ranks its
     outputs and sends them whole (`on_ranked`).
+
+    Stop strings follow vLLM: one is looked for only once the sequence has `min_tokens`
+    output tokens, and one found in text flushed at the end still ends it with "stop".
+    Without a tokenizer (`skip_tokenizer_init`) prompts must be token ids, and outputs
+    carry token ids only (empty text, no decoded logprob tokens).
     """
 
-    def __init__(self, tokenizer: Tokenizer, limits: RequestLimits) -> None:
+    def __init__(self, tokenizer: Tokenizer | None, limits: RequestLimits) -> None:
         self.tokenizer = tokenizer
         self.limits = limits
         self.states: dict[str, _TextState] = {}  # by sequence id
@@ -83,17 +98,18 @@ class TextProcessor:
         self, request: GenerateRequest, token_ids: list[int], arrival_time: float
     ) -> AddRequest:
         """Starts keeping the prepared request's text state; the AddRequest for it."""
-        if request.request_id in self.sequences:
-            raise ValueError(f"request_id {request.request_id!r} is already in flight")
         params = request.params
-        if params.use_beam_search:
-            return self._admit_beam_search(request, token_ids, arrival_time)
-        k = params.num_sequences
+        k = 1 if params.use_beam_search else params.num_sequences
         ids = (
             [request.request_id]
             if k == 1
             else [sequence_id(request.request_id, i) for i in range(k)]
         )
+        for rid in {request.request_id, *ids}:
+            if rid in self.sequences or rid in self.states:
+                raise ValueError(f"request_id {rid!r} is already in flight")
+        if params.use_beam_search:
+            return self._admit_beam_search(request, token_ids, arrival_time)
         self.sequences[request.request_id] = ids
         self.clients[request.request_id] = request.client_id
         ranked = k > params.n
@@ -119,7 +135,9 @@ class TextProcessor:
         )
         return AddRequest(rid, tuple(token_ids), request.params, arrival_time)
 
-    def _detokenizer(self, token_ids, params) -> IncrementalDetokenizer:
+    def _detokenizer(self, token_ids, params) -> IncrementalDetokenizer | NoText:
+        if self.tokenizer is None:
+            return NoText()
         return IncrementalDetokenizer(
             self.tokenizer,
             token_ids,
@@ -165,6 +183,11 @@ class TextProcessor:
         ]
         if sum(given) != 1:
             raise ValueError("set exactly one of prompt, prompt_token_ids, messages")
+        if self.tokenizer is None and request.prompt_token_ids is None:
+            raise ValueError(
+                "prompt is text but the tokenizer is disabled (skip_tokenizer_init); "
+                "pass token ids"
+            )
         if request.prompt is not None:
             check_text("prompt", request.prompt)
             self._check_length("prompt", len(request.prompt))
@@ -210,8 +233,10 @@ class TextProcessor:
         finish, stop_reason, abort = delta.finish_reason, delta.stop_reason, None
         state.text += new
         params = state.request.params
-        match = find_stop(state.text, len(new), params.stop, params.include_stop_str_in_output)
-        if params.stop and match is not None:
+        match = None
+        if params.stop and state.num_output_tokens >= params.min_tokens:
+            match = find_stop(state.text, len(new), params.stop, params.include_stop_str_in_output)
+        if match is not None:
             state.text = state.text[: match.truncate_to]
             finish, stop_reason = "stop", match.stop
             if delta.finish_reason is None:
@@ -281,7 +306,9 @@ class TextProcessor:
             for row in rows
         )
 
-    def _token_text(self, token_id: int) -> str:
+    def _token_text(self, token_id: int) -> str | None:
+        if self.tokenizer is None:
+            return None
         text = self._token_texts.get(token_id)
         if text is None:
             text = self._token_texts[token_id] = self.tokenizer.decode([token_id], False)

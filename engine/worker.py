@@ -6,7 +6,7 @@ import dataclasses
 import itertools
 from collections.abc import Iterator
 
-from engine.config import EngineArgs
+from engine.config import EngineArgs, EngineConfig
 from engine.errors import describe
 from engine.kv_cache import DEFAULT_CPU_KV_CACHE_MEMORY, num_blocks_for
 from engine.logprobs import Logprob
@@ -213,9 +213,12 @@ def _wire_row(row: dict[int, Logprob]) -> LogprobRow:
     return tuple(TokenLogprob(t, lp.logprob, lp.rank, None) for t, lp in row.items())
 
 
-def build_worker(args: EngineArgs, worker_id: int = 0) -> tuple[Worker, WorkerReady]:
-    """Loads the model, sizes and allocates the KV cache; returns the ready message."""
-    config = args.build()
+def build_worker(
+    args: EngineArgs, worker_id: int = 0, config: EngineConfig | None = None
+) -> tuple[Worker, WorkerReady]:
+    """Loads the model, sizes and allocates the KV cache; returns the ready message
+    (`config`: `args.build()`, when the caller has built it already)."""
+    config = config or args.build()
     runner = ModelRunner(
         config.model,
         config.cache,

@@ -69,7 +69,7 @@ class Server:
         self.admission = Admission(config.max_queued_requests)
         self.sessions = SessionStore(config.session_ttl_s, config.session_max_chars)
         self.connections: set[StreamConnection] = set()
-        self.metrics = Metrics(engine.stats, self._web_gauges())
+        self.metrics = Metrics(engine.stats, engine.watch_stats, self._web_gauges())
         self.generator = Generator(engine, self.metrics, self.admission)
         self.openai = OpenAIRoutes(self.generator, config)
         self.limits = StreamLimits(

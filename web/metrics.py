@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
+from typing import Any
 
 from prometheus_client import (
     CollectorRegistry,
@@ -13,21 +15,24 @@ from prometheus_client import (
 )
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from actors.async_engine import EngineStatsSnapshot
+from actors.async_engine import WatchStats
+from engine.stats import EngineStats
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 
 
 class Metrics:
-    """Counters and latency histograms observed by the web layer, plus engine gauges
-    read from `stats()` at scrape time. `render()` is the /metrics body."""
+    """Counters and latency histograms observed by the web layer, plus gauges read at
+    scrape time: every `EngineStats` field (`ENGINE_GAUGES`, the keys `LLM.stats()`
+    has) and the supervisor's `WatchStats`. `render()` is the /metrics body."""
 
     content_type = CONTENT_TYPE_LATEST
 
     def __init__(
         self,
-        stats: Callable[[], EngineStatsSnapshot],
+        stats: Callable[[], EngineStats],
+        watch: Callable[[], WatchStats],
         web_gauges: dict[str, tuple[str, Callable[[], float]]],
     ) -> None:
         """`web_gauges`: name -> (help, read) for the web layer's own counts (queued
@@ -64,60 +69,87 @@ class Metrics:
             "pagedserve_rejected_requests", "Requests refused, by error code", ["code"], registry=r
         )
 
-        gauges = {
-            "pagedserve_num_requests_running": ("Requests running", lambda s: s.num_running),
-            "pagedserve_num_requests_waiting": (
-                "Requests waiting in the scheduler",
-                lambda s: s.num_waiting,
-            ),
-            "pagedserve_kv_blocks_used": (
-                "KV cache blocks in use",
-                lambda s: s.num_blocks - s.num_free_blocks,
-            ),
-            "pagedserve_kv_blocks_total": ("KV cache blocks", lambda s: s.num_blocks),
-            "pagedserve_num_preemptions": ("Preemptions so far", lambda s: s.num_preemptions),
-            "pagedserve_kv_blocks_cached": (
-                "Blocks holding a cached prefix (owned or free)",
-                lambda s: s.num_cached_blocks,
-            ),
-            "pagedserve_prefix_cache_hit_rate": (
-                "Prompt tokens found in the prefix cache / prompt tokens looked up",
-                lambda s: s.prefix_cache_hit_rate,
-            ),
-            "pagedserve_prefix_cache_queried_tokens": (
-                "Prompt tokens looked up in the prefix cache so far",
-                lambda s: s.prefix_cache_queried_tokens,
-            ),
-            "pagedserve_prefix_cache_hit_tokens": (
-                "Prompt tokens found in the prefix cache so far (not computed)",
-                lambda s: s.prefix_cache_hit_tokens,
-            ),
-            "pagedserve_prefix_cache_evictions": (
-                "Cached blocks evicted so far",
-                lambda s: s.num_cache_evictions,
-            ),
-            "pagedserve_num_requests_over_deadline": (
-                "Open requests older than --request-timeout (the watchdog ends them; "
-                "above 0 for long means requests are stuck)",
-                lambda s: s.num_over_deadline,
-            ),
-            "pagedserve_num_timed_out_requests": (
-                "Requests ended by --request-timeout so far",
-                lambda s: s.num_timed_out,
-            ),
-            "pagedserve_oldest_request_age_seconds": (
-                "Age of the oldest open request",
-                lambda s: s.oldest_request_s,
-            ),
-            "pagedserve_worker_silence_seconds": (
-                "Seconds since the worker's last heartbeat",
-                lambda s: s.worker_silent_s,
-            ),
-        }
-        for name, (doc, read) in gauges.items():
-            Gauge(name, doc, registry=r).set_function(lambda read=read: read(stats()))
+        for name, (doc, field) in ENGINE_GAUGES.items():
+            read = functools.partial(_read, stats, field)
+            Gauge(name, doc, registry=r).set_function(read)
+        for name, (doc, field) in WATCH_GAUGES.items():
+            Gauge(name, doc, registry=r).set_function(functools.partial(_read, watch, field))
         for name, (doc, read) in web_gauges.items():
             Gauge(name, doc, registry=r).set_function(read)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _read(snapshot: Callable[[], Any], field: str) -> float:
+    return float(getattr(snapshot(), field))
+
+
+# metric name -> (help, EngineStats field or property); every field has one.
+ENGINE_GAUGES: dict[str, tuple[str, str]] = {
+    "pagedserve_kv_blocks_total": ("KV cache blocks", "num_blocks"),
+    "pagedserve_kv_blocks_used": ("KV cache blocks in use", "num_used_blocks"),
+    "pagedserve_kv_blocks_free": (
+        "KV cache blocks free (cached ones nobody holds included)",
+        "num_free_blocks",
+    ),
+    "pagedserve_kv_slot_utilization": (
+        "Token slots holding real tokens / slots allocated, at the last step",
+        "kv_slot_utilization",
+    ),
+    "pagedserve_mean_kv_slot_utilization": (
+        "Token slots holding real tokens / slots allocated, over all steps",
+        "mean_kv_slot_utilization",
+    ),
+    "pagedserve_num_preemptions": ("Preemptions so far", "num_preemptions"),
+    "pagedserve_num_steps": ("Model steps planned so far", "num_steps"),
+    "pagedserve_num_requests_running": ("Requests running", "num_running"),
+    "pagedserve_num_requests_waiting": ("Requests waiting in the scheduler", "num_waiting"),
+    "pagedserve_prefix_cache_queried_tokens": (
+        "Prompt tokens looked up in the prefix cache so far",
+        "prefix_cache_queried_tokens",
+    ),
+    "pagedserve_prefix_cache_hit_tokens": (
+        "Prompt tokens found in the prefix cache so far (not computed)",
+        "prefix_cache_hit_tokens",
+    ),
+    "pagedserve_prefix_cache_hit_rate": (
+        "Prompt tokens found in the prefix cache / prompt tokens looked up",
+        "prefix_cache_hit_rate",
+    ),
+    "pagedserve_kv_blocks_cached": (
+        "Blocks holding a cached prefix (owned or free)",
+        "num_cached_blocks",
+    ),
+    "pagedserve_prefix_cache_evictions": ("Cached blocks evicted so far", "num_cache_evictions"),
+    "pagedserve_num_swaps": ("Preemptions by swapping out so far", "num_swaps"),
+    "pagedserve_kv_blocks_swapped": ("CPU swap blocks in use", "num_swapped_blocks"),
+    "pagedserve_kv_sharing_saving": (
+        "1 - blocks owned / blocks the block tables hold, at the last step",
+        "kv_sharing_saving",
+    ),
+    "pagedserve_mean_kv_sharing_saving": (
+        "1 - blocks owned / blocks the block tables hold, over all steps",
+        "mean_kv_sharing_saving",
+    ),
+}
+
+WATCH_GAUGES: dict[str, tuple[str, str]] = {
+    "pagedserve_num_requests_over_deadline": (
+        "Open requests older than --request-timeout (the watchdog ends them; "
+        "above 0 for long means requests are stuck)",
+        "num_over_deadline",
+    ),
+    "pagedserve_num_timed_out_requests": (
+        "Requests ended by --request-timeout so far",
+        "num_timed_out",
+    ),
+    "pagedserve_oldest_request_age_seconds": (
+        "Age of the oldest open request",
+        "oldest_request_s",
+    ),
+    "pagedserve_worker_silence_seconds": (
+        "Seconds since the worker's last heartbeat",
+        "worker_silent_s",
+    ),
+}

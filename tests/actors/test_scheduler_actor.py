@@ -14,10 +14,11 @@ from actors.scheduler_actor import BlockManagerTimeout, SchedulerActor
 from actors.transport import inproc_pair
 from actors.worker_actor import WorkerActor
 from engine import LLM, SamplingParams
-from engine.block_manager import BlockManager
+from engine.block_ledger import BlockLedger
 from engine.config import EngineArgs, SchedulerConfig
 from engine.engine_core import EngineCore
 from engine.messages import INBOXES, AbortRequest, AddRequest, TokenDeltas
+from engine.wiring import build_engine
 from engine.worker import build_worker
 from tests.engine.tiny_models import SMALL_ENGINE, random_prompts, save_hf_model
 
@@ -55,18 +56,16 @@ async def test_actors_reproduce_offline_outputs_and_free_every_block(model_dir, 
     ]
     expected = LLM(model_dir, **kwargs).generate(prompts, params, use_tqdm=False)
 
-    worker, ready = build_worker(args, 0)
     config = args.build()
-    core = EngineCore(
-        config.scheduler, ready.num_blocks, ready.block_size, config.model.eos_token_ids
-    )
+    worker, ready = build_worker(args, 0, config)
+    parts = build_engine(config, ready, with_block_manager=True)
+    core, blocks = parts.core, parts.block_manager
     to_sched, sched_inbox = inproc_pair()
     to_worker, worker_inbox = inproc_pair()
     to_tok, tok_inbox = inproc_pair()
     worker_actor = WorkerActor(worker, worker_inbox, to_sched)
     to_blocks, blocks_inbox = inproc_pair()
     to_replies, replies_inbox = inproc_pair()
-    blocks = BlockManager(ready.num_blocks, ready.block_size)
     block_manager = BlockManagerActor(blocks, blocks_inbox, to_replies)
     scheduler = SchedulerActor(
         core, sched_inbox, [to_worker], to_tok, to_blocks, replies_inbox, pipeline_depth=depth
@@ -103,9 +102,7 @@ async def test_actors_reproduce_offline_outputs_and_free_every_block(model_dir, 
 
 
 async def test_a_silent_block_manager_stops_the_scheduler_instead_of_hanging():
-    core = EngineCore(
-        SchedulerConfig(4, 32, 64), num_blocks=8, block_size=4, eos_token_ids=frozenset()
-    )
+    core = EngineCore(SchedulerConfig(4, 32, 64), BlockLedger(8, 4), frozenset())
     to_sched, sched_inbox = inproc_pair()
     to_worker, _worker_inbox = inproc_pair()
     to_tok, _tok_inbox = inproc_pair()

@@ -13,6 +13,7 @@ from actors.codec import InboxDecoder
 from actors.scheduler_actor import SchedulerActor
 from actors.transport import inproc_pair
 from actors.worker_actor import WorkerActor
+from engine.block_ledger import BlockLedger
 from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
 from engine.engine_core import EngineCore
@@ -34,7 +35,7 @@ class FaultyWorker(NullWorker):
 
 
 async def test_a_request_the_worker_cannot_run_fails_alone_and_frees_its_blocks():
-    core = EngineCore(SchedulerConfig(8, 64, 256), NUM_BLOCKS, BLOCK_SIZE, frozenset())
+    core = EngineCore(SchedulerConfig(8, 64, 256), BlockLedger(NUM_BLOCKS, BLOCK_SIZE), frozenset())
     to_sched, sched_inbox = inproc_pair()
     to_worker, worker_inbox = inproc_pair()
     to_tok, tok_inbox = inproc_pair()

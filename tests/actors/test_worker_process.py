@@ -1,4 +1,5 @@
-"""A real worker process driven by StepPlans over ZeroMQ ipc gives the offline outputs."""
+"""A real worker process driven by StepPlans over ZeroMQ ipc gives the in-process worker's
+outputs (the offline LLM's)."""
 
 from __future__ import annotations
 
@@ -17,11 +18,8 @@ from actors.transport import ipc_address, new_run_dir, zmq_inbox, zmq_outbox
 from actors.worker_actor import spawn_worker
 from engine import LLM, SamplingParams
 from engine.config import EngineArgs
-from engine.llm_engine import LLMEngine
-from engine.messages import INBOXES, Shutdown, StepResult, WorkerReady
-from engine.model_runner import StepResult as RunnerResult
-from engine.scheduler_output import SchedulerOutput
-from engine.step_plan_builder import StepPlanBuilder
+from engine.messages import INBOXES, AddRequest, Shutdown, StepResult, WorkerReady
+from engine.wiring import build_engine
 from tests.engine.tiny_models import SMALL_ENGINE, random_prompts, save_hf_model
 
 
@@ -54,23 +52,19 @@ async def test_worker_process_matches_offline_engine(model_dir):
             inbox, decoder, WorkerReady, timeout=120, sender="worker 0"
         )
         assert not early
-        engine = LLMEngine(args.build())
-        assert ready.num_blocks == engine.scheduler.kv_cache.num_blocks
+        core = build_engine(args.build(), ready).core  # block tables in-process
         to_worker = zmq_outbox(ctx, worker_address)
         for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
-            engine.add_request(f"offline-{i}", p, sp)
-        builder, finished, got = StepPlanBuilder(), [], {}
-        while engine.has_unfinished_requests():
-            plan = engine.scheduler.schedule()
-            await send_message(to_worker, builder.build(plan, finished))
+            core.add_request(AddRequest(f"offline-{i}", tuple(p), sp, 0.0))
+        got: dict[str, list[int]] = {}
+        while core.has_unfinished:
+            plan = core.plan()
+            await send_message(to_worker, plan)
             result = decoder.decode(await asyncio.wait_for(inbox.recv(), timeout=60))
             assert isinstance(result, StepResult) and result.error is None
             assert result.step_id == plan.step_id
-            sampled = dict(zip(result.sampled_ids, result.sampled_token_ids, strict=True))
-            done = engine._update(plan, RunnerResult(sampled, None, (), {}))
-            finished = [o.request_id for o in done]
-            got.update({o.request_id: o.outputs[0].token_ids for o in done})
-        await send_message(to_worker, builder.build(SchedulerOutput(-1, (), ()), finished))
+            for delta in core.on_result(result).deltas():
+                got.setdefault(delta.request_id, []).extend(delta.token_ids)
         await send_message(to_worker, Shutdown("test done"))
         assert proc.wait(timeout=30) == 0
         assert [got[f"offline-{i}"] for i in range(8)] == [o.outputs[0].token_ids for o in expected]

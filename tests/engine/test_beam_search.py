@@ -86,8 +86,8 @@ def test_tiny_llama_beams_equal_transformers(tiny, width, length_penalty, early_
         if scores is not None:
             got = [c.beam_score for c in out.outputs]
             assert got == pytest.approx(scores, abs=1e-4)
-    kv = llm.engine.scheduler.kv_cache
-    llm.engine.scheduler.check_integrity()
+    kv = llm.engine.core.scheduler.kv_cache
+    llm.engine.check_integrity()
     assert kv.num_free_blocks == kv.num_blocks
 
 
@@ -107,15 +107,15 @@ def test_beams_share_blocks_while_they_run(tiny):
     engine = llm.engine
     params = SamplingParams(use_beam_search=True, n=4, temperature=0, max_tokens=20)
     engine.add_request("b", list(range(40, 55)), params)
-    kv = engine.scheduler.kv_cache
+    kv = engine.core.scheduler.kv_cache
     peak_shared = 0
     while engine.has_unfinished_requests():
         engine.step()
-        tables = [kv.block_table(r.request_id) for r in engine.scheduler.running]
+        tables = [kv.block_table(r.request_id) for r in engine.core.scheduler.running]
         held = sum(len(t) for t in tables)
         owned = kv.num_blocks - kv.num_free_blocks
         peak_shared = max(peak_shared, held - owned)
-        engine.scheduler.check_integrity()
+        engine.check_integrity()
     assert peak_shared >= 3 * 3  # 4 beams hold the prompt's 3 full blocks once
     assert kv.num_free_blocks == kv.num_blocks
 
@@ -172,7 +172,7 @@ def test_beam_groups_preempted_as_one_unit_match_plenty_of_memory(tmp_path):
         outs = run_checking_units(llm, prompts, params)
         runs[name] = [[c.token_ids for c in o.outputs] for o in outs]
         runs[name + " scores"] = [c.beam_score or 0.0 for o in outs for c in o.outputs]
-        llm.engine.scheduler.check_integrity()
+        llm.engine.check_integrity()
         if name == "tight":
             assert llm.stats().num_preemptions > 0
     assert runs["tight"] == runs["plenty"]
@@ -192,7 +192,7 @@ def run_checking_units(llm, prompts, params):
     done = {}
     while engine.has_unfinished_requests():
         done |= {o.request_id: o for o in engine.step()}
-        for group in engine._groups.values():
+        for group in engine.core._groups.values():
             if isinstance(group, BeamGroup):
                 running = {b.status == RequestStatus.RUNNING for b in group.running}
                 assert len(running) <= 1, f"{group.request_id}: beams split"

@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import random
-from collections import deque
-
 import pytest
 
 from engine import LLM, SamplingParams
+from engine.block_ledger import BlockLedger
 from engine.block_manager import BlockManager
 from engine.config import EngineArgs
 from engine.engine_core import EngineCore
 from engine.kv_cache import block_bytes
 from engine.messages import AddRequest
-from engine.worker import Worker, build_worker
+from engine.wiring import EngineParts
+from tests.engine.pipelined import add_all, run_pipelined, served_parts
 from tests.engine.tiny_models import SMALL_ENGINE, VOCAB, random_prompts, save_hf_model
 
 
@@ -24,44 +24,13 @@ def model_dir(tmp_path_factory):
     return str(directory)
 
 
-def run_pipelined(
-    core: EngineCore, blocks: BlockManager, worker: Worker, depth: int, ranked: dict | None = None
-) -> tuple[dict, int]:
-    """Up to `depth` plans in flight; results delivered oldest first. Returns outputs and
-    the number of tokens the worker computed that were thrown away; beam searches' whole
-    outputs go to `ranked` (request id -> RankedSequences, best first)."""
-    in_flight: deque = deque()
-    outputs: dict[str, list[int]] = {}
-    finish: dict[str, str] = {}
-    discarded = 0
-    while core.has_unfinished or in_flight:
-        plan = core.plan(blocks.apply) if len(in_flight) < depth else None
-        if plan is not None:
-            in_flight.append(worker.execute(plan))
-            continue
-        result = in_flight.popleft()
-        deltas = core.on_result(result)
-        for seq in deltas.ranked:
-            ranked.setdefault(seq.request_id, []).append(seq)
-        delivered = set(deltas.request_ids)
-        discarded += sum(1 for s in result.sampled_ids if s not in delivered)
-        for d in deltas.deltas():
-            outputs.setdefault(d.request_id, []).extend(d.token_ids)
-            if d.finish_reason:
-                finish[d.request_id] = d.finish_reason
-    flush = core.plan(blocks.apply)
-    if flush is not None:
-        worker.execute(flush)
-    return outputs, discarded
-
-
 @pytest.mark.parametrize("depth", [1, 2])
 @pytest.mark.parametrize("kv_blocks", [None, 19])
 def test_one_step_ahead_matches_offline(model_dir, depth, kv_blocks):
     kwargs = {**SMALL_ENGINE, "seed": 0, "max_num_batched_tokens": 24}
     offline = LLM(model_dir, **kwargs)
     if kv_blocks:
-        kwargs["kv_cache_memory"] = block_bytes(offline.engine.config.model, 4) * kv_blocks
+        kwargs["kv_cache_memory"] = block_bytes(offline.config.model, 4) * kv_blocks
         offline = LLM(model_dir, **kwargs)
     rng = random.Random(11)
     prompts = random_prompts(rng, 16)
@@ -77,15 +46,11 @@ def test_one_step_ahead_matches_offline(model_dir, depth, kv_blocks):
     ]
     expected = offline.generate(prompts, params, use_tqdm=False)
 
-    args = EngineArgs(model=model_dir, **kwargs)
-    config = args.build()
-    worker, ready = build_worker(args)
-    num_blocks = ready.num_blocks
-    core = EngineCore(config.scheduler, num_blocks, 4, config.model.eos_token_ids)
-    for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
-        core.add_request(AddRequest(f"r{i}", tuple(p), sp, 0.0))
-    blocks = BlockManager(num_blocks, 4)
-    outputs, discarded = run_pipelined(core, blocks, worker, depth)
+    parts, worker = served_parts(EngineArgs(model=model_dir, **kwargs))
+    core, blocks = parts.core, parts.block_manager
+    num_blocks = blocks.num_blocks
+    add_all(core, prompts, params)
+    outputs, discarded = run_pipelined(parts, worker, depth)
 
     assert [outputs[f"r{i}"] for i in range(16)] == [o.outputs[0].token_ids for o in expected]
     stopped_early = sum(o.outputs[0].finish_reason == "stop" for o in expected)
@@ -109,14 +74,13 @@ def test_null_worker_drives_the_core_without_a_model():
     from engine.config import SchedulerConfig
     from engine.worker import NullWorker
 
-    core = EngineCore(
-        SchedulerConfig(8, 64, 128), num_blocks=64, block_size=4, eos_token_ids=frozenset()
-    )
+    core = EngineCore(SchedulerConfig(8, 64, 128), BlockLedger(64, 4), frozenset())
     blocks, worker = BlockManager(64, 4), NullWorker(token_id=7)
+    parts = EngineParts(core, None, None, blocks)
     lengths = [1, 5, 12, 30]
     for i, n in enumerate(lengths):
         core.add_request(AddRequest(f"n{i}", (1, 2, 3), SamplingParams(max_tokens=n), 0.0))
-    outputs, discarded = run_pipelined(core, blocks, worker, depth=2)
+    outputs, discarded = run_pipelined(parts, worker, depth=2)
     assert [outputs[f"n{i}"] for i in range(4)] == [[7] * n for n in lengths]
     assert discarded == 0  # length limits are known at plan time: nothing runs past them
     blocks.check_integrity()
@@ -130,11 +94,8 @@ def test_prefix_caching_one_step_ahead_matches_offline_without_it(model_dir, dep
     gives the offline engine's tokens (caching off) and really hits the cache."""
     kwargs = {**SMALL_ENGINE, "seed": 0, "max_num_batched_tokens": 24}
     offline = LLM(model_dir, **kwargs, enable_prefix_caching=False)
-    args = EngineArgs(model=model_dir, **kwargs)
-    config = args.build()
-    worker, ready = build_worker(args)
-    core = EngineCore(config.scheduler, ready.num_blocks, 4, frozenset(), True)
-    blocks = BlockManager(ready.num_blocks, 4, True)
+    parts, worker = served_parts(EngineArgs(model=model_dir, **kwargs, enable_prefix_caching=True))
+    core, blocks = parts.core, parts.block_manager
     rng = random.Random(12)
     system = [rng.randrange(VOCAB) for _ in range(13)]
     wave = [system + p for p in random_prompts(rng, 6, max_len=9)]
@@ -146,7 +107,7 @@ def test_prefix_caching_one_step_ahead_matches_offline_without_it(model_dir, dep
         expected = offline.generate(prompts, params, use_tqdm=False)
         for i, p in enumerate(prompts):
             core.add_request(AddRequest(f"t{turn}-{i}", tuple(p), params, 0.0))
-        outputs, _ = run_pipelined(core, blocks, worker, depth)
+        outputs, _ = run_pipelined(parts, worker, depth)
         got = [outputs[f"t{turn}-{i}"] for i in range(len(prompts))]
         assert got == [o.outputs[0].token_ids for o in expected]
         if turn == 0:  # next chat turns: prompt + reply + a new message
@@ -159,4 +120,4 @@ def test_prefix_caching_one_step_ahead_matches_offline_without_it(model_dir, dep
     assert hits[3] - hits[2] == sum(n // 4 * 4 for n in computed)
     core.scheduler.check_integrity()
     blocks.check_integrity()
-    assert blocks.num_free_blocks == ready.num_blocks
+    assert blocks.num_free_blocks == blocks.num_blocks

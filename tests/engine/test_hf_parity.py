@@ -48,7 +48,7 @@ def test_greedy_matches_transformers(checkpoint, setting):
     directory, prompts, expected = checkpoint
     llm, got = _generate(directory, prompts, **SETTINGS[setting])
     assert got == expected
-    llm.engine.scheduler.check_integrity()
+    llm.engine.check_integrity()
     assert llm.stats().num_free_blocks == llm.stats().num_blocks
 
 
@@ -62,7 +62,7 @@ def test_greedy_matches_transformers_under_preemption(checkpoint):
         block_size=block_size,
         kv_cache_memory=1 << 20,
     )
-    per_block = block_bytes(probe.engine.config.model, block_size)
+    per_block = block_bytes(probe.config.model, block_size)
     budget = per_block * (max_len // block_size + 2)  # one full sequence and a little more
     llm, got = _generate(
         directory, prompts, block_size=block_size, max_model_len=max_len, kv_cache_memory=budget

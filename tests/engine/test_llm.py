@@ -71,7 +71,7 @@ def test_seeded_request_is_reproducible_inside_a_batch(llm, model_dir):
 def _budget(llm, num_blocks):
     from engine.kv_cache import block_bytes
 
-    return block_bytes(llm.engine.config.model, 4) * num_blocks
+    return block_bytes(llm.config.model, 4) * num_blocks
 
 
 def test_outputs_come_back_in_input_order_for_every_prompt_form(llm):
@@ -114,7 +114,7 @@ def test_bad_requests_are_rejected_and_the_engine_keeps_serving(llm):
     for i, p in enumerate(good):
         engine.add_request(f"good-{i}", p, params)
     engine.step()
-    max_len = engine.config.model.max_model_len
+    max_len = llm.config.model.max_model_len
     bad_requests = [
         ([1] * max_len, params, "max_model_len"),
         ([], params, "empty"),
@@ -135,11 +135,11 @@ def test_bad_requests_are_rejected_and_the_engine_keeps_serving(llm):
     while engine.has_unfinished_requests():
         finished.update({o.request_id: o.outputs[0].token_ids for o in engine.step()})
     assert [finished[f"good-{i}"] for i in range(3)] == expected
-    engine.scheduler.check_integrity()
+    engine.check_integrity()
 
 
 def test_over_long_prompt_error_names_both_numbers(llm):
-    max_len = llm.engine.config.model.max_model_len
+    max_len = llm.config.model.max_model_len
     with pytest.raises(ValueError) as info:
         llm.generate([[1] * (max_len + 5)], use_tqdm=False)
     assert f"{max_len + 5:,} tokens" in str(info.value) and f"{max_len:,}" in str(info.value)
@@ -189,7 +189,7 @@ def test_half_precision_runs_close_to_transformers(model_dir, dtype):
     from tests.engine.tiny_models import build_hf_model, hf_greedy
 
     llm = LLM(model_dir, skip_tokenizer_init=True, dtype=dtype, kv_cache_memory=1 << 20)
-    assert llm.engine.runner.kv_cache[0][0].dtype == getattr(torch, dtype)
+    assert llm.engine.worker.runner.kv_cache[0][0].dtype == getattr(torch, dtype)
     prompts = [[1, 2, 3, 4, 5], [7, 8, 9]]
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     outs = llm.generate(prompts, params, use_tqdm=False)

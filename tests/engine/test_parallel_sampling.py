@@ -44,7 +44,7 @@ def test_n_seeded_samples_equal_their_seeds_alone_and_share_the_prompt(model_dir
     params = SamplingParams(n=4, temperature=1.0, seed=100, max_tokens=10, ignore_eos=True)
     engine = llm.engine
     engine.add_request("g", tokens, params)
-    kv = engine.scheduler.kv_cache
+    kv = engine.core.scheduler.kv_cache
     ids = [sequence_id("g", i) for i in range(4)]
     engine.step()  # the leader computes the prompt alone
     assert kv.num_free_blocks == kv.num_blocks - -(-length // BS)
@@ -63,7 +63,7 @@ def test_n_seeded_samples_equal_their_seeds_alone_and_share_the_prompt(model_dir
         expected = alone(llm, tokens, params.with_updates(n=1, seed=100 + i))
         assert completion.token_ids == expected
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1
-    engine.scheduler.check_integrity()
+    engine.check_integrity()
     assert kv.num_free_blocks == kv.num_blocks
 
 
@@ -105,7 +105,7 @@ def test_parallel_sampling_under_preemption_matches_plenty_of_memory(model_dir):
     for a, b in zip(plenty, tight, strict=True):
         assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
     assert tight_llm.stats().num_preemptions > 0
-    tight_llm.engine.scheduler.check_integrity()
+    tight_llm.engine.check_integrity()
 
 
 def test_aborting_a_group_frees_every_sequence(model_dir):
@@ -119,7 +119,7 @@ def test_aborting_a_group_frees_every_sequence(model_dir):
     assert out is not None and len(out.outputs) == 3
     assert all(c.finish_reason == "abort" for c in out.outputs)
     assert not engine.has_unfinished_requests()
-    kv = engine.scheduler.kv_cache
+    kv = engine.core.scheduler.kv_cache
     assert kv.num_free_blocks == kv.num_blocks
     with pytest.raises(ValueError, match="already in flight"):
         engine.add_request("h", [1, 2], SamplingParams(n=2))

@@ -85,7 +85,7 @@ def test_outputs_identical_with_caching_on_and_off(model_dir) -> None:
     assert stats.prefix_cache_hit_tokens > 0 and 0 < stats.prefix_cache_hit_rate < 1
     assert off.stats().prefix_cache_hit_tokens == 0
     for llm in (on, off):
-        llm.engine.scheduler.check_integrity()
+        llm.engine.check_integrity()
 
 
 def test_a_chats_next_turn_computes_only_its_new_tokens(model_dir) -> None:
@@ -104,7 +104,7 @@ def test_a_chats_next_turn_computes_only_its_new_tokens(model_dir) -> None:
     # that is reused, so turn 2 computes the new message plus less than one block
     assert hit == (len(turn1) + len(reply) - 1) // BS * BS
     assert len(turn2) - hit < len(new) + BS + 1
-    llm.engine.scheduler.check_integrity()
+    llm.engine.check_integrity()
 
 
 def test_eviction_under_memory_pressure_keeps_outputs_identical(model_dir) -> None:
@@ -120,7 +120,7 @@ def test_eviction_under_memory_pressure_keeps_outputs_identical(model_dir) -> No
     assert tight.result == plenty.result
     stats = tight.stats()
     assert stats.num_cache_evictions > 0 and stats.prefix_cache_hit_tokens > 0
-    tight.engine.scheduler.check_integrity()
+    tight.engine.check_integrity()
 
 
 def test_prompt_logprobs_are_computed_in_full_even_when_cached(model_dir) -> None:
@@ -165,4 +165,4 @@ def test_stories260k_with_caching_matches_without() -> None:
         b = [o.outputs[0].token_ids for o in off.generate(prompts, params, use_tqdm=False)]
         assert a == b
     assert on.stats().prefix_cache_hit_tokens > 0
-    on.engine.scheduler.check_integrity()
+    on.engine.check_integrity()

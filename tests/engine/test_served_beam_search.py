@@ -9,15 +9,10 @@ import random
 import pytest
 
 from engine import LLM, EngineArgs, SamplingParams
-from engine.block_manager import BlockManager
-from engine.engine_core import EngineCore
-from engine.messages import AddRequest
 from engine.request import RequestStatus
 from engine.scheduler import Scheduler
-from engine.worker import build_worker
-from tests.engine.test_engine_core import run_pipelined
-from tests.engine.test_swap import BS
-from tests.engine.test_swap import engine_kwargs as swap_kwargs
+from tests.engine.pipelined import BS, add_all, run_pipelined, served_parts
+from tests.engine.pipelined import swap_engine_kwargs as swap_kwargs
 from tests.engine.tiny_models import VOCAB, save_hf_model
 
 MAX_LEN = 48
@@ -32,8 +27,8 @@ def model_dir(tmp_path_factory):
 
 def engine_kwargs(model_dir: str, num_blocks: int, swap_blocks: int = 0, **overrides) -> dict:
     """test_swap's engine with a longer context, smaller steps and prefix caching on."""
-    more = dict(max_model_len=MAX_LEN, max_num_batched_tokens=32, enable_prefix_caching=True)
-    return swap_kwargs(model_dir, num_blocks, swap_blocks, **more, **overrides)
+    more = dict(max_num_batched_tokens=32, enable_prefix_caching=True)
+    return swap_kwargs(model_dir, num_blocks, swap_blocks, MAX_LEN, **more, **overrides)
 
 
 def count_forks_off_device(monkeypatch) -> list[str]:
@@ -99,17 +94,11 @@ def test_core_beams_equal_offline(model_dir, depth, memory, monkeypatch):
     )
     blocks_, swap = {"plenty": (600, 0), "recompute": (tight, 0), "swap": (tight, 64)}[memory]
     args = EngineArgs(model=model_dir, **engine_kwargs(model_dir, blocks_, swap))
-    config = args.build()
-    worker, ready = build_worker(args)
-    mode = config.cache.preemption_mode
-    core = EngineCore(
-        config.scheduler, ready.num_blocks, BS, frozenset(), True, ready.num_cpu_blocks, mode
-    )
-    blocks = BlockManager(ready.num_blocks, BS, True, 0, ready.num_cpu_blocks)
-    for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
-        core.add_request(AddRequest(f"r{i}", tuple(p), sp, 0.0))
+    parts, worker = served_parts(args)
+    core, blocks = parts.core, parts.block_manager
+    add_all(core, prompts, params)
     ranked: dict = {}
-    sampled, _ = run_pipelined(core, blocks, worker, depth, ranked)
+    sampled, _ = run_pipelined(parts, worker, depth, ranked)
 
     for i, (want, sp) in enumerate(zip(expected, params, strict=True)):
         if not sp.use_beam_search:
@@ -130,7 +119,7 @@ def test_core_beams_equal_offline(model_dir, depth, memory, monkeypatch):
         assert forks_off_device  # flight forked then: those forks were recomputed
     core.scheduler.check_integrity()
     blocks.check_integrity()
-    assert blocks.num_free_blocks == ready.num_blocks == core.blocks.num_free_blocks
+    assert blocks.num_free_blocks == blocks.num_blocks == core.blocks.num_free_blocks
     assert blocks.kv_cache.num_swapped_blocks == 0
     assert not worker.requests and not core.has_unfinished
 

@@ -8,15 +8,9 @@ import random
 import pytest
 
 from engine import LLM, EngineArgs, SamplingParams
-from engine.block_manager import BlockManager
-from engine.engine_core import EngineCore
-from engine.messages import AddRequest
-from engine.worker import build_worker
-from tests.engine.test_engine_core import run_pipelined
-from tests.engine.tiny_models import VOCAB, kv_memory, save_hf_model
-
-BS = 4
-MAX_LEN = 40
+from tests.engine.pipelined import add_all, run_pipelined, served_parts
+from tests.engine.pipelined import swap_engine_kwargs as engine_kwargs
+from tests.engine.tiny_models import VOCAB, save_hf_model
 
 
 @pytest.fixture(scope="module")
@@ -24,21 +18,6 @@ def model_dir(tmp_path_factory):
     directory = tmp_path_factory.mktemp("tiny-llama-swap")
     save_hf_model("llama", directory)
     return str(directory)
-
-
-def engine_kwargs(model_dir: str, num_blocks: int, swap_blocks: int = 0, **overrides) -> dict:
-    per_block = kv_memory(model_dir, 1, BS)
-    kw = dict(
-        skip_tokenizer_init=True,
-        block_size=BS,
-        max_model_len=MAX_LEN,
-        kv_cache_memory=per_block * num_blocks,
-        enable_prefix_caching=False,
-        seed=0,
-    )
-    if swap_blocks:
-        kw |= dict(swap_space=per_block * swap_blocks / 1024**3, preemption_mode="swap")
-    return kw | overrides
 
 
 def workload(seed: int = 0):
@@ -67,11 +46,11 @@ def test_swap_and_recompute_match_an_unconstrained_run(model_dir, swap_blocks):
     for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
         engine.add_request(f"r{i}", p, sp)
     done, peak = {}, 0
-    kv = engine.scheduler.kv_cache
+    kv = engine.core.scheduler.kv_cache
     while engine.has_unfinished_requests():
         done |= {o.request_id: o.outputs[0].token_ids for o in engine.step()}
         peak = max(peak, kv.num_swapped_blocks)
-        engine.scheduler.check_integrity()
+        engine.check_integrity()
     assert [done[f"r{i}"] for i in range(10)] == plenty
     stats = swap.stats()
     assert stats.num_swaps > 0
@@ -85,18 +64,11 @@ def test_swap_and_recompute_match_an_unconstrained_run(model_dir, swap_blocks):
 def test_swap_one_step_ahead_matches_offline(model_dir, depth):
     prompts, params = workload(1)
     plenty = outputs(LLM(model_dir, **engine_kwargs(model_dir, 400)), prompts, params)
-    kw = engine_kwargs(model_dir, 12, 64)
-    args = EngineArgs(model=model_dir, **kw)
-    config = args.build()
-    worker, ready = build_worker(args)
-    assert ready.num_cpu_blocks == 64
-    core = EngineCore(
-        config.scheduler, ready.num_blocks, BS, frozenset(), False, ready.num_cpu_blocks, "swap"
-    )
-    blocks = BlockManager(ready.num_blocks, BS, False, 0, ready.num_cpu_blocks)
-    for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
-        core.add_request(AddRequest(f"r{i}", tuple(p), sp, 0.0))
-    got, _ = run_pipelined(core, blocks, worker, depth)
+    parts, worker = served_parts(EngineArgs(model=model_dir, **engine_kwargs(model_dir, 12, 64)))
+    core, blocks = parts.core, parts.block_manager
+    assert blocks.kv_cache.cpu_pool.num_blocks == 64
+    add_all(core, prompts, params)
+    got, _ = run_pipelined(parts, worker, depth)
     assert [got[f"r{i}"] for i in range(10)] == plenty
     assert core.scheduler.num_swaps > 0
     core.scheduler.check_integrity()

@@ -1,0 +1,60 @@
+"""The one wiring factory: an engine's core, block tables, limits and text processor.
+
+`AsyncEngine.start`, the offline `LLM`, `bench/control_plane.py` and the tests build
+their engines here, from the engine config and the worker's `WorkerReady` (the values
+only known once the worker has loaded the model and sized the KV cache).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.block_ledger import BlockLedger
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.engine_core import EngineCore
+from engine.kv_cache_manager import KVCacheManager
+from engine.messages import WorkerReady
+from engine.request_validation import RequestLimits
+from engine.text_processor import TextProcessor
+from engine.tokenizer import Tokenizer, load_tokenizer
+
+
+@dataclass(frozen=True)
+class EngineParts:
+    """One engine's pure-logic pieces. `block_manager` holds the authoritative block
+    tables when they live in a block-manager actor (the core then plans on a
+    `BlockLedger` replica of them); None when the core's own tables are the real ones."""
+
+    core: EngineCore
+    processor: TextProcessor
+    limits: RequestLimits
+    block_manager: BlockManager | None
+
+
+def build_engine(
+    config: EngineConfig,
+    ready: WorkerReady,
+    with_block_manager: bool = False,
+    tokenizer: Tokenizer | None = None,
+) -> EngineParts:
+    """The engine for `config` on a worker that announced `ready`. The tokenizer is
+    loaded from the config unless given (none with `skip_tokenizer_init`)."""
+    cache, model = config.cache, config.model
+    tables = (ready.num_blocks, ready.block_size, cache.enable_prefix_caching, 0)
+    tables += (ready.num_cpu_blocks,)
+    blocks = BlockLedger(*tables) if with_block_manager else KVCacheManager(*tables)
+    core = EngineCore(config.scheduler, blocks, model.eos_token_ids, cache.preemption_mode)
+    if tokenizer is None and not config.skip_tokenizer_init:
+        tokenizer = Tokenizer(load_tokenizer(config.tokenizer or model.model_dir))
+    limits = RequestLimits(
+        ready.vocab_size,
+        ready.max_model_len,
+        model.eos_token_ids,
+        tokenizer is not None,
+        ready.num_blocks,
+        ready.block_size,
+        config.scheduler.max_num_seqs,
+    )
+    manager = BlockManager(*tables) if with_block_manager else None
+    return EngineParts(core, TextProcessor(tokenizer, limits), limits, manager)
