@@ -37,7 +37,8 @@ from actors.tokenizer_actor import TokenizerActor
 from actors.transport import inproc_pair, ipc_address, new_run_dir, zmq_inbox, zmq_outbox
 from actors.worker_actor import spawn_worker
 from actors.worker_monitor import WorkerMonitor
-from engine.config import EngineArgs
+from engine.core.stats import EngineStats
+from engine.engine_args import EngineArgs
 from engine.messages import (
     INBOXES,
     AbortRequest,
@@ -49,8 +50,7 @@ from engine.messages import (
     WorkerReady,
 )
 from engine.sampling_params import SamplingParams
-from engine.stats import EngineStats
-from engine.text_checks import check_request_id
+from engine.text.text_checks import check_request_id
 from engine.wiring import build_engine
 
 logger = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from actors.actor import Actor, send_message
 from actors.transport import Inbox, Outbox
-from engine.block_manager import BlockManager
+from engine.kv.block_manager import BlockManager
 from engine.messages import ApplyBlockOps
 
 

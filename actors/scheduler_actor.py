@@ -18,7 +18,7 @@ import logging
 from actors.actor import Actor, send_message
 from actors.codec import InboxDecoder
 from actors.transport import Inbox, Outbox
-from engine.engine_core import EngineCore
+from engine.core.engine_core import EngineCore
 from engine.messages import INBOXES, AbortRequest, AddRequest, RequestFailed, StepResult
 
 logger = logging.getLogger(__name__)

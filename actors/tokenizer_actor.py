@@ -32,7 +32,7 @@ from engine.messages import (
     RequestFailed,
     TokenDeltas,
 )
-from engine.text_processor import TextProcessor
+from engine.text.text_processor import TextProcessor
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -41,9 +41,9 @@ import zmq.asyncio
 from actors.actor import Actor, send_message
 from actors.codec import encode
 from actors.transport import Inbox, Outbox, zmq_inbox, zmq_outbox
-from engine.config import EngineArgs
+from engine.engine_args import EngineArgs
 from engine.messages import StepPlan, WorkerHeartbeat
-from engine.worker import Worker, build_null_worker, build_worker
+from engine.worker.worker import Worker, build_null_worker, build_worker
 
 logger = logging.getLogger(__name__)
 HEARTBEAT_INTERVAL_S = 0.5

@@ -282,7 +282,7 @@ def model_info(a: argparse.Namespace) -> ModelInfo:
         path = str(STORIES) if STORIES.is_dir() else None
     config_dir = path
     if config_dir is None and a.url is None:
-        from engine.builtin_model import builtin_model_dir
+        from engine.worker.builtin_model import builtin_model_dir
 
         config_dir = str(builtin_model_dir())
     config = {}

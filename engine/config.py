@@ -1,40 +1,19 @@
 """Frozen, narrow configs. Each component receives only the config it needs.
 
-`EngineArgs` is the user-facing bag of keyword arguments (the `LLM(...)` signature);
-`EngineArgs.build()` resolves it once into an `EngineConfig` of narrow frozen parts.
+`EngineArgs` (engine/engine_args.py) is the user-facing bag of keyword arguments (the
+`LLM(...)` signature); `EngineArgs.build()` resolves it once into an `EngineConfig` of
+narrow frozen parts. No torch here: the scheduler reads these too.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-_DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-}
-LOAD_FORMATS = ("auto", "dummy")
 ATTENTION_BACKENDS = ("auto", "reference", "sdpa")
-
-
-def resolve_dtype(dtype: str | torch.dtype, config_dtype: str | None, device: str) -> torch.dtype:
-    """'auto' means the checkpoint's dtype on CUDA and float32 on CPU (fast and exact)."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype == "auto":
-        if device == "cpu" or config_dtype is None:
-            return torch.float32
-        return _DTYPES.get(str(config_dtype).replace("torch.", ""), torch.float32)
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype={dtype!r} is not supported; use one of 'auto', {sorted(_DTYPES)}")
-    return _DTYPES[dtype]
 
 
 @dataclass(frozen=True)
@@ -153,53 +132,3 @@ class EngineConfig:
     device: DeviceConfig
     tokenizer: str | None  # tokenizer directory or hub id (None: the model's own)
     skip_tokenizer_init: bool = False
-
-
-@dataclass(frozen=True)
-class EngineArgs:
-    """The keyword arguments of `LLM(...)`, with vLLM's names and defaults."""
-
-    model: str
-    tokenizer: str | None = None
-    dtype: str = "auto"
-    max_model_len: int | None = None
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
-    kv_cache_memory: int | None = None
-    gpu_memory_utilization: float = 0.9
-    load_format: str = "auto"
-    seed: int = 0
-    device: str | None = None
-    attention_backend: str = "auto"
-    skip_tokenizer_init: bool = False
-    enable_prefix_caching: bool = True
-    swap_space: float = 0.0  # GiB
-    preemption_mode: str = "recompute"
-
-    def build(self) -> EngineConfig:
-        from engine.model_loader import build_model_config
-
-        device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        model_config = build_model_config(self, device)
-        max_len = model_config.max_model_len
-        scheduler = SchedulerConfig(
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens or max(2048, self.max_num_seqs),
-            max_model_len=max_len,
-        )
-        return EngineConfig(
-            model=model_config,
-            cache=CacheConfig(
-                self.block_size,
-                self.kv_cache_memory,
-                self.gpu_memory_utilization,
-                self.enable_prefix_caching,
-                self.swap_space,
-                self.preemption_mode,
-            ),
-            scheduler=scheduler,
-            device=DeviceConfig(device, self.attention_backend),
-            tokenizer=self.tokenizer,
-            skip_tokenizer_init=self.skip_tokenizer_init,
-        )

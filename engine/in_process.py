@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections import deque
 
+from engine.core.stats import EngineStats
 from engine.errors import describe
 from engine.messages import (
     GenerateRequest,
@@ -23,9 +24,8 @@ from engine.messages import (
 from engine.output_assembler import OutputAssembler
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.stats import EngineStats
 from engine.wiring import EngineParts
-from engine.worker import Worker
+from engine.worker.worker import Worker
 
 CLIENT_ID = "in-process"
 Prompt = str | list[int]
@@ -54,7 +54,11 @@ class InProcessEngine:
     # -- requests ------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams) -> None:
         keep_logprobs = True
-        if params.num_sequences > params.n and params.logprobs is None and not params.use_beam_search:
+        if (
+            params.num_sequences > params.n
+            and params.logprobs is None
+            and not params.use_beam_search
+        ):
             params = params.with_updates(logprobs=0)  # ranking reads them; not returned
             keep_logprobs = False
         request = _generate_request(request_id, prompt, params)
@@ -144,6 +148,11 @@ class InProcessEngine:
         self.core.check_integrity()
 
 
+def _ranked_without_logprobs(params: SamplingParams) -> bool:
+    sampled_ranked = params.num_sequences > params.n and not params.use_beam_search
+    return sampled_ranked and params.logprobs is None
+
+
 def _generate_request(request_id: str, prompt: Prompt, params: SamplingParams) -> GenerateRequest:
     if isinstance(prompt, str):
         return GenerateRequest(request_id, CLIENT_ID, prompt, None, None, params)
@@ -152,4 +161,3 @@ def _generate_request(request_id: str, prompt: Prompt, params: SamplingParams) -
     ):
         return GenerateRequest(request_id, CLIENT_ID, None, tuple(prompt), None, params)
     raise ValueError("prompt must be a string or a list of token ids (ints)")
-

@@ -8,13 +8,13 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from engine.config import EngineArgs
+from engine.core.stats import EngineStats
+from engine.engine_args import EngineArgs
 from engine.in_process import InProcessEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from engine.stats import EngineStats
 from engine.wiring import build_engine
-from engine.worker import build_worker
+from engine.worker.worker import build_worker
 
 Prompt = str | list[int]
 Messages = list[dict[str, Any]]

@@ -254,7 +254,7 @@ class BlockOpsApplied:
 @dataclass(frozen=True)
 class BlockOp:
     """One change to the block tables, as the scheduler's replica made it (the kinds
-    and what `num`, `parent_id` and `hashes` mean for each are in engine/block_ops.py)."""
+    and what `num`, `parent_id` and `hashes` mean for each are in engine/kv/block_ops.py)."""
 
     kind: str
     seq_id: str

@@ -5,10 +5,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from engine.logprobs import Logprob
 from engine.messages import LogprobRow, OutputDelta, RankedSequence
-from engine.outputs import CompletionOutput, RequestOutput
-from engine.request import RequestMetrics
+from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from engine.sampling_params import SamplingParams
 
 

@@ -1,11 +1,34 @@
-"""What `LLM.generate` returns: vLLM's RequestOutput / CompletionOutput shapes."""
+"""What `LLM.generate` returns: vLLM's RequestOutput / CompletionOutput / Logprob shapes."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.logprobs import PromptLogprobs, SampleLogprobs
-from engine.request import RequestMetrics
+
+@dataclass(frozen=True)
+class Logprob:
+    """One token's log-probability, its 1-based rank in the vocabulary and its text.
+
+    `decoded_token` stays None until the tokenizer fills it in.
+    """
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+SampleLogprobs = list[dict[int, Logprob]]  # one dict per generated token
+PromptLogprobs = list[dict[int, Logprob] | None]  # None for the first prompt token
+
+
+@dataclass
+class RequestMetrics:
+    """Wall-clock times (time.time()) of a request's milestones."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
 
 
 @dataclass

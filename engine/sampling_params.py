@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.text_checks import check_text
+from engine.text.text_checks import check_text
 
 MAX_LOGPROBS = 20  # the most top logprobs a request may ask for, per token
 MAX_ABS_LOGIT_BIAS = 100.0  # OpenAI's bound on a logit_bias value

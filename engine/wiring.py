@@ -9,15 +9,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.block_ledger import BlockLedger
-from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.engine_core import EngineCore
-from engine.kv_cache_manager import KVCacheManager
+from engine.core.engine_core import EngineCore
+from engine.kv.block_ledger import BlockLedger
+from engine.kv.block_manager import BlockManager
+from engine.kv.kv_cache_manager import KVCacheManager
 from engine.messages import WorkerReady
-from engine.request_validation import RequestLimits
-from engine.text_processor import TextProcessor
-from engine.tokenizer import Tokenizer, load_tokenizer
+from engine.text.request_validation import RequestLimits
+from engine.text.text_processor import TextProcessor
+from engine.text.tokenizer import Tokenizer, load_tokenizer
 
 
 @dataclass(frozen=True)

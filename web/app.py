@@ -21,7 +21,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from starlette.websockets import WebSocket
 
 from actors.async_engine import AsyncEngine
-from engine.config import EngineArgs
+from engine.engine_args import EngineArgs
 from web.api_keys import ApiKeys
 from web.errors import ApiError
 from web.generation import Admission, Generator

@@ -192,7 +192,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from actors.async_engine import Supervision
     from actors.transport import remove_stale_run_dirs
-    from engine.config import EngineArgs
+    from engine.engine_args import EngineArgs
     from web.api_keys import ApiKeys
     from web.app import create_app
     from web.draining_server import DrainingServer
@@ -201,7 +201,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     builtin = args.model is None
     if builtin:
-        from engine.builtin_model import BUILTIN_MODEL_NAME, builtin_model_dir
+        from engine.worker.builtin_model import BUILTIN_MODEL_NAME, builtin_model_dir
 
         args.model = str(builtin_model_dir())
         print(

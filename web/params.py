@@ -7,7 +7,7 @@ import re
 from typing import Any
 
 from engine.sampling_params import SamplingParams
-from engine.text_checks import check_text
+from engine.text.text_checks import check_text
 from web.errors import invalid
 
 # Body fields passed through to SamplingParams under the same name.

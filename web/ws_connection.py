@@ -39,7 +39,7 @@ from typing import Any
 import msgpack
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from engine.text_checks import check_text
+from engine.text.text_checks import check_text
 from web.api_keys import ApiKeys
 from web.errors import ApiError, invalid
 from web.event_buffer import MAX_CONTROL_EVENTS, EventBuffer

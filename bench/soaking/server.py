@@ -25,8 +25,8 @@ SHUTDOWN_S = 30.0  # SIGTERM to exit
 
 def kv_cache_bytes(model: Path, max_num_seqs: int, block_size: int) -> int:
     """Enough blocks for `max_num_seqs` sequences at full context (no preemption)."""
-    from engine.config import EngineArgs
-    from engine.kv_cache import block_bytes
+    from engine.engine_args import EngineArgs
+    from engine.worker.kv_cache import block_bytes
 
     config = EngineArgs(model=str(model), skip_tokenizer_init=True).build().model
     blocks_per_seq = -(-config.max_model_len // block_size)

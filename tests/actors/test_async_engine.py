@@ -11,7 +11,7 @@ import pytest
 
 from actors.async_engine import AsyncEngine
 from engine import LLM, SamplingParams
-from engine.config import EngineArgs
+from engine.engine_args import EngineArgs
 from tests.conftest import shared_path
 
 START_TEXTS = ["Once upon a time", "The little dog", "Lily and Ben", "One day", "The sun"]

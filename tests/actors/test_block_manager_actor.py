@@ -8,7 +8,7 @@ from actors.actor import send_message
 from actors.block_manager_actor import BlockManagerActor
 from actors.codec import InboxDecoder
 from actors.transport import inproc_pair
-from engine.block_manager import BlockManager
+from engine.kv.block_manager import BlockManager
 from engine.messages import INBOXES, ApplyBlockOps, BlockOp, BlockOpsApplied, Shutdown
 
 

@@ -13,10 +13,10 @@ import pytest
 import pytest_asyncio
 
 from actors.async_engine import AsyncEngine
-from engine.builtin_model import builtin_model_dir
-from engine.config import EngineArgs
+from engine.engine_args import EngineArgs
 from engine.messages import ErrorKind, OutputDelta
 from engine.sampling_params import SamplingParams
+from engine.worker.builtin_model import builtin_model_dir
 from tests.eventually import eventually
 
 ARGS = dict(kv_cache_memory=8 << 20, max_num_seqs=16, block_size=4)

@@ -14,12 +14,13 @@ from actors.scheduler_actor import BlockManagerTimeout, SchedulerActor
 from actors.transport import inproc_pair
 from actors.worker_actor import WorkerActor
 from engine import LLM, SamplingParams
-from engine.block_ledger import BlockLedger
-from engine.config import EngineArgs, SchedulerConfig
-from engine.engine_core import EngineCore
+from engine.config import SchedulerConfig
+from engine.core.engine_core import EngineCore
+from engine.engine_args import EngineArgs
+from engine.kv.block_ledger import BlockLedger
 from engine.messages import INBOXES, AbortRequest, AddRequest, TokenDeltas
 from engine.wiring import build_engine
-from engine.worker import build_worker
+from engine.worker.worker import build_worker
 from tests.engine.tiny_models import SMALL_ENGINE, random_prompts, save_hf_model
 
 

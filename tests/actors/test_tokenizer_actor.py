@@ -15,9 +15,9 @@ from engine.messages import (
     GenerateRequest,
     TokenDeltas,
 )
-from engine.request_validation import RequestLimits
 from engine.sampling_params import SamplingParams
-from engine.text_processor import TextProcessor
+from engine.text.request_validation import RequestLimits
+from engine.text.text_processor import TextProcessor
 from tests.engine.test_detokenizer import sentencepiece_like
 
 

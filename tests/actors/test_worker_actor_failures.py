@@ -13,13 +13,13 @@ from actors.codec import InboxDecoder
 from actors.scheduler_actor import SchedulerActor
 from actors.transport import inproc_pair
 from actors.worker_actor import WorkerActor
-from engine.block_ledger import BlockLedger
-from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
-from engine.engine_core import EngineCore
+from engine.core.engine_core import EngineCore
+from engine.kv.block_ledger import BlockLedger
+from engine.kv.block_manager import BlockManager
 from engine.messages import INBOXES, AddRequest, RequestFailed, TokenDeltas
 from engine.sampling_params import SamplingParams
-from engine.worker import NullWorker
+from engine.worker.worker import NullWorker
 from tests.eventually import eventually
 
 NUM_BLOCKS, BLOCK_SIZE = 64, 4

@@ -17,7 +17,7 @@ from actors.codec import InboxDecoder
 from actors.transport import ipc_address, new_run_dir, zmq_inbox, zmq_outbox
 from actors.worker_actor import spawn_worker
 from engine import LLM, SamplingParams
-from engine.config import EngineArgs
+from engine.engine_args import EngineArgs
 from engine.messages import INBOXES, AddRequest, Shutdown, StepResult, WorkerReady
 from engine.wiring import build_engine
 from tests.engine.tiny_models import SMALL_ENGINE, random_prompts, save_hf_model

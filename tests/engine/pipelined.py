@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from collections import deque
 
-from engine.config import EngineArgs
-from engine.engine_core import EngineCore
+from engine.core.engine_core import EngineCore
+from engine.engine_args import EngineArgs
 from engine.messages import AddRequest
 from engine.sampling_params import SamplingParams
 from engine.wiring import EngineParts, build_engine
-from engine.worker import Worker, build_worker
+from engine.worker.worker import Worker, build_worker
 from tests.engine.tiny_models import kv_memory
 
 BS = 4  # the swap and beam tests' block size

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from engine.attention import AttentionMetadata, ReferenceBackend, SdpaBackend
+from engine.worker.attention import AttentionMetadata, ReferenceBackend, SdpaBackend
 
 
 def random_batch(rng: random.Random, block_size: int, num_kv_heads: int, group: int):

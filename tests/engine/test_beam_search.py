@@ -10,7 +10,7 @@ import torch
 import transformers as hf
 
 from engine import LLM, SamplingParams, SamplingParamsError
-from engine.beam_search import BeamSearch
+from engine.core.beam_search import BeamSearch
 from tests.conftest import shared_path
 from tests.engine.tiny_models import kv_memory, save_hf_model
 
@@ -183,8 +183,8 @@ def test_beam_groups_preempted_as_one_unit_match_plenty_of_memory(tmp_path):
 def run_checking_units(llm, prompts, params):
     """Steps the engine; after every step each beam group's beams are all running or
     all off the device: never split by a preemption."""
-    from engine.beam_group import BeamGroup
-    from engine.request import RequestStatus
+    from engine.core.beam_group import BeamGroup
+    from engine.core.request import RequestStatus
 
     engine = llm.engine
     for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):

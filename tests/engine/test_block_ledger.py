@@ -6,14 +6,14 @@ import random
 
 import pytest
 
-from engine.block_ledger import BlockLedger, BlockLedgerError
-from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
-from engine.kv_cache_manager import KVCacheManager
+from engine.core.request import Request, RequestStatus
+from engine.core.scheduler import Scheduler
+from engine.kv.block_ledger import BlockLedger, BlockLedgerError
+from engine.kv.block_manager import BlockManager
+from engine.kv.kv_cache_manager import KVCacheManager
 from engine.messages import BlockOpsApplied
-from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
 
 
 def _exchange(ledger: BlockLedger, manager: BlockManager) -> int:

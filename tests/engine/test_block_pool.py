@@ -4,8 +4,8 @@ import random
 
 import pytest
 
-from engine.block_pool import BlockPool, NoFreeBlocksError
-from engine.kv_cache_manager import KVCacheManager
+from engine.kv.block_pool import BlockPool, NoFreeBlocksError
+from engine.kv.kv_cache_manager import KVCacheManager
 
 
 def test_allocate_and_free_round_trip():

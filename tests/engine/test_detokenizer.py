@@ -10,8 +10,8 @@ from tokenizers import Tokenizer as RustTokenizer
 from tokenizers import decoders, models, normalizers, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.tokenizer import Tokenizer
+from engine.text.detokenizer import IncrementalDetokenizer
+from engine.text.tokenizer import Tokenizer
 
 SHARED = (Path(__file__).resolve().parents[2] / ".." / "shared").resolve()
 FFFD = "\ufffd"

@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import random
+
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.block_ledger import BlockLedger
-from engine.block_manager import BlockManager
-from engine.config import EngineArgs
-from engine.engine_core import EngineCore
-from engine.kv_cache import block_bytes
+from engine.core.engine_core import EngineCore
+from engine.engine_args import EngineArgs
+from engine.kv.block_ledger import BlockLedger
+from engine.kv.block_manager import BlockManager
 from engine.messages import AddRequest
 from engine.wiring import EngineParts
+from engine.worker.kv_cache import block_bytes
 from tests.engine.pipelined import add_all, run_pipelined, served_parts
 from tests.engine.tiny_models import SMALL_ENGINE, VOCAB, random_prompts, save_hf_model
 
@@ -72,7 +73,7 @@ def test_one_step_ahead_matches_offline(model_dir, depth, kv_blocks):
 def test_null_worker_drives_the_core_without_a_model():
     """The control-plane benchmark's worker: same plan protocol, a fixed token, no model."""
     from engine.config import SchedulerConfig
-    from engine.worker import NullWorker
+    from engine.worker.worker import NullWorker
 
     core = EngineCore(SchedulerConfig(8, 64, 128), BlockLedger(64, 4), frozenset())
     blocks, worker = BlockManager(64, 4), NullWorker(token_id=7)

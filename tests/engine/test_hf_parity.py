@@ -9,7 +9,7 @@ import random
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.kv_cache import block_bytes
+from engine.worker.kv_cache import block_bytes
 from tests.engine.tiny_models import ARCHITECTURES, VOCAB, hf_greedy, save_hf_model
 
 MAX_NEW = 12

@@ -9,8 +9,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from engine.block_pool import BlockPool
-from engine.kv_cache_manager import KVCacheManager
+from engine.kv.block_pool import BlockPool
+from engine.kv.kv_cache_manager import KVCacheManager
 
 BS = 4
 

@@ -69,7 +69,7 @@ def test_seeded_request_is_reproducible_inside_a_batch(llm, model_dir):
 
 
 def _budget(llm, num_blocks):
-    from engine.kv_cache import block_bytes
+    from engine.worker.kv_cache import block_bytes
 
     return block_bytes(llm.config.model, 4) * num_blocks
 

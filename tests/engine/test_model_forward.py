@@ -14,16 +14,16 @@ import pytest
 import torch
 import transformers as hf
 
-from engine.attention import AttentionMetadata, ReferenceBackend, SdpaBackend
-from engine.models.gpt2 import GPT2LMHeadModel
-from engine.models.layers import PagedAttention
-from engine.models.llama import (
+from engine.worker.attention import AttentionMetadata, ReferenceBackend, SdpaBackend
+from engine.worker.models.gpt2 import GPT2LMHeadModel
+from engine.worker.models.layers import PagedAttention
+from engine.worker.models.llama import (
     LlamaForCausalLM,
     MistralForCausalLM,
     Qwen2ForCausalLM,
     Qwen3ForCausalLM,
 )
-from engine.models.opt import OPTForCausalLM
+from engine.worker.models.opt import OPTForCausalLM
 from tests.engine.tiny_models import GPT2_FIELDS, LLAMA_FIELDS, OPT_FIELDS
 
 VOCAB, BLOCK_SIZE, NUM_BLOCKS, ATOL = 128, 4, 16, 1e-4

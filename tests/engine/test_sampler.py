@@ -3,10 +3,10 @@ import math
 import pytest
 import torch
 
-from engine.logprobs import Logprob, compute_token_logprobs, to_dicts
-from engine.sampler import Sampler
-from engine.sampling_metadata import SamplingMetadata, SamplingRow, step_seed
 from engine.sampling_params import SamplingParams, SamplingParamsError
+from engine.worker.logprobs import Logprob, compute_token_logprobs, to_dicts
+from engine.worker.sampler import Sampler
+from engine.worker.sampling_metadata import SamplingMetadata, SamplingRow, step_seed
 
 V = 32
 

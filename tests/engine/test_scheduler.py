@@ -3,10 +3,10 @@
 import random
 
 from engine.config import SchedulerConfig
-from engine.kv_cache_manager import KVCacheManager
-from engine.request import Request, RequestStatus
+from engine.core.request import Request, RequestStatus
+from engine.core.scheduler import Scheduler
+from engine.kv.kv_cache_manager import KVCacheManager
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
 
 
 def make_scheduler(num_blocks=64, block_size=4, max_seqs=8, budget=32, max_len=256):

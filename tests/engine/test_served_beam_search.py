@@ -9,8 +9,8 @@ import random
 import pytest
 
 from engine import LLM, EngineArgs, SamplingParams
-from engine.request import RequestStatus
-from engine.scheduler import Scheduler
+from engine.core.request import RequestStatus
+from engine.core.scheduler import Scheduler
 from tests.engine.pipelined import BS, add_all, run_pipelined, served_parts
 from tests.engine.pipelined import swap_engine_kwargs as swap_kwargs
 from tests.engine.tiny_models import VOCAB, save_hf_model

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from engine.stop_strings import StopMatch, find_stop, hold_back
+from engine.text.stop_strings import StopMatch, find_stop, hold_back
 
 
 def test_no_stops_or_no_new_text() -> None:

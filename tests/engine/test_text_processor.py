@@ -7,9 +7,9 @@ import random
 import pytest
 
 from engine.messages import ChatMessage, GenerateRequest, TokenDelta
-from engine.request_validation import RequestLimits
 from engine.sampling_params import SamplingParams
-from engine.text_processor import TextProcessor
+from engine.text.request_validation import RequestLimits
+from engine.text.text_processor import TextProcessor
 from tests.engine.test_detokenizer import byte_level, sentencepiece_like
 
 
@@ -102,7 +102,7 @@ def test_over_long_prompt_and_duplicate_ids_are_refused(tokenizer):
 
 
 def test_chat_messages_use_the_template():
-    from engine.tokenizer import Tokenizer
+    from engine.text.tokenizer import Tokenizer
     from tests.conftest import shared_path
 
     tok = Tokenizer.from_pretrained(str(shared_path("models", "stories260K")))

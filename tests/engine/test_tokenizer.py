@@ -9,7 +9,7 @@ from tokenizers import Tokenizer as RustTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
-from engine.tokenizer import Tokenizer, load_tokenizer, validate_messages
+from engine.text.tokenizer import Tokenizer, load_tokenizer, validate_messages
 
 SHARED = (Path(__file__).resolve().parents[2] / ".." / "shared").resolve()
 STORIES = SHARED / "models" / "stories260K"

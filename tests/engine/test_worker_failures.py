@@ -9,7 +9,7 @@ import pytest
 
 from engine.messages import CachedRequestData, NewRequestData, StepPlan
 from engine.sampling_params import SamplingParams
-from engine.worker import NullWorker
+from engine.worker.worker import NullWorker
 
 PARAMS = SamplingParams(max_tokens=8)
 

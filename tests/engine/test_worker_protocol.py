@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from engine import SamplingParams
-from engine.scheduler_output import SchedulerOutput
-from engine.step_plan_builder import StepPlanBuilder
+from engine.core.scheduler_output import SchedulerOutput
+from engine.core.step_plan_builder import StepPlanBuilder
 
 
 def test_step_plans_carry_only_what_changed():
-    from engine.request import Request
-    from engine.scheduler_output import ScheduledRequest
+    from engine.core.request import Request
+    from engine.core.scheduler_output import ScheduledRequest
 
     r = Request("a", None, [1, 2, 3, 4, 5], SamplingParams(), 0)
     builder = StepPlanBuilder()

@@ -71,8 +71,8 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: int) ->
 def kv_memory(model_dir: str, num_blocks: int, block_size: int) -> int:
     """The kv_cache_memory that holds exactly `num_blocks` blocks of this checkpoint
     (read from its config.json; no weights are loaded)."""
-    from engine.config import EngineArgs
-    from engine.kv_cache import block_bytes
+    from engine.engine_args import EngineArgs
+    from engine.worker.kv_cache import block_bytes
 
     model = EngineArgs(model=str(model_dir), skip_tokenizer_init=True).build().model
     return block_bytes(model, block_size) * num_blocks

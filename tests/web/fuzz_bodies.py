@@ -35,7 +35,7 @@ import msgpack
 from hypothesis import strategies as st
 from hypothesis.strategies import SearchStrategy
 
-from engine.builtin_model import BUILTIN_MODEL_NAME
+from engine.worker.builtin_model import BUILTIN_MODEL_NAME
 from web.openai_routes import CHAT_FIELDS, COMPLETION_FIELDS
 from web.params import SAMPLING_FIELDS
 from web.ws_connection import GENERATE_KEYS

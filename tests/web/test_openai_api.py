@@ -18,7 +18,7 @@ def served(request):
 
 
 def offline_text(server, prompt: str | None = None, messages=None, max_tokens: int = 16) -> str:
-    from engine.builtin_model import builtin_model_dir
+    from engine.worker.builtin_model import builtin_model_dir
 
     model = server.model_dir or str(builtin_model_dir())
     llm = LLM(model=model, kv_cache_memory=16 << 20)
@@ -79,7 +79,7 @@ async def test_n2_seed_logprobs_stop(served) -> None:
     assert [c.text for c in a.choices] == [c.text for c in b.choices]  # seeded: reproducible
     assert [c.index for c in a.choices] == [0, 1]
     # one sequence group on the server: choice i is what seed 3 + i samples alone offline
-    from engine.builtin_model import builtin_model_dir
+    from engine.worker.builtin_model import builtin_model_dir
 
     llm = LLM(model=served.model_dir or str(builtin_model_dir()), kv_cache_memory=16 << 20)
     for i, choice in enumerate(a.choices):
@@ -138,7 +138,7 @@ async def test_models_and_errors(builtin_server) -> None:
 async def test_beam_search_equals_offline(served) -> None:
     """vLLM's use_beam_search extra: the n best beams of width best_of (else n), the
     same as the offline engine's, plain and streamed (each choice arrives whole)."""
-    from engine.builtin_model import builtin_model_dir
+    from engine.worker.builtin_model import builtin_model_dir
 
     api = client(served)
     llm = LLM(model=served.model_dir or str(builtin_model_dir()), kv_cache_memory=16 << 20)

@@ -1,0 +1,393 @@
+"""The scheduler: one rule, computed tokens catch up with known tokens."""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+
+from engine.config import SchedulerConfig
+from engine.core.policies import LatestArrivalFirst, PreemptionPolicy
+from engine.core.request import Request, RequestStatus
+from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from engine.core.stats import PrefixCacheStats
+from engine.core.stop_checker import max_num_tokens
+from engine.kv.kv_cache_manager import KVCacheManager
+
+
+class Scheduler:
+    """Plans each step under a token budget and a sequence cap, FCFS.
+
+    Running requests are served first, in arrival order; then waiting requests are
+    admitted in order until the budget, the sequence cap or the free blocks run out
+    (the first that does not fit blocks the rest, so preempted requests, which wait at
+    the front, are re-admitted before anything new). When a running request cannot get
+    its blocks, the preemption policy picks a victim whose blocks are all freed; it is
+    recomputed later from its known tokens.
+
+    With prefix caching (`kv_cache.enable_prefix_caching`), an admitted request starts
+    with the cached blocks its known tokens match, counted as computed. Full prompt
+    blocks are registered in the prefix cache as soon as a plan computes them (later
+    steps run after that one), full output blocks when the request's blocks are freed
+    (finish or preemption), up to its last resolved token: the hot path pays nothing
+    per sampled token. Requests asking for prompt logprobs compute their whole prompt.
+
+    With `preemption_mode="swap"` a victim's blocks are copied to the CPU swap space
+    instead (when it has room; else the victim is recomputed), and swapped requests come
+    back, oldest first, before any waiting request is admitted.
+    """
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_cache: KVCacheManager,
+        preemption: PreemptionPolicy | None = None,
+        preemption_mode: str = "recompute",
+    ) -> None:
+        self.config = config
+        self.kv_cache = kv_cache
+        self.preemption = preemption or LatestArrivalFirst()
+        self.swapping = preemption_mode == "swap"
+        self.waiting: deque[Request] = deque()
+        self.swapped: list[Request] = []  # by arrival_index: swapped back in first come first
+        self.running: list[Request] = []  # sorted by arrival_index
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+        self.num_swaps = 0
+        self.prefix_stats = PrefixCacheStats()
+        self._step_id = 0
+        self._copies: list[tuple[int, int]] = []  # this step's copy-on-write copies
+        self._rewritten: list[tuple[str, int]] = []  # (request, first block) they replaced
+        self._swap_out: list[tuple[int, int]] = []  # this step's (device, CPU) copies
+        self._swap_in: list[tuple[int, int]] = []  # this step's (CPU, device) copies
+        self._cow_pending: set[str] = set()  # forked sequences: copy before writing
+
+    # -- queue ---------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        request.max_num_tokens = max_num_tokens(
+            request.params, request.num_prompt_tokens, self.config.max_model_len
+        )
+        self.requests[request.request_id] = request
+        group = request.group
+        if group is not None and request is not group.leader:
+            group.held.append(request)  # joins once the leader's prompt is computed
+            return
+        self.waiting.append(request)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """Ends a request (stop, length, abort, error) and frees its blocks at once."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        elif request in self.swapped:
+            self.swapped.remove(request)
+        elif request.group is not None and request in request.group.held:
+            request.group.held.remove(request)
+        request.status = status
+        self._free_blocks(request)
+        return request
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # -- planning ------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        self._copies, self._swap_out, self._swap_in, self._rewritten = [], [], [], []
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[str] = []
+        grow, cow = self.kv_cache.grow, self._cow_pending
+        running = RequestStatus.RUNNING
+        for request in list(self.running):  # the hot loop: one pass, no helper calls
+            if request.status != running:
+                continue  # preempted earlier in this loop
+            num_tokens = len(request.prompt_token_ids) + len(request.output_token_ids)
+            computed = request.num_computed_tokens
+            if num_tokens >= request.max_num_tokens or num_tokens == computed:
+                continue  # awaits its last result, or a beam awaiting its siblings
+            if cow and request.request_id in cow and not self._copy_on_write(request):
+                preempted += self._preempt_unit(request)
+                continue
+            n = min(num_tokens - computed, budget)
+            table = grow(request.request_id, computed + n)
+            if table is None:
+                table = self._preempt_until_fits(request, computed + n, preempted)
+                if table is None:
+                    continue  # it was the victim itself
+            scheduled.append(ScheduledRequest(request, computed, n, table))
+            budget -= n
+            if budget == 0:
+                break
+        if preempted:  # a group's earlier members may have been planned before it went
+            scheduled = [s for s in scheduled if s.request.status == running]
+        else:
+            resumed = self._swap_in_swapped(budget)
+            budget -= sum(r.num_scheduled_tokens for r in resumed)
+            scheduled += resumed
+            if not self.swapped:
+                scheduled += self._admit_waiting(budget)
+        self._step_id += 1
+        return SchedulerOutput(
+            self._step_id,
+            tuple(scheduled),
+            tuple(preempted),
+            tuple(self._copies),
+            tuple(self._swap_out),
+            tuple(self._swap_in),
+            tuple(self._rewritten),
+        )
+
+    def _swap_in_swapped(self, budget: int) -> list[ScheduledRequest]:
+        """Swapped requests back onto device blocks, oldest first, while blocks, the
+        token budget and the sequence cap allow; the swapped beams of a one-unit group
+        come back together (some back and the rest stuck would hold blocks idle)."""
+        resumed = []
+        kv = self.kv_cache
+        while self.swapped and budget > 0:
+            unit = self._swap_unit(self.swapped[0])
+            blocks = sum(kv.blocks_for(r.num_tokens) for r in unit)
+            if (
+                blocks > kv.num_free_blocks
+                or len(self.running) + len(unit) > self.config.max_num_seqs
+            ):
+                break
+            for request in unit:
+                computed = request.num_computed_tokens
+                n = min(request.num_tokens - computed, budget)
+                self._swap_in += kv.swap_in(request.request_id)
+                table = kv.grow(request.request_id, computed + n)
+                self.swapped.remove(request)
+                request.status = RequestStatus.RUNNING
+                bisect.insort(self.running, request, key=lambda r: r.arrival_index)
+                if n:  # 0: a beam awaiting its siblings' offers, or the budget ran out
+                    resumed.append(ScheduledRequest(request, computed, n, table))
+                    budget -= n
+        return resumed
+
+    def _swap_unit(self, request: Request) -> list[Request]:
+        """`request`, with the other swapped sequences of its group if it runs as one."""
+        group = request.group
+        if group is None or not group.preempt_together:
+            return [request]
+        return [r for r in self.swapped if r.group is group]
+
+    def _preempt_until_fits(
+        self, request: Request, num_tokens: int, preempted: list[str]
+    ) -> list[int] | None:
+        """Preempts victims until `request`'s table holds `num_tokens`; None if the
+        request itself had to go."""
+        while True:
+            victim = self.preemption.choose_victim(self.running)
+            preempted += self._preempt_unit(victim)
+            if request.status != RequestStatus.RUNNING:
+                return None
+            table = self.kv_cache.grow(request.request_id, num_tokens)
+            if table is not None:
+                return table
+
+    def _admit_waiting(self, budget: int) -> list[ScheduledRequest]:
+        admitted = []
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            if self._at_limit(request) or not self._group_fits(request):
+                break  # FCFS keeps the rest waiting
+            forked = self._fork_from_leader(request)
+            if forked is None:
+                break  # no blocks for its copy of the prompt's last block
+            computed = forked or self._match_prefix(request)
+            n = min(request.num_tokens - computed, budget)
+            table = self.kv_cache.grow(request.request_id, computed + n)
+            if table is None:
+                self.kv_cache.free(request.request_id)  # gives the prefix hits back
+                break
+            self.waiting.popleft()
+            if self.kv_cache.enable_prefix_caching and not forked:
+                self.prefix_stats.record(request.num_tokens, computed)
+            request.num_computed_tokens = computed
+            request.status = RequestStatus.RUNNING
+            bisect.insort(self.running, request, key=lambda r: r.arrival_index)
+            admitted.append(ScheduledRequest(request, computed, n, table))
+            budget -= n
+        return admitted
+
+    def add_fork(self, request: Request, parent: Request) -> None:
+        """Starts `request` running on all of `parent`'s blocks (a beam forking): both
+        copy the shared block they write next before writing it. A parent preempted or
+        swapped out meanwhile (its offer was in flight while planning ahead) has no
+        device blocks to share: the fork then waits at the front, to be recomputed and
+        admitted with its group."""
+        request.max_num_tokens = parent.max_num_tokens
+        self.requests[request.request_id] = request
+        if parent.status != RequestStatus.RUNNING:
+            request.status = RequestStatus.PREEMPTED
+            request.num_computed_tokens = 0
+            self.waiting.appendleft(request)
+            return
+        request.num_computed_tokens = parent.num_computed_tokens
+        request.status = RequestStatus.RUNNING
+        self.kv_cache.fork(parent.request_id, request.request_id)
+        bisect.insort(self.running, request, key=lambda r: r.arrival_index)
+        self._cow_pending.update((request.request_id, parent.request_id))
+
+    def _copy_on_write(self, request: Request) -> bool:
+        """Private copies of the shared blocks the next write touches; False when blocks
+        ran out (the caller preempts)."""
+        start = request.num_computed_tokens
+        copies = self.kv_cache.copy_on_write(request.request_id, start)
+        if copies is None:
+            return False
+        self._cow_pending.discard(request.request_id)
+        if copies:
+            self._copies += copies
+            self._rewritten.append((request.request_id, start // self.kv_cache.block_size))
+        return True
+
+    def _fork_from_leader(self, request: Request) -> int | None:
+        """A new follower of a running leader shares the leader's prompt blocks and
+        gets a private copy of the block holding the prompt's last token (which it
+        recomputes to sample its first token); returns its computed tokens (0: not a
+        fork, None: no block for the copy)."""
+        group = request.group
+        if (
+            group is None
+            or request is group.leader
+            or request.num_tokens > request.num_prompt_tokens
+        ):
+            return 0
+        leader, num_prompt = group.leader, request.num_prompt_tokens
+        if request.num_computed_tokens or leader.status != RequestStatus.RUNNING:
+            return 0
+        if leader.num_computed_tokens < num_prompt:
+            return 0
+        self.kv_cache.fork(leader.request_id, request.request_id, num_prompt)
+        copies = self.kv_cache.copy_on_write(request.request_id, num_prompt - 1)
+        if copies is None:
+            self.kv_cache.free(request.request_id)
+            return None
+        self._copies += copies
+        return num_prompt - 1
+
+    def _match_prefix(self, request: Request) -> int:
+        """Tokens of `request` already in cached blocks (0 without prefix caching)."""
+        if (
+            request.num_computed_tokens
+            or not self.kv_cache.enable_prefix_caching
+            or request.params.prompt_logprobs is not None
+        ):
+            return request.num_computed_tokens
+        tokens = request.token_ids(0, request.num_tokens)
+        return self.kv_cache.match_prefix(request.request_id, tokens)
+
+    def _at_limit(self, request: Request) -> bool:
+        """Known tokens (sampled or still pending) already reach the length limit:
+        computing more would only make a token that is thrown away."""
+        return request.num_tokens >= request.max_num_tokens
+
+    def _free_blocks(self, request: Request) -> None:
+        """Frees the request's blocks, first caching the full ones of known tokens."""
+        self._cow_pending.discard(request.request_id)
+        if self.kv_cache.enable_prefix_caching:
+            known = request.num_tokens - request.num_pending_outputs
+            computed = min(request.num_computed_tokens, known)
+            self.kv_cache.cache_computed(request.request_id, request.token_ids, computed)
+        self.kv_cache.free(request.request_id)
+
+    def _preempt_unit(self, request: Request) -> list[str]:
+        """Preempts `request`, and with it every running sequence of its group when the
+        group runs as one unit (beam search); returns the ids preempted."""
+        group = request.group
+        unit = [request]
+        if group is not None and group.preempt_together:
+            unit += [s for s in group.sequences if s is not request and s in self.running]
+        for r in unit:
+            self._preempt(r)
+        return [r.request_id for r in unit]
+
+    def _group_fits(self, request: Request) -> bool:
+        """A waiting sequence of a one-unit group is admitted only when all of the
+        group's waiting sequences fit (blocks and the sequence cap) at once."""
+        group = request.group
+        if group is None or not group.preempt_together:
+            return True
+        members = [r for r in self.waiting if r.group is group]
+        blocks = sum(self.kv_cache.blocks_for(r.num_tokens) for r in members)
+        seats = self.config.max_num_seqs - len(self.running)
+        return blocks <= self.kv_cache.num_free_blocks and len(members) <= seats
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        unfilled = self._cancel_copies(request)
+        if self.swapping:
+            copies = self.kv_cache.swap_out(request.request_id)
+            if copies is not None:  # else the swap space is full: recompute it
+                copies = [(unfilled.get(block, block), cpu) for block, cpu in copies]
+                self._cow_pending.discard(request.request_id)  # its copies are private
+                self._swap_out += copies
+                request.status = RequestStatus.SWAPPED
+                bisect.insort(self.swapped, request, key=lambda r: r.arrival_index)
+                self.num_swaps += 1
+                return
+        self._free_blocks(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        self.waiting.appendleft(request)
+
+    def _cancel_copies(self, request: Request) -> dict[int, int]:
+        """Drops this step's copy-on-write copies into `request`'s blocks (it is being
+        preempted: the blocks go back to the pool, maybe to be reused in this very step);
+        returns them as {destination: source}. Swap-outs run before copies, so one of
+        an unfilled block must read its source instead."""
+        if not self._copies:
+            return {}
+        table = set(self.kv_cache.block_table(request.request_id))
+        unfilled = {dst: src for src, dst in self._copies if dst in table}
+        if unfilled:
+            self._copies = [(src, dst) for src, dst in self._copies if dst not in unfilled]
+        return unfilled
+
+    # -- results -------------------------------------------------------------------
+    def advance(self, plan: SchedulerOutput, placeholder: int | None = None) -> None:
+        """Marks the plan's tokens as computed (once the step ran, or at once when planning
+        ahead: then every row that samples also gets `placeholder` as its next output,
+        for the result to fill in)."""
+        running = RequestStatus.RUNNING
+        for request, computed, n, _ in plan.scheduled:
+            if request.status == running:
+                request.num_computed_tokens = computed + n
+                if computed < len(request.prompt_token_ids):
+                    self._prompt_computed(request, computed + n)
+            if placeholder is None or (request.group is not None and request.group.chooses_tokens):
+                continue
+            outputs = request.output_token_ids
+            if computed + n == len(request.prompt_token_ids) + len(outputs):
+                outputs.append(placeholder)
+                request.num_pending_outputs += 1
+
+    def _prompt_computed(self, request: Request, num_computed: int) -> None:
+        """Caches the prompt's newly full blocks; once a leader's whole prompt is
+        computed, its held followers join the front of the queue."""
+        num_prompt = len(request.prompt_token_ids)
+        if self.kv_cache.enable_prefix_caching:
+            n = num_computed if num_computed < num_prompt else num_prompt
+            self.kv_cache.cache_computed(request.request_id, request.token_ids, n)
+        group = request.group
+        if group is not None and group.held and num_computed >= num_prompt:
+            self.waiting.extendleft(reversed(group.held))
+            group.held.clear()
+
+    def check_integrity(self) -> None:
+        """Blocks are consistent with every running request's computed tokens."""
+        stored = {r.request_id: r.num_computed_tokens for r in self.running}
+        self.kv_cache.check_integrity(stored)
+        for r in self.waiting:
+            assert not self.kv_cache.block_table(r.request_id), f"{r.request_id} waits with blocks"
+        for r in self.swapped:
+            have = len(self.kv_cache.swapped_table(r.request_id))
+            need = self.kv_cache.blocks_for(r.num_computed_tokens)
+            assert have == need, f"{r.request_id}: {have} swapped blocks for {need}"

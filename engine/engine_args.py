@@ -1,0 +1,60 @@
+"""`EngineArgs`: the keyword arguments of `LLM(...)` and `pagedserve serve`, resolved
+once by `build()` into the frozen `EngineConfig` (engine/config.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """The keyword arguments of `LLM(...)`, with vLLM's names and defaults."""
+
+    model: str
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float = 0.9
+    load_format: str = "auto"
+    seed: int = 0
+    device: str | None = None
+    attention_backend: str = "auto"
+    skip_tokenizer_init: bool = False
+    enable_prefix_caching: bool = True
+    swap_space: float = 0.0  # GiB
+    preemption_mode: str = "recompute"
+
+    def build(self) -> EngineConfig:
+        from engine.worker.model_loader import build_model_config  # loads model code: on demand
+
+        device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        model_config = build_model_config(self, device)
+        max_len = model_config.max_model_len
+        scheduler = SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens or max(2048, self.max_num_seqs),
+            max_model_len=max_len,
+        )
+        return EngineConfig(
+            model=model_config,
+            cache=CacheConfig(
+                self.block_size,
+                self.kv_cache_memory,
+                self.gpu_memory_utilization,
+                self.enable_prefix_caching,
+                self.swap_space,
+                self.preemption_mode,
+            ),
+            scheduler=scheduler,
+            device=DeviceConfig(device, self.attention_backend),
+            tokenizer=self.tokenizer,
+            skip_tokenizer_init=self.skip_tokenizer_init,
+        )

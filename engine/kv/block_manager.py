@@ -1,0 +1,49 @@
+"""The block manager actor's engine object: the authoritative block tables."""
+
+from __future__ import annotations
+
+from engine.kv.block_ops import BlockOpError, apply_op
+from engine.kv.kv_cache_manager import KVCacheManager
+from engine.messages import ApplyBlockOps, BlockOpsApplied
+
+
+class BlockManager:
+    """Replays each exchange's block ops, in order, on its own tables.
+
+    Contract of `apply(message)`: every op runs in order; the answer lists the block ids
+    the ops put into tables (engine/kv/block_ops.py says which), and the free and cached
+    block counts after the exchange. An op that does not fit stops the exchange and is
+    named in `error` (the scheduler's replica has diverged: a bug, never load).
+    """
+
+    def __init__(self, *args, **kwargs) -> None:  # KVCacheManager's arguments
+        self.kv_cache = KVCacheManager(*args, **kwargs)
+        self.num_exchanges = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv_cache.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.kv_cache.num_free_blocks
+
+    def apply(self, message: ApplyBlockOps) -> BlockOpsApplied:
+        self.num_exchanges += 1
+        block_ids: list[int] = []
+        error = None
+        for op in message.ops:
+            try:
+                block_ids += apply_op(self.kv_cache, op)
+            except BlockOpError as exc:
+                error = f"op {op.kind} {op.seq_id!r}: {exc}"
+                break
+        pool = self.kv_cache.pool
+        return BlockOpsApplied(
+            message.exchange_id, tuple(block_ids), pool.num_free, pool.num_cached, error
+        )
+
+    def check_integrity(self) -> None:
+        """Every block is free, cached, or held by exactly as many tables as its ref
+        count says."""
+        self.kv_cache.check_integrity()

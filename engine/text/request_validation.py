@@ -1,0 +1,73 @@
+"""Checks every entry point runs on a request before any state changes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.core.beam_group import beam_params, beam_search_for
+from engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What a request is checked against: the model's vocabulary, context and end tokens
+    (a beam search ranks one continuation per end token more), whether text can be
+    decoded (stop strings), the KV cache's size in blocks and the sequences a step may
+    run (0: not checked)."""
+
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: frozenset[int] = frozenset()
+    has_tokenizer: bool = True
+    num_blocks: int = 0
+    block_size: int = 16
+    max_num_seqs: int = 0
+
+
+def validate_request(
+    token_ids: list[int], params: SamplingParams, limits: RequestLimits, field: str = "prompt"
+) -> None:
+    """Raises ValueError naming the field and the allowed range (`field`: what the
+    prompt's tokens came from: "prompt", text or token ids, or "messages")."""
+    vocab_size, max_model_len = limits.vocab_size, limits.max_model_len
+    if params.stop and not limits.has_tokenizer:
+        raise ValueError("stop strings need a tokenizer; this engine has none (use stop_token_ids)")
+    params.check_vocab(vocab_size)
+    if not token_ids:
+        raise ValueError(f"{field} is empty: it must give at least 1 token")
+    bad = [t for t in token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"{field}: token ids must be in [0, {vocab_size}); got {bad[:5]}")
+    if len(token_ids) >= max_model_len:
+        raise ValueError(
+            f"{field} has {len(token_ids):,} tokens; this model's context (max_model_len) is "
+            f"{max_model_len:,}, leaving no room to generate; shorten it to at most "
+            f"{max_model_len - 1:,} tokens"
+        )
+    if params.use_beam_search:
+        _check_beam_search(token_ids, params, limits)
+
+
+def _check_beam_search(token_ids: list[int], params: SamplingParams, limits: RequestLimits) -> None:
+    """The search ranks at most MAX_LOGPROBS continuations per beam, and its beams fit the
+    KV cache together: a beam group is preempted and readmitted as one unit, each beam
+    on blocks of its own, so one that can never fit would wait forever."""
+    search = beam_search_for(params, len(token_ids), limits.max_model_len, limits.eos_token_ids)
+    beam_params(params, search.num_candidates)  # raises if the search ranks too many
+    width = params.beam_width
+    if limits.max_num_seqs and width > limits.max_num_seqs:
+        raise ValueError(
+            f"best_of (the beam width; n when unset) must be <= max_num_seqs "
+            f"({limits.max_num_seqs}): the beams run in the same steps; got {width}"
+        )
+    if not limits.num_blocks:
+        return
+    longest = len(token_ids) + search.max_new_tokens
+    need = width * -(-longest // limits.block_size)
+    if need > limits.num_blocks:
+        raise ValueError(
+            f"best_of (the beam width; n when unset) is {width}: that many beams "
+            f"of up to {longest:,} tokens need {need:,} KV cache blocks of "
+            f"{limits.block_size} tokens, and the cache holds {limits.num_blocks:,}; lower "
+            "best_of (or n) or max_tokens"
+        )

@@ -1,0 +1,321 @@
+"""The tokenizer actor's engine object: text in (prompts, chats), text deltas out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from engine.core.sequence_group import best_n, sequence_id
+from engine.messages import (
+    AbortRequest,
+    AddRequest,
+    GenerateRequest,
+    LogprobRow,
+    OutputDelta,
+    RankedSequence,
+    RequestLogprobs,
+    TokenDelta,
+)
+from engine.text.detokenizer import IncrementalDetokenizer
+from engine.text.request_validation import RequestLimits, validate_request
+from engine.text.stop_strings import find_stop, hold_back
+from engine.text.text_checks import check_text
+from engine.text.tokenizer import Tokenizer
+
+
+class NoText:
+    """The detokenizer of an engine without a tokenizer: no text, ever."""
+
+    def append(self, token_ids: list[int]) -> str:
+        return ""
+
+    def flush(self) -> str:
+        return ""
+
+
+@dataclass
+class _TextState:
+    """What the processor keeps per request between deltas."""
+
+    client_id: str
+    request: GenerateRequest
+    detokenizer: IncrementalDetokenizer | NoText
+    num_prompt_tokens: int
+    index: int = 0  # which of the request's n sequences
+    num_output_tokens: int = 0
+    text: str = ""  # all decided text (stop strings applied)
+    emitted: int = 0  # characters of `text` already sent
+    ranked: bool = False  # best_of > n: held back until every sequence has ended
+    logprob: float = 0.0  # ranked: the sampled tokens' cumulative logprob
+    token_ids: list[int] = field(default_factory=list)  # ranked: every output token
+    rows: list = field(default_factory=list)  # ranked: every logprobs row
+    prompt_rows: list = field(default_factory=list)  # ranked: every prompt logprobs row
+    prompt_token_ids: tuple[int, ...] = ()  # beam search: each output is decoded after it
+
+
+class TextProcessor:
+    """Tokenizes requests on the way in and detokenizes token deltas on the way out.
+
+    `admit(request)` returns an AddRequest for the scheduler, or raises ValueError with a
+    message for the client (nothing is kept then). `on_token_delta(delta)` returns the
+    client's OutputDelta and, when a stop string ended the request here, an AbortRequest
+    for the scheduler. Text that could be the start of a stop string is held back until
+    decided, so a client never sees text that a stop string later removes. A request
+    sampling several sequences keeps one state per sequence (keyed by `sequence_id`); its
+    deltas go out under the request's id with the sequence's `index`. With best_of > n
+    nothing streams: once every sequence has ended, the n of highest cumulative logprob
+    go out whole, best first. A beam search streams nothing either: the engine ranks its
+    outputs and sends them whole (`on_ranked`).
+
+    Stop strings follow vLLM: one is looked for only once the sequence has `min_tokens`
+    output tokens, and one found in text flushed at the end still ends it with "stop".
+    Without a tokenizer (`skip_tokenizer_init`) prompts must be token ids, and outputs
+    carry token ids only (empty text, no decoded logprob tokens).
+    """
+
+    def __init__(self, tokenizer: Tokenizer | None, limits: RequestLimits) -> None:
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self.states: dict[str, _TextState] = {}  # by sequence id
+        self.sequences: dict[str, list[str]] = {}  # request id -> its sequence ids
+        self.clients: dict[str, str] = {}  # request id -> its client id
+        self.ranked: dict[str, list[tuple[float, OutputDelta]]] = {}  # ended, held back
+        self._token_texts: dict[int, str] = {}  # one token's text, for logprobs
+
+    def admit(self, request: GenerateRequest, arrival_time: float) -> AddRequest:
+        """`prepare` then `register`."""
+        return self.register(request, self.prepare(request), arrival_time)
+
+    def prepare(self, request: GenerateRequest) -> list[int]:
+        """The request's prompt token ids, checked against the limits (ValueError naming
+        the field otherwise). Reads no state and keeps none: it may run on any thread,
+        beside the other methods (the slow part of admission: tokenizing)."""
+        token_ids = self._token_ids(request)
+        field = "messages" if request.messages is not None else "prompt"
+        validate_request(token_ids, request.params, self.limits, field)
+        return token_ids
+
+    def register(
+        self, request: GenerateRequest, token_ids: list[int], arrival_time: float
+    ) -> AddRequest:
+        """Starts keeping the prepared request's text state; the AddRequest for it."""
+        params = request.params
+        k = 1 if params.use_beam_search else params.num_sequences
+        ids = (
+            [request.request_id]
+            if k == 1
+            else [sequence_id(request.request_id, i) for i in range(k)]
+        )
+        for rid in {request.request_id, *ids}:
+            if rid in self.sequences or rid in self.states:
+                raise ValueError(f"request_id {rid!r} is already in flight")
+        if params.use_beam_search:
+            return self._admit_beam_search(request, token_ids, arrival_time)
+        self.sequences[request.request_id] = ids
+        self.clients[request.request_id] = request.client_id
+        ranked = k > params.n
+        for index, seq_id in enumerate(ids):
+            detokenizer = self._detokenizer(token_ids, params)
+            self.states[seq_id] = _TextState(
+                request.client_id, request, detokenizer, len(token_ids), index, ranked=ranked
+            )
+        return AddRequest(request.request_id, tuple(token_ids), params, arrival_time)
+
+    def _admit_beam_search(
+        self, request: GenerateRequest, token_ids: list[int], arrival_time: float
+    ) -> AddRequest:
+        rid = request.request_id
+        self.sequences[rid] = [rid]
+        self.clients[rid] = request.client_id
+        self.states[rid] = _TextState(
+            request.client_id,
+            request,
+            self._detokenizer(token_ids, request.params),
+            len(token_ids),
+            prompt_token_ids=tuple(token_ids),
+        )
+        return AddRequest(rid, tuple(token_ids), request.params, arrival_time)
+
+    def _detokenizer(self, token_ids, params) -> IncrementalDetokenizer | NoText:
+        if self.tokenizer is None:
+            return NoText()
+        return IncrementalDetokenizer(
+            self.tokenizer,
+            token_ids,
+            params.skip_special_tokens,
+            params.spaces_between_special_tokens,
+        )
+
+    def on_ranked(
+        self, ranked: tuple[RankedSequence, ...], prompt: tuple[RequestLogprobs, ...]
+    ) -> list[tuple[str, OutputDelta]]:
+        """A finished beam search's outputs, each decoded whole, for its client (the
+        request's prompt logprobs ride on output 0); the request is then forgotten."""
+        prompt_rows = {lp.request_id: lp.rows for lp in prompt}
+        outs = []
+        for seq in ranked:
+            state = self.states.get(seq.request_id)
+            if state is None:
+                continue  # aborted meanwhile
+            detokenizer = self._detokenizer(state.prompt_token_ids, state.request.params)
+            text = detokenizer.append(list(seq.token_ids)) + detokenizer.flush()
+            rows = prompt_rows.get(seq.request_id) if seq.index == 0 else None
+            out = OutputDelta(
+                seq.request_id,
+                text,
+                seq.token_ids,
+                seq.finish_reason,
+                None,
+                state.num_prompt_tokens,
+                len(seq.token_ids),
+                None,
+                None,
+                self._decode_rows(rows),
+                seq.index,
+            )
+            outs.append((state.client_id, out))
+        for request_id in {seq.request_id for seq in ranked}:
+            self.drop(request_id)
+        return outs
+
+    def _token_ids(self, request: GenerateRequest) -> list[int]:
+        given = [
+            x is not None for x in (request.prompt, request.prompt_token_ids, request.messages)
+        ]
+        if sum(given) != 1:
+            raise ValueError("set exactly one of prompt, prompt_token_ids, messages")
+        if self.tokenizer is None and request.prompt_token_ids is None:
+            raise ValueError(
+                "prompt is text but the tokenizer is disabled (skip_tokenizer_init); pass token ids"
+            )
+        if request.prompt is not None:
+            check_text("prompt", request.prompt)
+            self._check_length("prompt", len(request.prompt))
+            return self.tokenizer.encode(request.prompt)
+        if request.prompt_token_ids is not None:
+            return list(request.prompt_token_ids)
+        self._check_length("messages", sum(len(m.content) for m in request.messages))
+        messages = [{"role": m.role, "content": m.content} for m in request.messages]
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+
+    def _check_length(self, name: str, num_chars: int) -> None:
+        """Refuses text too long for the context whatever its tokens, before the work
+        of tokenizing it (a megabyte takes about a second)."""
+        max_model_len, per_token = self.limits.max_model_len, self.tokenizer.max_token_chars
+        if num_chars >= max_model_len * per_token:
+            raise ValueError(
+                f"{name} has {num_chars:,} characters, so at least "
+                f"{num_chars // per_token:,} tokens (no token of this model covers more than "
+                f"{per_token} characters); this model's context (max_model_len) is "
+                f"{max_model_len:,} tokens"
+            )
+
+    def client_of(self, request_id: str) -> str | None:
+        """The client of a request or of one of its sequences (None: not in flight)."""
+        state = self.states.get(request_id)
+        return self.clients.get(request_id) if state is None else state.client_id
+
+    def request_of(self, sequence_id: str) -> str:
+        """The request a sequence belongs to (the id itself when it is not one)."""
+        state = self.states.get(sequence_id)
+        return sequence_id if state is None else state.request.request_id
+
+    def on_token_delta(self, delta: TokenDelta) -> tuple[list[OutputDelta], AbortRequest | None]:
+        """The client's deltas (none while held back) and an abort for the scheduler
+        when a stop string ended the sequence here."""
+        state = self.states.get(delta.request_id)
+        if state is None:
+            return [], None  # ended here already (stop string or abort)
+        state.num_output_tokens += len(delta.token_ids)
+        new = state.detokenizer.append(list(delta.token_ids))
+        if delta.finish_reason is not None:
+            new += state.detokenizer.flush()
+        finish, stop_reason, abort = delta.finish_reason, delta.stop_reason, None
+        state.text += new
+        params = state.request.params
+        match = None
+        if params.stop and state.num_output_tokens >= params.min_tokens:
+            match = find_stop(state.text, len(new), params.stop, params.include_stop_str_in_output)
+        if match is not None:
+            state.text = state.text[: match.truncate_to]
+            finish, stop_reason = "stop", match.stop
+            if delta.finish_reason is None:
+                abort = AbortRequest(delta.request_id)
+        decided = len(state.text)
+        if finish is None and params.stop:
+            decided -= hold_back(state.text, params.stop)
+        text, state.emitted = state.text[state.emitted : decided], max(state.emitted, decided)
+        out = OutputDelta(
+            state.request.request_id,
+            text,
+            delta.token_ids,
+            finish,
+            stop_reason,
+            state.num_prompt_tokens,
+            state.num_output_tokens,
+            None,
+            self._decode_rows(delta.logprobs),
+            self._decode_rows(delta.prompt_logprobs),
+            state.index,
+        )
+        if state.ranked:
+            return self._hold_back(state, delta, out), abort
+        if finish is not None:
+            del self.states[delta.request_id]
+            self._forget_if_done(state.request.request_id)
+        return [out], abort
+
+    def _hold_back(self, state: _TextState, delta: TokenDelta, out: OutputDelta) -> list:
+        """best_of > n: keeps the sequence's tokens and logprob; once all have ended,
+        the n best, whole, renumbered from 0 (their logprobs only when asked for)."""
+        state.token_ids += delta.token_ids
+        state.logprob += sum(row[0].logprob for row in delta.logprobs or ())
+        state.rows += out.logprobs or ()
+        state.prompt_rows += out.prompt_logprobs or ()
+        if out.finish_reason is None:
+            return []
+        request = state.request
+        whole = replace(
+            out,
+            text=state.text,
+            token_ids=tuple(state.token_ids),
+            logprobs=None if request.params.logprobs is None else tuple(state.rows),
+            prompt_logprobs=tuple(state.prompt_rows) or None,
+        )
+        self.ranked.setdefault(request.request_id, []).append((state.logprob, whole))
+        del self.states[delta.request_id]
+        if not self._forget_if_done(request.request_id):
+            return []
+        best = best_n(self.ranked.pop(request.request_id), lambda r: r[0], request.params.n)
+        return [replace(d, index=i) for i, (_, d) in enumerate(best)]
+
+    def _forget_if_done(self, request_id: str) -> bool:
+        """Drops the request once none of its sequences is open; True if it did."""
+        if any(s in self.states for s in self.sequences.get(request_id, ())):
+            return False
+        self.sequences.pop(request_id, None)
+        self.clients.pop(request_id, None)
+        return True
+
+    def _decode_rows(self, rows: tuple[LogprobRow, ...] | None) -> tuple[LogprobRow, ...] | None:
+        """Fills in each candidate's text (decoded alone, special tokens kept)."""
+        if rows is None:
+            return None
+        return tuple(
+            tuple(replace(c, decoded_token=self._token_text(c.token_id)) for c in row)
+            for row in rows
+        )
+
+    def _token_text(self, token_id: int) -> str | None:
+        if self.tokenizer is None:
+            return None
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id], False)
+        return text
+
+    def drop(self, request_id: str) -> None:
+        """Forget a request (client abort), every sequence of it."""
+        self.clients.pop(request_id, None)
+        for seq_id in self.sequences.pop(request_id, [request_id]):
+            self.states.pop(seq_id, None)
+        self.ranked.pop(request_id, None)

@@ -1,0 +1,125 @@
+"""The fast torch path: scaled_dot_product_attention over gathered blocks.
+
+Cache layout (one layer, keys and values alike): head-major
+`[num_kv_heads, num_blocks, block_size, head_size]`, so gathering a sequence's blocks
+with one `index_select` on dim 1 yields each head's context contiguous, which SDPA
+reads at full speed.
+
+Decodes (query length 1) are sorted by context length and attended in buckets of
+`DECODE_BUCKET` rows, each padded only to its own longest context; the query heads of a
+KV group stand in for the query axis, so GQA needs no repeated K/V. Prefill chunks are
+attended one sequence at a time, causal with their offset. Gathers go into a reused
+workspace: fresh multi-MB buffers every layer would cost more in page faults than the
+copy itself.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from engine.worker.attention.backend import AttentionBackend
+from engine.worker.attention.metadata import AttentionMetadata
+
+DECODE_BUCKET = 32
+
+
+class Workspace:
+    """Scratch buffers reused across layers and steps (grown, never shrunk)."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        numel = math.prod(shape)
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < numel or buf.dtype != like.dtype:
+            buf = torch.empty(numel, dtype=like.dtype, device=like.device)
+            self._buffers[name] = buf
+        return buf[:numel].view(shape)
+
+
+class SdpaBackend(AttentionBackend):
+    """Bucketed batched decode + per-sequence prefill through torch SDPA."""
+
+    name = "sdpa"
+    block_dim = 1
+
+    def __init__(self) -> None:
+        self.workspace = Workspace()
+
+    @staticmethod
+    def kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size):
+        return (num_kv_heads, num_blocks, block_size, head_size)
+
+    def write(self, key, value, key_cache, value_cache, slot_mapping) -> None:
+        kvh, _, _, head_size = key_cache.shape
+        # [T, KVH, D] -> [KVH, T, D] into [KVH, num_blocks * block_size, D] at the slots.
+        key_cache.view(kvh, -1, head_size).index_copy_(1, slot_mapping, key.transpose(0, 1))
+        value_cache.view(kvh, -1, head_size).index_copy_(1, slot_mapping, value.transpose(0, 1))
+
+    def attend(self, query, key_cache, value_cache, metadata: AttentionMetadata, scale):
+        out = torch.empty_like(query)
+        nd = metadata.num_decodes
+        if nd:
+            lens = metadata.seq_lens_cpu
+            order = sorted(range(nd), key=lens.__getitem__)
+            for i in range(0, nd, DECODE_BUCKET):
+                rows = order[i : i + DECODE_BUCKET]
+                out[rows] = self._decode(query, key_cache, value_cache, metadata, rows, scale)
+        start = nd
+        for i in range(nd, metadata.num_seqs):
+            q_len, s_len = metadata.query_lens_cpu[i], metadata.seq_lens_cpu[i]
+            out[start : start + q_len] = self._prefill(
+                query[start : start + q_len],
+                key_cache,
+                value_cache,
+                metadata.block_tables[i],
+                s_len,
+                scale,
+            )
+            start += q_len
+        return out
+
+    def _gather(self, name, cache, tables, like) -> torch.Tensor:
+        """`tables` [rows, nblocks] -> contexts [KVH, rows, nblocks * block_size, D]."""
+        kvh, _, block_size, head_size = cache.shape
+        rows, nblocks = tables.shape
+        buf = self.workspace.get(name, (kvh, rows * nblocks, block_size, head_size), like)
+        torch.index_select(cache, 1, tables.reshape(-1), out=buf)
+        return buf.view(kvh, rows, nblocks * block_size, head_size)
+
+    def _decode(self, query, key_cache, value_cache, metadata, rows, scale):
+        num_heads, head_size = query.shape[1], query.shape[2]
+        kvh, block_size = key_cache.shape[0], key_cache.shape[2]
+        max_len = max(metadata.seq_lens_cpu[r] for r in rows)
+        nblocks = -(-max_len // block_size)
+        index = torch.tensor(rows, device=query.device)
+        tables = metadata.block_tables[index, :nblocks]  # [rows, nblocks]
+        k = self._gather("k", key_cache, tables, query)
+        v = self._gather("v", value_cache, tables, query)
+        q = query[index].view(len(rows), kvh, num_heads // kvh, head_size).transpose(0, 1)
+        positions = torch.arange(nblocks * block_size, device=query.device)
+        mask = positions.unsqueeze(0) < metadata.seq_lens[index].unsqueeze(1)
+        o = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask.view(1, len(rows), 1, -1), scale=scale
+        )  # [KVH, rows, G, D]
+        return o.transpose(0, 1).reshape(len(rows), num_heads, head_size)
+
+    def _prefill(self, query, key_cache, value_cache, table, s_len, scale):
+        q_len, num_heads, head_size = query.shape  # [q_len, H, D]
+        kvh, block_size = key_cache.shape[0], key_cache.shape[2]
+        group = num_heads // kvh
+        tables = table[: -(-s_len // block_size)].unsqueeze(0)
+        k = self._gather("k", key_cache, tables, query)[:, 0, :s_len]  # [KVH, s_len, D]
+        v = self._gather("v", value_cache, tables, query)[:, 0, :s_len]
+        # Fold the query heads of each KV group into the query axis: [KVH, G * q_len, D].
+        q = query.view(q_len, kvh, group, head_size).permute(1, 2, 0, 3)
+        q = q.reshape(kvh, group * q_len, head_size)
+        q_pos = torch.arange(s_len - q_len, s_len, device=query.device).unsqueeze(1)
+        mask = torch.arange(s_len, device=query.device).unsqueeze(0) <= q_pos
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.repeat(group, 1), scale=scale)
+        o = o.view(kvh, group, q_len, head_size).permute(2, 0, 1, 3)  # [q_len, KVH, G, D]
+        return o.reshape(q_len, num_heads, head_size)

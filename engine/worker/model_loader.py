@@ -1,0 +1,170 @@
+"""Finds a checkpoint (local HF directory or hub id), reads its config, loads weights."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from engine.config import ModelConfig
+from engine.worker.attention.backend import AttentionBackend
+from engine.worker.models.base import CausalLM
+from engine.worker.models.registry import resolve_model_class
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+LOAD_FORMATS = ("auto", "dummy")
+
+
+def resolve_dtype(dtype: str | torch.dtype, config_dtype: str | None, device: str) -> torch.dtype:
+    """'auto' means the checkpoint's dtype on CUDA and float32 on CPU (fast and exact)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        if device == "cpu" or config_dtype is None:
+            return torch.float32
+        return _DTYPES.get(str(config_dtype).replace("torch.", ""), torch.float32)
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not supported; use one of 'auto', {sorted(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+_HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.txt"]
+_LENGTH_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+
+
+def resolve_model_dir(model: str, load_format: str) -> str:
+    """A local directory as is; otherwise a hub snapshot (needs a network)."""
+    if os.path.isdir(model):
+        return model
+    try:
+        from huggingface_hub import snapshot_download
+
+        patterns = ["*.json"] if load_format == "dummy" else _HUB_PATTERNS
+        return snapshot_download(model, allow_patterns=patterns)
+    except Exception as exc:  # noqa: BLE001 - any hub failure means the same to the user
+        raise ValueError(
+            f"model {model!r} is not a local directory and could not be fetched from the "
+            f"Hugging Face hub ({type(exc).__name__}: {exc}); pass a directory with "
+            "config.json and *.safetensors"
+        ) from exc
+
+
+def read_eos_token_ids(model_dir: str, hf_config) -> frozenset[int]:
+    """EOS ids from config.json and generation_config.json together."""
+    ids: set[int] = set()
+    sources = [getattr(hf_config, "eos_token_id", None)]
+    gen_path = Path(model_dir) / "generation_config.json"
+    if gen_path.is_file():
+        sources.append(json.loads(gen_path.read_text()).get("eos_token_id"))
+    for value in sources:
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list):
+            ids.update(int(v) for v in value)
+    return frozenset(ids)
+
+
+def derive_max_model_len(hf_config, requested: int | None) -> int:
+    """The context length: the config's, capped by a sliding window, or the user's if smaller."""
+    derived = min(
+        (int(getattr(hf_config, f)) for f in _LENGTH_FIELDS if getattr(hf_config, f, None)),
+        default=2048,
+    )
+    window = getattr(hf_config, "sliding_window", None)
+    uses_window = getattr(hf_config, "use_sliding_window", True)
+    if window and uses_window and int(window) < derived:
+        logger.warning("capping max_model_len to the sliding window (%d tokens)", window)
+        derived = int(window)
+    if requested is None:
+        return derived
+    if not 1 <= requested <= derived:
+        raise ValueError(f"max_model_len must be in [1, {derived}] for this model, got {requested}")
+    return requested
+
+
+def build_model_config(args, device: str) -> ModelConfig:
+    """Resolves `EngineArgs` model fields into a frozen `ModelConfig`."""
+    from transformers import AutoConfig
+
+    if args.load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {args.load_format!r}")
+    model_dir = resolve_model_dir(args.model, args.load_format)
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    architectures = getattr(hf_config, "architectures", None) or []
+    if not architectures:
+        raise ValueError(f"{model_dir}/config.json names no 'architectures'")
+    resolve_model_class(architectures[0])  # fail early on an unsupported model
+    config_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    return ModelConfig(
+        model=args.model,
+        model_dir=model_dir,
+        hf_config=hf_config,
+        architecture=architectures[0],
+        dtype=resolve_dtype(args.dtype, str(config_dtype) if config_dtype else None, device),
+        max_model_len=derive_max_model_len(hf_config, args.max_model_len),
+        eos_token_ids=read_eos_token_ids(model_dir, hf_config),
+        bos_token_id=getattr(hf_config, "bos_token_id", None),
+        load_format=args.load_format,
+        seed=args.seed,
+    )
+
+
+def iter_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of every *.safetensors file in the directory (sharded or not)."""
+    from safetensors import safe_open
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise ValueError(
+            f"no *.safetensors files in {model_dir}; convert the checkpoint to safetensors "
+            "(pickle-based *.bin files are not loaded) or use load_format='dummy'"
+        )
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
+                yield name, f.get_tensor(name)
+
+
+def init_dummy_weights(model: CausalLM, seed: int) -> None:
+    """Random weights at the real shapes: N(0, 0.02) matrices, unit norms, zero biases."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() >= 2:
+                values = torch.randn(param.shape, generator=gen) * 0.02
+                param.copy_(values.to(param.dtype))
+            elif name.endswith("bias"):
+                param.zero_()
+            else:
+                param.fill_(1.0)
+
+
+def load_model(config: ModelConfig, backend: AttentionBackend, device: str) -> CausalLM:
+    """Builds the model class on `device` in `config.dtype` and fills its weights."""
+    cls = resolve_model_class(config.architecture)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(config.dtype if config.dtype.is_floating_point else previous)
+    try:
+        with torch.device(device):
+            model = cls(config.hf_config, backend)
+    finally:
+        torch.set_default_dtype(previous)
+    if config.load_format == "dummy":
+        init_dummy_weights(model, config.seed)
+    else:
+        model.load_weights(iter_safetensors(config.model_dir))
+    return model.eval()

@@ -1,0 +1,202 @@
+"""Holds the model and its KV cache; runs one step plan and samples."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import CacheConfig, DeviceConfig, ModelConfig
+from engine.core.request import Request
+from engine.core.scheduler_output import SchedulerOutput
+from engine.worker.attention.selector import select_backend
+from engine.worker.input_batch import ModelInput, build_model_input
+from engine.worker.kv_cache import (
+    DEFAULT_CPU_KV_CACHE_MEMORY,
+    KVCache,
+    allocate_kv_cache,
+    block_bytes,
+    cuda_budget_bytes,
+    num_blocks_for,
+)
+from engine.worker.logprobs import Logprob, TokenLogprobs, compute_token_logprobs, to_dicts
+from engine.worker.model_loader import load_model
+from engine.worker.sampler import Sampler
+from engine.worker.sampling_metadata import SamplingMetadata, SamplingRow
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one step produced, by request id: the sampled token (and its logprobs row),
+    and scored prompt tokens for requests that asked for prompt logprobs."""
+
+    sampled: dict[str, int]
+    logprobs: TokenLogprobs | None  # rows in the order of `logprob_rows`
+    logprob_rows: tuple[str, ...]
+    prompt_logprobs: dict[str, tuple[TokenLogprobs, tuple[int, ...]]]
+
+    def sample_logprob_dicts(
+        self, requests: Mapping[str, Request]
+    ) -> Iterator[tuple[Request, dict[int, Logprob], float]]:
+        """Per logprobs row: the request, its sampled token's dict (that token first,
+        then the request's own top `params.logprobs`), and that token's logprob."""
+        if self.logprobs is None:
+            return
+        rows = [requests[rid] for rid in self.logprob_rows]
+        tokens = [self.sampled[rid] for rid in self.logprob_rows]
+        tops = [r.params.logprobs or 0 for r in rows]
+        dicts = to_dicts(self.logprobs, tokens, tops)
+        yield from zip(rows, dicts, self.logprobs.token_logprobs.tolist(), strict=True)
+
+    def prompt_logprob_dicts(
+        self, requests: Mapping[str, Request]
+    ) -> Iterator[tuple[Request, list[dict[int, Logprob]]]]:
+        """Per request that scored prompt positions in this step: one dict per position."""
+        for rid, (lp, targets) in self.prompt_logprobs.items():
+            request = requests[rid]
+            yield request, to_dicts(lp, targets, [request.params.prompt_logprobs] * len(targets))
+
+
+class ModelRunner:
+    """One device's executor: model weights, KV cache, sampler.
+
+    `num_blocks()` sizes the cache from the memory budget (CPU: kv_cache_memory bytes;
+    CUDA: gpu_memory_utilization minus weights and a profiled peak), `initialize_cache`
+    allocates it, and `execute(plan)` runs the plan's flattened batch.
+    """
+
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        cache_config: CacheConfig,
+        device_config: DeviceConfig,
+        max_num_batched_tokens: int,
+        max_num_seqs: int = 256,
+    ) -> None:
+        self.model_config = model_config
+        self.cache_config = cache_config
+        self.device = device_config.device
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.backend = select_backend(device_config.attention_backend)
+        self.model = load_model(model_config, self.backend, self.device)
+        gen = torch.Generator(device=self.device).manual_seed(model_config.seed)
+        self.sampler = Sampler(gen)
+        self.kv_cache: KVCache = []
+        self.swap_cache: KVCache = []  # CPU blocks of swapped-out sequences
+
+    def num_blocks(self) -> int:
+        if self.device == "cpu" or not str(self.device).startswith("cuda"):
+            budget = self.cache_config.kv_cache_memory or self._default_cpu_budget()
+        else:
+            budget = cuda_budget_bytes(
+                self.cache_config, self._profile_peak(), torch.device(self.device)
+            )
+        return num_blocks_for(self.model_config, self.cache_config, budget)
+
+    def _default_cpu_budget(self) -> int:
+        """2 GiB, or less when max_num_seqs full-length sequences need less."""
+        bs = self.cache_config.block_size
+        blocks = self.max_num_seqs * -(-self.model_config.max_model_len // bs)
+        return min(DEFAULT_CPU_KV_CACHE_MEMORY, blocks * block_bytes(self.model_config, bs))
+
+    def num_cpu_blocks(self) -> int:
+        """Blocks of CPU swap space: `swap_space` GiB."""
+        per_block = block_bytes(self.model_config, self.cache_config.block_size)
+        return int(self.cache_config.swap_space * 1024**3) // per_block
+
+    def initialize_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
+        self.kv_cache = allocate_kv_cache(
+            self.model_config, self._cache_shape(num_blocks), self.device
+        )
+        self.swap_cache = (
+            allocate_kv_cache(self.model_config, self._cache_shape(num_cpu_blocks), "cpu")
+            if num_cpu_blocks
+            else []
+        )
+
+    def _cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        m = self.model_config
+        return self.backend.kv_cache_shape(
+            num_blocks, self.cache_config.block_size, m.num_kv_heads, m.head_size
+        )
+
+    @torch.inference_mode()
+    def _profile_peak(self) -> int:
+        """Peak CUDA bytes of one forward over max_num_batched_tokens tokens (weights included)."""
+        from engine.worker.profiling import dummy_plan
+
+        torch.cuda.reset_peak_memory_stats(self.device)
+        block_size = self.cache_config.block_size
+        plan = dummy_plan(self.max_num_batched_tokens, self.model_config.max_model_len, block_size)
+        num_blocks = sum(len(s.block_table) for s in plan.scheduled)
+        saved, self.kv_cache = (
+            self.kv_cache,
+            allocate_kv_cache(self.model_config, self._cache_shape(num_blocks), self.device),
+        )
+        try:
+            self.execute(plan, sample=False)
+        finally:
+            self.kv_cache = saved
+            torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        torch.cuda.empty_cache()
+        return peak
+
+    @torch.inference_mode()
+    def execute(self, plan: SchedulerOutput, sample: bool = True) -> StepResult:
+        self.move_blocks(plan)
+        batch = build_model_input(plan.scheduled, self.cache_config.block_size, self.device)
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_cache, batch.metadata)
+        prompt_lp = self._prompt_logprobs(batch, hidden)
+        if not sample or not batch.sample_rows:
+            return StepResult({}, None, (), prompt_lp)
+        logits = self.model.compute_logits(hidden[batch.logits_indices])  # [S, vocab]
+        out = self.sampler(logits, self._sampling_metadata(batch))
+        ids = [r.request.request_id for r in batch.sample_rows]
+        tokens = out.sampled_token_ids.tolist()
+        return StepResult(dict(zip(ids, tokens, strict=True)), out.logprobs, tuple(ids), prompt_lp)
+
+    def move_blocks(self, plan: SchedulerOutput) -> None:
+        """A step's block traffic before its forward pass: swap-outs (device -> CPU), then
+        swap-ins (CPU -> device), then copy-on-write copies, each batched per tensor."""
+        if plan.swap_out:
+            self._swap(plan.swap_out, self.kv_cache, self.swap_cache)
+        if plan.swap_in:
+            self._swap(plan.swap_in, self.swap_cache, self.kv_cache)
+        if plan.block_copies:
+            self.copy_blocks(plan.block_copies)
+
+    def _swap(self, pairs, src_cache: KVCache, dst_cache: KVCache) -> None:
+        ids = torch.tensor(pairs, dtype=torch.int64)  # [num_blocks, 2]: (src, dst)
+        self.backend.swap_blocks(src_cache, dst_cache, ids[:, 0], ids[:, 1])
+
+    def copy_blocks(self, copies: tuple[tuple[int, int], ...]) -> None:
+        """Copy-on-write: every (src, dst) block copy of a step, one op per cache tensor."""
+        pairs = torch.tensor(copies, dtype=torch.int64, device=self.device)  # [num_copies, 2]
+        self.backend.copy_blocks(self.kv_cache, pairs[:, 0], pairs[:, 1])
+
+    def _sampling_metadata(self, batch: ModelInput) -> SamplingMetadata:
+        rows = []
+        for item in batch.sample_rows:
+            r = item.request
+            stops = frozenset(r.params.stop_token_ids or ())
+            if not r.params.ignore_eos:
+                stops |= r.eos_token_ids
+            rows.append(SamplingRow(r.params, r.prompt_token_ids, r.output_token_ids, stops))
+        return SamplingMetadata.from_rows(rows, self.model_config.vocab_size, self.device)
+
+    def _prompt_logprobs(self, batch: ModelInput, hidden: torch.Tensor) -> dict:
+        result = {}
+        for span in batch.prompt_logprob_spans:
+            index = torch.tensor(span.token_indices, dtype=torch.int64, device=hidden.device)
+            logits = self.model.compute_logits(hidden[index])  # [n, vocab]
+            targets = torch.tensor(span.targets, dtype=torch.int64, device=hidden.device)
+            request = next(r.request for r in batch.rows if r.request.request_id == span.request_id)
+            lp = compute_token_logprobs(logits, targets, request.params.prompt_logprobs)
+            result[span.request_id] = (lp, span.targets)
+        return result

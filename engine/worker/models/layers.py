@@ -1,0 +1,158 @@
+"""Building blocks shared by the model definitions."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.worker.attention.backend import AttentionBackend
+from engine.worker.attention.metadata import AttentionMetadata
+
+
+class MergedLinear(nn.Linear):
+    """Several projections of one input as one matmul (e.g. q, k and v).
+
+    Output columns are the shards in order; `shard_sizes` tells the loader which rows
+    of the weight (and bias) each checkpoint tensor fills.
+    """
+
+    def __init__(self, in_features: int, shard_sizes: tuple[int, ...], bias: bool) -> None:
+        super().__init__(in_features, sum(shard_sizes), bias=bias)
+        self.shard_sizes = shard_sizes
+
+    def split(self, out: torch.Tensor) -> tuple[torch.Tensor, ...]:  # [..., sum] -> shards
+        return out.split(self.shard_sizes, dim=-1)
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm computed in float32, scaled in the input dtype."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., size]
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+def rope_parameters(hf_config) -> dict:
+    """Rotary settings from a transformers 4.x (rope_theta/rope_scaling) or 5.x config."""
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    scaling = getattr(hf_config, "rope_scaling", None) or {}
+    merged = {**scaling, **params}
+    merged.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    merged.setdefault("rope_type", merged.get("type", "default"))
+    return merged
+
+
+def _inv_freq(head_size: int, params: dict) -> torch.Tensor:  # [head_size // 2]
+    base = float(params["rope_theta"])
+    inv = 1.0 / (base ** (torch.arange(0, head_size, 2, dtype=torch.int64).float() / head_size))
+    kind = params["rope_type"]
+    if kind == "default":
+        return inv
+    if kind == "linear":
+        return inv / float(params["factor"])
+    if kind == "llama3":
+        return _llama3_inv_freq(inv, params)
+    raise ValueError(f"rope_type {kind!r} is not supported (default, linear, llama3)")
+
+
+def _llama3_inv_freq(inv: torch.Tensor, p: dict) -> torch.Tensor:
+    factor, low, high = (
+        float(p["factor"]),
+        float(p["low_freq_factor"]),
+        float(p["high_freq_factor"]),
+    )
+    old_len = float(p["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > old_len / low, inv / factor, inv)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate-half rotary embedding with a precomputed cos/sin table per position."""
+
+    def __init__(self, head_size: int, max_positions: int, params: dict) -> None:
+        super().__init__()
+        inv = _inv_freq(head_size, params)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv)
+        emb = torch.cat([freqs, freqs], dim=-1)  # [max_positions, head_size]
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # q [T, H, D], k [T, KVH, D]
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+class PagedAttention(nn.Module):
+    """Attention of a layer's new tokens over the paged cache, through the chosen backend."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_size: int,
+        scale: float,
+        backend: AttentionBackend,
+    ) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(
+                f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}"
+            )
+        self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, head_size
+        self.scale = scale
+        self.backend = backend
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, num_heads, head_size]
+        k: torch.Tensor,  # [T, num_kv_heads, head_size]
+        v: torch.Tensor,  # [T, num_kv_heads, head_size]
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, num_heads * head_size]
+        out = self.backend.forward(q, k, v, kv_cache, metadata, self.scale)
+        return out.reshape(q.shape[0], self.num_heads * self.head_size)
+
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_fast": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu": F.gelu,
+    "relu": F.relu,
+    "silu": F.silu,
+    "swish": F.silu,
+    "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
+}
+
+
+def activation_fn(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The activation an HF config names (`activation_function`), or a clear error."""
+    if name not in ACTIVATIONS:
+        raise ValueError(
+            f"activation_function {name!r} is not supported; use one of {sorted(ACTIVATIONS)}"
+        )
+    return ACTIVATIONS[name]

@@ -1,0 +1,147 @@
+"""The Llama family: Llama 2/3 (and TinyStories), Mistral, Qwen2, Qwen3.
+
+They differ only in small switches read from the HF config: biases on q/k/v (Qwen2),
+per-head RMSNorm on q and k (Qwen3), explicit head_dim, tied embeddings.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.worker.attention.backend import AttentionBackend
+from engine.worker.models.base import CausalLM
+from engine.worker.models.layers import (
+    MergedLinear,
+    PagedAttention,
+    RMSNorm,
+    RotaryEmbedding,
+    rope_parameters,
+)
+
+
+class LlamaAttention(nn.Module):
+    """Fused q/k/v projection, rotary, paged attention, output projection."""
+
+    def __init__(self, cfg, backend: AttentionBackend, qkv_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
+        self.head_size = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        hidden, q_size = cfg.hidden_size, self.num_heads * self.head_size
+        kv_size = self.num_kv_heads * self.head_size
+        bias = qkv_bias or bool(getattr(cfg, "attention_bias", False))
+        self.qkv_proj = MergedLinear(hidden, (q_size, kv_size, kv_size), bias=bias)
+        self.o_proj = nn.Linear(q_size, hidden, bias=bool(getattr(cfg, "attention_bias", False)))
+        if qk_norm:
+            self.q_norm = RMSNorm(self.head_size, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_size, cfg.rms_norm_eps)
+        self.qk_norm = qk_norm
+        self.rotary_emb = RotaryEmbedding(
+            self.head_size, cfg.max_position_embeddings, rope_parameters(cfg)
+        )
+        self.attn = PagedAttention(
+            self.num_heads, self.num_kv_heads, self.head_size, self.head_size**-0.5, backend
+        )
+
+    def forward(self, positions, hidden, kv_cache, metadata) -> torch.Tensor:
+        t = hidden.shape[0]  # hidden: [T, hidden_size]
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
+        q = q.view(t, self.num_heads, self.head_size)
+        k = k.reshape(t, self.num_kv_heads, self.head_size)
+        v = v.reshape(t, self.num_kv_heads, self.head_size)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, kv_cache, metadata))  # [T, hidden_size]
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)), gate and up in one matmul."""
+
+    def __init__(self, cfg) -> None:
+        super().__init__()
+        bias = bool(getattr(cfg, "mlp_bias", False))
+        sizes = (cfg.intermediate_size, cfg.intermediate_size)
+        self.gate_up_proj = MergedLinear(cfg.hidden_size, sizes, bias=bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
+        if getattr(cfg, "hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (silu)")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm residual block: attention then MLP."""
+
+    def __init__(self, cfg, backend, qkv_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, backend, qkv_bias, qk_norm)
+        self.mlp = LlamaMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions, hidden, kv_cache, metadata) -> torch.Tensor:
+        h = self.self_attn(positions, self.input_layernorm(hidden), kv_cache, metadata)
+        hidden = hidden + h
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers, final norm (HF's `model.` prefix)."""
+
+    def __init__(self, cfg, backend, qkv_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, backend, qkv_bias, qk_norm) for _ in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids, positions, kv_caches, metadata) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)  # [T, hidden_size]
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden = layer(positions, hidden, kv_cache, metadata)
+        return self.norm(hidden)
+
+
+class LlamaForCausalLM(CausalLM):
+    """Llama 2/3 and TinyStories checkpoints."""
+
+    qkv_bias = False
+    qk_norm = False
+    stacked_params = {
+        ".q_proj.": (".qkv_proj.", 0),
+        ".k_proj.": (".qkv_proj.", 1),
+        ".v_proj.": (".qkv_proj.", 2),
+        ".gate_proj.": (".gate_up_proj.", 0),
+        ".up_proj.": (".gate_up_proj.", 1),
+    }
+
+    def __init__(self, cfg, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.model = LlamaModel(cfg, backend, self.qkv_bias, self.qk_norm)
+        tie = "model.embed_tokens" if getattr(cfg, "tie_word_embeddings", False) else None
+        self.init_lm_head(cfg.hidden_size, cfg.vocab_size, tie)
+
+    def backbone(self) -> nn.Module:
+        return self.model
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral: Llama layers; its sliding window caps max_model_len (see model_loader)."""
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Qwen2/2.5: Llama layers with biases on the q/k/v projections."""
+
+    qkv_bias = True
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    """Qwen3: Llama layers with per-head RMSNorm on queries and keys before rotary."""
+
+    qk_norm = True

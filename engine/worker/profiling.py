@@ -1,0 +1,21 @@
+"""A synthetic step plan for memory profiling (peak activation of a full step)."""
+
+from __future__ import annotations
+
+from engine.core.request import Request
+from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from engine.sampling_params import SamplingParams
+
+
+def dummy_plan(num_tokens: int, max_model_len: int, block_size: int) -> SchedulerOutput:
+    """`num_tokens` prompt tokens split into sequences of at most max_model_len tokens,
+    laid out on consecutive blocks from 0."""
+    scheduled, next_block, left, i = [], 0, num_tokens, 0
+    while left > 0:
+        n = min(left, max_model_len)
+        blocks = -(-n // block_size)
+        request = Request(f"profile-{i}", None, [0] * n, SamplingParams(max_tokens=1), i)
+        table = tuple(range(next_block, next_block + blocks))
+        scheduled.append(ScheduledRequest(request, 0, n, table))
+        next_block, left, i = next_block + blocks, left - n, i + 1
+    return SchedulerOutput(0, tuple(scheduled), ())

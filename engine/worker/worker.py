@@ -1,0 +1,256 @@
+"""Worker side of the protocol: cached per-request state + a ModelRunner."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Iterator
+
+from engine.config import EngineConfig
+from engine.core.request import Request, RequestStatus
+from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from engine.engine_args import EngineArgs
+from engine.errors import describe
+from engine.messages import (
+    CachedRequestData,
+    LogprobRow,
+    NewRequestData,
+    RequestFailed,
+    RequestLogprobs,
+    StepPlan,
+    StepResult,
+    TokenLogprob,
+    WorkerReady,
+)
+from engine.outputs import Logprob
+from engine.worker.kv_cache import DEFAULT_CPU_KV_CACHE_MEMORY, num_blocks_for
+from engine.worker.model_runner import ModelRunner
+from engine.worker.model_runner import StepResult as RunnerResult
+
+
+class Worker:
+    """Applies each StepPlan's diffs to its cached requests and runs the step.
+
+    The worker keeps every running request's token ids, including the tokens it sampled
+    itself, so a plan never carries sampled tokens back. Contract: a request id is new in
+    exactly one plan, cached afterwards, and dropped when it appears in `finished_ids`.
+
+    The failure rule, per request: a diff that cannot be applied fails its request; a
+    step whose model run raises fails every request it scheduled. A failed request is
+    forgotten, named in `StepResult.failed`, and its rows in plans already on their way
+    are skipped until a plan lists it as finished. A step that also moved blocks (copies,
+    swaps) cannot be tied to its requests: its exception propagates (the engine stops).
+    """
+
+    def __init__(self, runner: ModelRunner | None, worker_id: int = 0) -> None:
+        self.runner = runner
+        self.worker_id = worker_id
+        self.eos_token_ids = runner.model_config.eos_token_ids if runner else frozenset()
+        self.requests: dict[str, Request] = {}
+        self.block_tables: dict[str, list[int]] = {}
+        self.failed: set[str] = set()  # forgotten after a failure, until finished
+        self._arrivals = itertools.count()
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        failures: dict[str, str] = {}
+        self._apply(plan, failures)
+        copies = tuple(zip(plan.copy_src, plan.copy_dst, strict=True))
+        swap_out = tuple(zip(plan.swap_out_src, plan.swap_out_dst, strict=True))
+        swap_in = tuple(zip(plan.swap_in_src, plan.swap_in_dst, strict=True))
+        runnable = self._runnable(plan, failures)
+        if not runnable:  # a plan may only carry finished ids (and block moves)
+            if self.runner is not None:
+                self.runner.move_blocks(
+                    SchedulerOutput(plan.step_id, (), (), copies, swap_out, swap_in)
+                )
+            return self._result(StepResult.empty(plan.step_id, self.worker_id), failures)
+        scheduled = tuple(
+            ScheduledRequest(
+                self.requests[rid],
+                self.requests[rid].num_computed_tokens,
+                n,
+                self.block_tables[rid],
+            )
+            for rid, n in runnable
+        )
+        step = SchedulerOutput(plan.step_id, scheduled, (), copies, swap_out, swap_in)
+        try:
+            result = self._sample(step)
+        except Exception as exc:
+            if copies or swap_out or swap_in:
+                raise
+            self._forget([rid for rid, _ in runnable], describe(exc), failures)
+            return self._result(StepResult.empty(plan.step_id, self.worker_id), failures)
+        return self._result(result, failures)
+
+    def _runnable(self, plan: StepPlan, failures: dict[str, str]) -> list[tuple[str, int]]:
+        """The plan's rows to run: failed requests skipped, unknown ones failed."""
+        runnable = []
+        for rid, n in zip(plan.scheduled_ids, plan.num_scheduled_tokens, strict=True):
+            if rid in self.failed:
+                continue
+            if rid not in self.requests:
+                self._forget([rid], f"request {rid!r} was scheduled before it was sent", failures)
+                continue
+            runnable.append((rid, n))
+        return runnable
+
+    def _sample(self, step: SchedulerOutput) -> StepResult:
+        """Runs the step, advances the requests it ran, and reports what they sampled."""
+        result = self._run(step)
+        for item in step.scheduled:
+            item.request.num_computed_tokens += item.num_scheduled_tokens
+        for request_id, token in result.sampled.items():
+            self.requests[request_id].output_token_ids.append(token)
+        return StepResult(
+            step.step_id,
+            self.worker_id,
+            tuple(result.sampled),
+            tuple(result.sampled.values()),
+            tuple(self._logprobs(result)),
+            tuple(self._prompt_logprobs(result)),
+            None,
+            0.0,
+        )
+
+    @staticmethod
+    def _result(result: StepResult, failures: dict[str, str]) -> StepResult:
+        if not failures:
+            return result
+        failed = tuple(RequestFailed(rid, error) for rid, error in failures.items())
+        return dataclasses.replace(result, failed=failed)
+
+    def _forget(self, request_ids: list[str], error: str, failures: dict[str, str]) -> None:
+        for request_id in request_ids:
+            self.requests.pop(request_id, None)
+            self.block_tables.pop(request_id, None)
+            self.failed.add(request_id)
+            failures.setdefault(request_id, error)
+
+    def _run(self, step: SchedulerOutput) -> RunnerResult:
+        return self.runner.execute(step)
+
+    def _logprobs(self, result: RunnerResult) -> Iterator[RequestLogprobs]:
+        """Sampled-token logprobs of the requests that asked for them."""
+        for r, row, _ in result.sample_logprob_dicts(self.requests):
+            if r.params.logprobs is not None:
+                yield RequestLogprobs(r.request_id, (_wire_row(row),))
+
+    def _prompt_logprobs(self, result: RunnerResult) -> Iterator[RequestLogprobs]:
+        for request, rows in result.prompt_logprob_dicts(self.requests):
+            request.prompt_logprobs.extend(rows)  # scored once, even if recomputed later
+            yield RequestLogprobs(request.request_id, tuple(_wire_row(r) for r in rows))
+
+    def _apply(self, plan: StepPlan, failures: dict[str, str]) -> None:
+        for request_id in plan.finished_ids:
+            self.requests.pop(request_id, None)
+            self.block_tables.pop(request_id, None)
+            self.failed.discard(request_id)
+        diffs = [(new.request_id, self._add, new) for new in plan.new_requests]
+        diffs += [(cached.request_id, self._update, cached) for cached in plan.cached_requests]
+        for request_id, apply, diff in diffs:
+            if request_id in self.failed:
+                continue
+            try:
+                apply(diff)
+            except Exception as exc:  # noqa: BLE001 - the failure rule: this request only
+                self._forget([request_id], describe(exc), failures)
+
+    def _add(self, new: NewRequestData) -> None:
+        request = Request(
+            new.request_id,
+            None,
+            list(new.prompt_token_ids),
+            new.params,
+            next(self._arrivals),
+            eos_token_ids=self.eos_token_ids,
+            status=RequestStatus.RUNNING,
+        )
+        request.num_computed_tokens = new.num_computed_tokens
+        request.output_token_ids = list(new.output_token_ids)
+        if new.params.prompt_logprobs is not None:
+            request.prompt_logprobs = [None]
+        self.requests[new.request_id] = request
+        self.block_tables[new.request_id] = list(new.block_ids)
+
+    def _update(self, cached: CachedRequestData) -> None:
+        table = self.block_tables[cached.request_id]
+        if cached.resumed_from_preemption:
+            table.clear()
+        elif cached.first_block_index >= 0:
+            del table[cached.first_block_index :]
+        table.extend(cached.new_block_ids)
+        request = self.requests[cached.request_id]
+        if not cached.resumed_from_preemption:
+            _check_in_step(request, cached.num_computed_tokens)
+        request.num_computed_tokens = cached.num_computed_tokens
+        if cached.last_token_id is not None:
+            request.output_token_ids[-1] = cached.last_token_id
+
+
+class NullWorker(Worker):
+    """A worker without a model, for control-plane benchmarks and tests: the same plan
+    protocol and per-request cache, but every sampling row "samples" `token_id` at once."""
+
+    def __init__(self, worker_id: int = 0, token_id: int = 0) -> None:
+        super().__init__(None, worker_id)
+        self.token_id = token_id
+
+    def _run(self, step: SchedulerOutput) -> RunnerResult:
+        sampled = {s.request.request_id: self.token_id for s in step.scheduled if s.samples}
+        return RunnerResult(sampled, None, (), {})
+
+
+def _check_in_step(request: Request, num_computed_tokens: int) -> None:
+    """The worker counts computed tokens itself between diffs; a diff must agree."""
+    if request.num_computed_tokens != num_computed_tokens:
+        raise RuntimeError(
+            f"{request.request_id}: the plan says {num_computed_tokens} computed tokens, "
+            f"the worker counted {request.num_computed_tokens}"
+        )
+
+
+def _wire_row(row: dict[int, Logprob]) -> LogprobRow:
+    return tuple(TokenLogprob(t, lp.logprob, lp.rank, None) for t, lp in row.items())
+
+
+def build_worker(
+    args: EngineArgs, worker_id: int = 0, config: EngineConfig | None = None
+) -> tuple[Worker, WorkerReady]:
+    """Loads the model, sizes and allocates the KV cache; returns the ready message
+    (`config`: `args.build()`, when the caller has built it already)."""
+    config = config or args.build()
+    runner = ModelRunner(
+        config.model,
+        config.cache,
+        config.device,
+        config.scheduler.max_num_batched_tokens,
+        config.scheduler.max_num_seqs,
+    )
+    num_blocks, num_cpu_blocks = runner.num_blocks(), runner.num_cpu_blocks()
+    runner.initialize_cache(num_blocks, num_cpu_blocks)
+    ready = WorkerReady(
+        worker_id,
+        num_blocks,
+        config.cache.block_size,
+        config.model.max_model_len,
+        config.model.vocab_size,
+        num_cpu_blocks,
+    )
+    return Worker(runner, worker_id), ready
+
+
+def build_null_worker(args: EngineArgs, worker_id: int = 0) -> tuple[NullWorker, WorkerReady]:
+    """A NullWorker announcing the blocks `args.kv_cache_memory` would hold for this model
+    (read from config.json only; no weights are loaded)."""
+    config = args.build()
+    budget = config.cache.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY
+    m = config.model
+    ready = WorkerReady(
+        worker_id,
+        num_blocks_for(m, config.cache, budget),
+        config.cache.block_size,
+        m.max_model_len,
+        m.vocab_size,
+    )
+    return NullWorker(worker_id), ready
