@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from engine.core.sequence_group import SequenceGroup
     from engine.outputs import PromptLogprobs
     from engine.sampling_params import SamplingParams
 
@@ -41,6 +40,22 @@ _FINISH_REASONS = {
 }
 
 
+class RequestGroup(Protocol):
+    """What a sequence sees of the request it belongs to (a `SequenceGroup` or a
+    `BeamGroup`): declared here so groups import requests, never the reverse."""
+
+    request_id: str
+    held: list[Request]  # sequences not yet given to the scheduler
+    preempt_together: bool  # its running sequences are preempted as one unit
+    chooses_tokens: bool  # the group, not sampling, picks each next token
+
+    @property
+    def leader(self) -> Request: ...
+
+    @property
+    def is_finished(self) -> bool: ...
+
+
 @dataclass(eq=False)
 class Request:
     """One client call: its prompt, its sampled tokens and how much KV is computed.
@@ -64,7 +79,7 @@ class Request:
     num_preemptions: int = 0
     max_num_tokens: int | None = None  # prompt + outputs it may reach (Scheduler sets it)
     num_pending_outputs: int = 0  # trailing output ids that are placeholders (one step ahead)
-    group: SequenceGroup | None = None  # set when this is one sequence of several
+    group: RequestGroup | None = None  # set when this is one sequence of several
 
     @property
     def num_prompt_tokens(self) -> int:

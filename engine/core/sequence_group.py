@@ -6,8 +6,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
+from engine.core.request import Request
+
 if TYPE_CHECKING:
-    from engine.core.request import Request
     from engine.sampling_params import SamplingParams
 
 

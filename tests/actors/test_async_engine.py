@@ -30,8 +30,8 @@ def served(request, tmp_path_factory) -> ServedModel:
     if request.param == "stories260K":
         model = str(shared_path("models", "stories260K"))
         return ServedModel(model, dict(kv_cache_memory=16 << 20, max_num_batched_tokens=256))
-    from tests.engine.test_detokenizer import sentencepiece_like
     from tests.engine.tiny_models import save_hf_model
+    from tests.engine.tiny_tokenizers import sentencepiece_like
 
     directory = tmp_path_factory.mktemp("tiny-served")
     tokenizer = sentencepiece_like()

@@ -18,7 +18,7 @@ from engine.messages import (
 from engine.sampling_params import SamplingParams
 from engine.text.request_validation import RequestLimits
 from engine.text.text_processor import TextProcessor
-from tests.engine.test_detokenizer import sentencepiece_like
+from tests.engine.tiny_tokenizers import sentencepiece_like
 
 
 async def _next(inbox, decoder):

@@ -10,7 +10,7 @@ from engine.messages import ChatMessage, GenerateRequest, TokenDelta
 from engine.sampling_params import SamplingParams
 from engine.text.request_validation import RequestLimits
 from engine.text.text_processor import TextProcessor
-from tests.engine.test_detokenizer import byte_level, sentencepiece_like
+from tests.engine.tiny_tokenizers import byte_level, sentencepiece_like
 
 
 @pytest.fixture(scope="module", params=["sentencepiece", "byte-level"])
