@@ -130,5 +130,5 @@ class SchedulerActor(Actor):
             raise BlockManagerTimeout(
                 f"no answer to block exchange {traffic.exchange_id} in {self.reply_timeout:g} s"
             ) from None
-        self.core.on_blocks_reserved(self.reply_decoder.decode(frame))
+        self.core.on_block_ops_applied(self.reply_decoder.decode(frame))
         self.num_exchanges += 1

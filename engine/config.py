@@ -8,6 +8,7 @@ narrow frozen parts. No torch here: the scheduler reads these too.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -58,6 +59,14 @@ class ModelConfig:
         return int(head_dim) if head_dim else int(hidden) // self.num_attention_heads
 
 
+class PreemptionMode(StrEnum):
+    """What a preempted request's blocks become: freed and recomputed later, or copied
+    to the CPU swap space and copied back."""
+
+    RECOMPUTE = "recompute"
+    SWAP = "swap"
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """How large the paged KV cache is and how it is cut into blocks."""
@@ -69,16 +78,17 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of total device memory
     enable_prefix_caching: bool = True  # reuse cached full blocks across requests
     swap_space: float = 0.0  # GiB of CPU memory for blocks of swapped-out sequences
-    preemption_mode: str = "recompute"  # "recompute" or "swap" (needs swap_space)
+    preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE  # SWAP needs swap_space
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.swap_space <= 1024.0:
             raise ValueError(f"swap_space must be in [0, 1024] GiB, got {self.swap_space}")
-        if self.preemption_mode not in ("recompute", "swap"):
+        if self.preemption_mode not in tuple(PreemptionMode):
             raise ValueError(
                 f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}"
             )
-        if self.preemption_mode == "swap" and self.swap_space <= 0:
+        object.__setattr__(self, "preemption_mode", PreemptionMode(self.preemption_mode))
+        if self.preemption_mode is PreemptionMode.SWAP and self.swap_space <= 0:
             raise ValueError("preemption_mode='swap' needs swap_space > 0 (GiB of CPU memory)")
         if not 1 <= self.block_size <= 1024:
             raise ValueError(f"block_size must be in [1, 1024], got {self.block_size}")

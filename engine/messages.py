@@ -205,6 +205,27 @@ class StepResult:
         """A step that sampled nothing (a plan of finished ids and block moves only)."""
         return cls(step_id, worker_id, (), (), (), (), None, 0.0)
 
+    @classmethod
+    def sampled(
+        cls,
+        step_id: int,
+        worker_id: int,
+        tokens: dict[str, int],
+        logprobs: tuple[RequestLogprobs, ...],
+        prompt_logprobs: tuple[RequestLogprobs, ...],
+    ) -> StepResult:
+        """A step that ran: each sampling request's token, and the logprob rows asked for."""
+        return cls(
+            step_id,
+            worker_id,
+            tuple(tokens),
+            tuple(tokens.values()),
+            logprobs,
+            prompt_logprobs,
+            None,
+            0.0,
+        )
+
 
 @dataclass(frozen=True)
 class WorkerReady:
@@ -251,12 +272,26 @@ class BlockOpsApplied:
 # ---------------------------------------------------------------- block manager inbox
 
 
+class BlockOpKind(StrEnum):
+    """The closed set of block-table changes (engine/kv/block_ops.py says what each does)."""
+
+    GROW = "grow"
+    FREE = "free"
+    FORK = "fork"
+    COW = "cow"
+    MATCH = "match"
+    CACHE = "cache"
+    RESET = "reset"
+    SWAP_OUT = "swap_out"
+    SWAP_IN = "swap_in"
+
+
 @dataclass(frozen=True)
 class BlockOp:
     """One change to the block tables, as the scheduler's replica made it (the kinds
     and what `num`, `parent_id` and `hashes` mean for each are in engine/kv/block_ops.py)."""
 
-    kind: str
+    kind: BlockOpKind
     seq_id: str
     num: int = 0
     parent_id: str = ""
@@ -352,6 +387,32 @@ class OutputDelta:
     def failed(cls, request_id: str, error: str, kind: ErrorKind = ErrorKind.ENGINE) -> OutputDelta:
         """The request (every sequence of it) ended with `error`."""
         return cls(request_id, "", (), "error", None, 0, 0, error, index=-1, error_kind=kind)
+
+    @classmethod
+    def ranked(
+        cls,
+        request_id: str,
+        index: int,
+        text: str,
+        token_ids: tuple[int, ...],
+        finish_reason: str,
+        num_prompt_tokens: int,
+        prompt_logprobs: tuple[LogprobRow, ...] | None,
+    ) -> OutputDelta:
+        """Output `index` whole, sent once: one the engine ranked (a beam hypothesis)."""
+        return cls(
+            request_id,
+            text,
+            token_ids,
+            finish_reason,
+            None,
+            num_prompt_tokens,
+            len(token_ids),
+            None,
+            None,
+            prompt_logprobs,
+            index,
+        )
 
     @classmethod
     def aborted(cls, request_id: str) -> OutputDelta:

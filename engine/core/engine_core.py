@@ -19,7 +19,7 @@ The block tables are injected. In-process (the offline `LLM`) they are a plain
 actor holds the authoritative tables, the core plans on a `BlockLedger`, a replica that
 knows every block id at once and logs its changes, and a step is `schedule()`, one
 exchange of `block_traffic()` for the block manager's `BlockOpsApplied`
-(`on_blocks_reserved` checks it), and `build_plan()`.
+(`on_block_ops_applied` checks it), and `build_plan()`.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from functools import partial
 
-from engine.config import SchedulerConfig
+from engine.config import PreemptionMode, SchedulerConfig
 from engine.core.beam_group import BeamGroup, beam_params, beam_search_for, top_offers
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
@@ -66,7 +66,7 @@ class EngineCore:
         config: SchedulerConfig,
         blocks: KVCacheManager,
         eos_token_ids: frozenset[int],
-        preemption_mode: str = "recompute",
+        preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE,
     ) -> None:
         self.blocks = blocks
         self._ledger = blocks if isinstance(blocks, BlockLedger) else None
@@ -176,7 +176,7 @@ class EngineCore:
         ledger = self._ledger
         return ledger.take_traffic() if ledger is not None and ledger.has_traffic else None
 
-    def on_blocks_reserved(self, reply: BlockOpsApplied) -> None:
+    def on_block_ops_applied(self, reply: BlockOpsApplied) -> None:
         self._ledger.apply(reply)
 
     def _record_usage(self) -> None:
@@ -228,7 +228,7 @@ class EngineCore:
         output = self.schedule()
         traffic = self.block_traffic()
         if traffic is not None:
-            self.on_blocks_reserved(exchange(traffic))
+            self.on_block_ops_applied(exchange(traffic))
         return None if output is None else self.build_plan(output)
 
     def build_plan(self, output: SchedulerOutput) -> StepPlan:
@@ -267,13 +267,13 @@ class EngineCore:
         delivered = set(ids) if result.logprobs else ()
         logprobs = tuple(lp for lp in result.logprobs if lp.request_id in delivered)
         return TokenDeltas(
-            result.step_id,
-            tuple(ids),
-            tuple(tokens),
-            tuple(finished),
-            logprobs,
-            tuple(prompt),
-            ranked,
+            step_id=result.step_id,
+            request_ids=tuple(ids),
+            token_ids=tuple(tokens),
+            finished=tuple(finished),
+            logprobs=logprobs,
+            prompt_logprobs=tuple(prompt),
+            ranked=ranked,
         )
 
     def _advance_beams(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import bisect
 from collections import deque
 
-from engine.config import SchedulerConfig
+from engine.config import PreemptionMode, SchedulerConfig
 from engine.core.policies import LatestArrivalFirst, PreemptionPolicy
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
@@ -41,12 +41,12 @@ class Scheduler:
         config: SchedulerConfig,
         kv_cache: KVCacheManager,
         preemption: PreemptionPolicy | None = None,
-        preemption_mode: str = "recompute",
+        preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE,
     ) -> None:
         self.config = config
         self.kv_cache = kv_cache
         self.preemption = preemption or LatestArrivalFirst()
-        self.swapping = preemption_mode == "swap"
+        self.swapping = preemption_mode == PreemptionMode.SWAP
         self.waiting: deque[Request] = deque()
         self.swapped: list[Request] = []  # by arrival_index: swapped back in first come first
         self.running: list[Request] = []  # sorted by arrival_index

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from engine.kv.block_count import cdiv
 from engine.kv.block_ops import CACHE, COW, FORK, FREE, GROW, MATCH, RESET, SWAP_IN, SWAP_OUT
 from engine.kv.kv_cache_manager import BlockCopy, KVCacheManager
 from engine.kv.prefix_hash import BlockHash
@@ -34,7 +35,7 @@ class BlockLedger(KVCacheManager):
     def grow(self, seq_id: str, num_tokens: int) -> list[int] | None:
         table = self._tables.get(seq_id)
         before = len(table) if table else 0
-        if -(-num_tokens // self.block_size) <= before:
+        if cdiv(num_tokens, self.block_size) <= before:
             return table if table is not None else []  # decode step: room in the last block
         table = super().grow(seq_id, num_tokens)
         if table is not None:

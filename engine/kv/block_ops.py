@@ -24,18 +24,18 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from engine.kv.kv_cache_manager import KVCacheManager
-from engine.messages import BlockOp
+from engine.messages import BlockOp, BlockOpKind
 
 GROW, FREE, FORK, COW, MATCH, CACHE, RESET = (
-    "grow",
-    "free",
-    "fork",
-    "cow",
-    "match",
-    "cache",
-    "reset",
+    BlockOpKind.GROW,
+    BlockOpKind.FREE,
+    BlockOpKind.FORK,
+    BlockOpKind.COW,
+    BlockOpKind.MATCH,
+    BlockOpKind.CACHE,
+    BlockOpKind.RESET,
 )
-SWAP_OUT, SWAP_IN = "swap_out", "swap_in"
+SWAP_OUT, SWAP_IN = BlockOpKind.SWAP_OUT, BlockOpKind.SWAP_IN
 
 
 class BlockOpError(RuntimeError):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 
+from engine.kv.block_count import cdiv
 from engine.kv.block_pool import BlockPool
 from engine.kv.prefix_hash import BlockHash, TokenSlice, chain_hashes
 
@@ -57,7 +58,7 @@ class KVCacheManager:
         return self.pool.num_free
 
     def blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return cdiv(num_tokens, self.block_size)
 
     def block_table(self, seq_id: str) -> list[int]:
         return self._tables.get(seq_id, [])
@@ -70,7 +71,7 @@ class KVCacheManager:
     def grow(self, seq_id: str, num_tokens: int) -> list[int] | None:
         """`allocate_slots` returning the live table (None: blocks ran out, no change)."""
         table = self._tables.get(seq_id)
-        need = -(-num_tokens // self.block_size) - (len(table) if table else 0)
+        need = cdiv(num_tokens, self.block_size) - (len(table) if table else 0)
         if need <= 0:
             return table if table is not None else []
         if not self.pool.can_allocate(need):

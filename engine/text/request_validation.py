@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.core.beam_group import beam_params, beam_search_for
+from engine.kv.block_count import cdiv
 from engine.sampling_params import SamplingParams
 
 
@@ -63,7 +64,7 @@ def _check_beam_search(token_ids: list[int], params: SamplingParams, limits: Req
     if not limits.num_blocks:
         return
     longest = len(token_ids) + search.max_new_tokens
-    need = width * -(-longest // limits.block_size)
+    need = width * cdiv(longest, limits.block_size)
     if need > limits.num_blocks:
         raise ValueError(
             f"best_of (the beam width; n when unset) is {width}: that many beams "

@@ -159,18 +159,14 @@ class TextProcessor:
             detokenizer = self._detokenizer(state.prompt_token_ids, state.request.params)
             text = detokenizer.append(list(seq.token_ids)) + detokenizer.flush()
             rows = prompt_rows.get(seq.request_id) if seq.index == 0 else None
-            out = OutputDelta(
+            out = OutputDelta.ranked(
                 seq.request_id,
+                seq.index,
                 text,
                 seq.token_ids,
                 seq.finish_reason,
-                None,
                 state.num_prompt_tokens,
-                len(seq.token_ids),
-                None,
-                None,
                 self._decode_rows(rows),
-                seq.index,
             )
             outs.append((state.client_id, out))
         for request_id in {seq.request_id for seq in ranked}:
@@ -245,17 +241,17 @@ class TextProcessor:
             decided -= hold_back(state.text, params.stop)
         text, state.emitted = state.text[state.emitted : decided], max(state.emitted, decided)
         out = OutputDelta(
-            state.request.request_id,
-            text,
-            delta.token_ids,
-            finish,
-            stop_reason,
-            state.num_prompt_tokens,
-            state.num_output_tokens,
-            None,
-            self._decode_rows(delta.logprobs),
-            self._decode_rows(delta.prompt_logprobs),
-            state.index,
+            request_id=state.request.request_id,
+            text=text,
+            token_ids=delta.token_ids,
+            finish_reason=finish,
+            stop_reason=stop_reason,
+            num_prompt_tokens=state.num_prompt_tokens,
+            num_output_tokens=state.num_output_tokens,
+            error=None,
+            logprobs=self._decode_rows(delta.logprobs),
+            prompt_logprobs=self._decode_rows(delta.prompt_logprobs),
+            index=state.index,
         )
         if state.ranked:
             return self._hold_back(state, delta, out), abort

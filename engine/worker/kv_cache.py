@@ -7,6 +7,7 @@ import logging
 import torch
 
 from engine.config import CacheConfig, ModelConfig
+from engine.kv.block_count import cdiv
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +29,7 @@ def num_blocks_for(model: ModelConfig, cache: CacheConfig, budget_bytes: int) ->
     """How many blocks fit in `budget_bytes`; raises when one full sequence does not fit."""
     per_block = block_bytes(model, cache.block_size)
     num_blocks = max(0, budget_bytes // per_block)
-    needed = -(-model.max_model_len // cache.block_size)
+    needed = cdiv(model.max_model_len, cache.block_size)
     if num_blocks < needed:
         mib = 1024**2
         raise KVCacheTooSmallError(

@@ -11,6 +11,7 @@ import torch
 from engine.config import CacheConfig, DeviceConfig, ModelConfig
 from engine.core.request import Request
 from engine.core.scheduler_output import SchedulerOutput
+from engine.kv.block_count import cdiv
 from engine.worker.attention.selector import select_backend
 from engine.worker.input_batch import ModelInput, build_model_input
 from engine.worker.kv_cache import (
@@ -30,7 +31,7 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class StepResult:
+class ModelOutput:
     """What one step produced, by request id: the sampled token (and its logprobs row),
     and scored prompt tokens for requests that asked for prompt logprobs."""
 
@@ -101,7 +102,7 @@ class ModelRunner:
     def _default_cpu_budget(self) -> int:
         """2 GiB, or less when max_num_seqs full-length sequences need less."""
         bs = self.cache_config.block_size
-        blocks = self.max_num_seqs * -(-self.model_config.max_model_len // bs)
+        blocks = self.max_num_seqs * cdiv(self.model_config.max_model_len, bs)
         return min(DEFAULT_CPU_KV_CACHE_MEMORY, blocks * block_bytes(self.model_config, bs))
 
     def num_cpu_blocks(self) -> int:
@@ -148,18 +149,18 @@ class ModelRunner:
         return peak
 
     @torch.inference_mode()
-    def execute(self, plan: SchedulerOutput, sample: bool = True) -> StepResult:
+    def execute(self, plan: SchedulerOutput, sample: bool = True) -> ModelOutput:
         self.move_blocks(plan)
         batch = build_model_input(plan.scheduled, self.cache_config.block_size, self.device)
         hidden = self.model(batch.input_ids, batch.positions, self.kv_cache, batch.metadata)
         prompt_lp = self._prompt_logprobs(batch, hidden)
         if not sample or not batch.sample_rows:
-            return StepResult({}, None, (), prompt_lp)
+            return ModelOutput({}, None, (), prompt_lp)
         logits = self.model.compute_logits(hidden[batch.logits_indices])  # [S, vocab]
         out = self.sampler(logits, self._sampling_metadata(batch))
         ids = [r.request.request_id for r in batch.sample_rows]
         tokens = out.sampled_token_ids.tolist()
-        return StepResult(dict(zip(ids, tokens, strict=True)), out.logprobs, tuple(ids), prompt_lp)
+        return ModelOutput(dict(zip(ids, tokens, strict=True)), out.logprobs, tuple(ids), prompt_lp)
 
     def move_blocks(self, plan: SchedulerOutput) -> None:
         """A step's block traffic before its forward pass: swap-outs (device -> CPU), then

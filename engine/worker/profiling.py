@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from engine.core.request import Request
 from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from engine.kv.block_count import cdiv
 from engine.sampling_params import SamplingParams
 
 
@@ -13,7 +14,7 @@ def dummy_plan(num_tokens: int, max_model_len: int, block_size: int) -> Schedule
     scheduled, next_block, left, i = [], 0, num_tokens, 0
     while left > 0:
         n = min(left, max_model_len)
-        blocks = -(-n // block_size)
+        blocks = cdiv(n, block_size)
         request = Request(f"profile-{i}", None, [0] * n, SamplingParams(max_tokens=1), i)
         table = tuple(range(next_block, next_block + blocks))
         scheduled.append(ScheduledRequest(request, 0, n, table))

@@ -24,8 +24,7 @@ from engine.messages import (
 )
 from engine.outputs import Logprob
 from engine.worker.kv_cache import DEFAULT_CPU_KV_CACHE_MEMORY, num_blocks_for
-from engine.worker.model_runner import ModelRunner
-from engine.worker.model_runner import StepResult as RunnerResult
+from engine.worker.model_runner import ModelOutput, ModelRunner
 
 
 class Worker:
@@ -102,15 +101,12 @@ class Worker:
             item.request.num_computed_tokens += item.num_scheduled_tokens
         for request_id, token in result.sampled.items():
             self.requests[request_id].output_token_ids.append(token)
-        return StepResult(
+        return StepResult.sampled(
             step.step_id,
             self.worker_id,
-            tuple(result.sampled),
-            tuple(result.sampled.values()),
+            result.sampled,
             tuple(self._logprobs(result)),
             tuple(self._prompt_logprobs(result)),
-            None,
-            0.0,
         )
 
     @staticmethod
@@ -127,16 +123,16 @@ class Worker:
             self.failed.add(request_id)
             failures.setdefault(request_id, error)
 
-    def _run(self, step: SchedulerOutput) -> RunnerResult:
+    def _run(self, step: SchedulerOutput) -> ModelOutput:
         return self.runner.execute(step)
 
-    def _logprobs(self, result: RunnerResult) -> Iterator[RequestLogprobs]:
+    def _logprobs(self, result: ModelOutput) -> Iterator[RequestLogprobs]:
         """Sampled-token logprobs of the requests that asked for them."""
         for r, row, _ in result.sample_logprob_dicts(self.requests):
             if r.params.logprobs is not None:
                 yield RequestLogprobs(r.request_id, (_wire_row(row),))
 
-    def _prompt_logprobs(self, result: RunnerResult) -> Iterator[RequestLogprobs]:
+    def _prompt_logprobs(self, result: ModelOutput) -> Iterator[RequestLogprobs]:
         for request, rows in result.prompt_logprob_dicts(self.requests):
             request.prompt_logprobs.extend(rows)  # scored once, even if recomputed later
             yield RequestLogprobs(request.request_id, tuple(_wire_row(r) for r in rows))
@@ -196,9 +192,9 @@ class NullWorker(Worker):
         super().__init__(None, worker_id)
         self.token_id = token_id
 
-    def _run(self, step: SchedulerOutput) -> RunnerResult:
+    def _run(self, step: SchedulerOutput) -> ModelOutput:
         sampled = {s.request.request_id: self.token_id for s in step.scheduled if s.samples}
-        return RunnerResult(sampled, None, (), {})
+        return ModelOutput(sampled, None, (), {})
 
 
 def _check_in_step(request: Request, num_computed_tokens: int) -> None:

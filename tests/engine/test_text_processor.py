@@ -147,3 +147,41 @@ def test_beam_search_outputs_go_out_whole_then_the_request_is_forgotten(tokenize
     assert deltas[1].prompt_logprobs is None
     assert "b1" not in proc.states and "b1" not in proc.sequences
     proc.drop("b1")
+
+
+def _one_by_one(proc, rid, ids, finish="length"):
+    """Feeds ids one per delta (as a step gives them); returns the last OutputDelta and
+    how many tokens went in."""
+    last = None
+    for i, token in enumerate(ids):
+        outs, _ = proc.on_token_delta(
+            TokenDelta(rid, (token,), finish if i == len(ids) - 1 else None, None)
+        )
+        last = outs[-1] if outs else last
+        if last is not None and last.finish_reason is not None:
+            return last, i + 1
+    return last, len(ids)
+
+
+def test_min_tokens_guards_stop_strings_as_it_guards_stop_tokens():
+    """vLLM's rule: a stop string is looked for only once min_tokens are out."""
+    tok = sentencepiece_like()
+    ids = [tok.encode(c, add_special_tokens=False)[-1] for c in "abobcdefoghij"]
+    proc = TextProcessor(tok, RequestLimits(tok.vocab_size, 4096))
+    proc.admit(_request("free", stop=["o"]), 0.0)
+    proc.admit(_request("guarded", stop=["o"], min_tokens=8), 0.0)
+    free, n_free = _one_by_one(proc, "free", ids)
+    guarded, n_guarded = _one_by_one(proc, "guarded", ids)
+    assert (free.finish_reason, free.stop_reason, n_free) == ("stop", "o", 3)
+    assert (guarded.finish_reason, guarded.stop_reason, n_guarded) == ("stop", "o", 9)
+
+
+def test_a_stop_string_in_the_text_flushed_at_the_end_is_a_stop():
+    """Byte pieces are held back until the sequence ends; a stop string that shows up
+    only in that flushed text still ends it with "stop" (as it would mid-stream)."""
+    tok = sentencepiece_like()
+    ids = tok.encode("ab é", add_special_tokens=False)  # é: two byte-fallback pieces
+    proc = TextProcessor(tok, RequestLimits(tok.vocab_size, 4096))
+    proc.admit(_request("r", stop=["é"]), 0.0)
+    last, _ = _one_by_one(proc, "r", ids, finish="length")
+    assert (last.finish_reason, last.stop_reason) == ("stop", "é")

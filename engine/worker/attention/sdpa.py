@@ -20,6 +20,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from engine.kv.block_count import cdiv
 from engine.worker.attention.backend import AttentionBackend
 from engine.worker.attention.metadata import AttentionMetadata
 
@@ -95,7 +96,7 @@ class SdpaBackend(AttentionBackend):
         num_heads, head_size = query.shape[1], query.shape[2]
         kvh, block_size = key_cache.shape[0], key_cache.shape[2]
         max_len = max(metadata.seq_lens_cpu[r] for r in rows)
-        nblocks = -(-max_len // block_size)
+        nblocks = cdiv(max_len, block_size)
         index = torch.tensor(rows, device=query.device)
         tables = metadata.block_tables[index, :nblocks]  # [rows, nblocks]
         k = self._gather("k", key_cache, tables, query)
@@ -112,7 +113,7 @@ class SdpaBackend(AttentionBackend):
         q_len, num_heads, head_size = query.shape  # [q_len, H, D]
         kvh, block_size = key_cache.shape[0], key_cache.shape[2]
         group = num_heads // kvh
-        tables = table[: -(-s_len // block_size)].unsqueeze(0)
+        tables = table[: cdiv(s_len, block_size)].unsqueeze(0)
         k = self._gather("k", key_cache, tables, query)[:, 0, :s_len]  # [KVH, s_len, D]
         v = self._gather("v", value_cache, tables, query)[:, 0, :s_len]
         # Fold the query heads of each KV group into the query axis: [KVH, G * q_len, D].
