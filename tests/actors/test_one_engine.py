@@ -84,7 +84,10 @@ def mixed_requests(model_dir: str) -> list[tuple[str, SamplingParams]]:
         (PROMPTS[1], SamplingParams(max_tokens=16, stop=[early_char], min_tokens=8, **g)),
         (PROMPTS[2], SamplingParams(n=3, seed=5, **sampled)),
         (PROMPTS[3], SamplingParams(n=2, best_of=4, seed=6, **sampled)),
-        (PROMPTS[4], SamplingParams(use_beam_search=True, n=2, best_of=3, temperature=0, max_tokens=10)),
+        (
+            PROMPTS[4],
+            SamplingParams(use_beam_search=True, n=2, best_of=3, temperature=0, max_tokens=10),
+        ),
         (PROMPTS[5], SamplingParams(seed=9, logprobs=2, prompt_logprobs=1, **sampled)),
         (PROMPTS[2], SamplingParams(logprobs=0, max_tokens=12, stop=["e"], **g)),
         # unbiased: byte pieces held back to the end, where the stop string shows up
