@@ -42,7 +42,6 @@ from engine.engine_args import EngineArgs
 from engine.messages import (
     INBOXES,
     AbortRequest,
-    ChatMessage,
     ErrorKind,
     GenerateRequest,
     OutputDelta,
@@ -196,10 +195,12 @@ class AsyncEngine:
             raise RuntimeError(f"the engine is not healthy: {self.error}")
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in flight")
+        params = params or SamplingParams()
+        request = GenerateRequest.of(request_id, CLIENT_ID, prompt, params)
         stream = self._streams[request_id] = _OpenStream()
-        finished, open_sequences = False, (params or SamplingParams()).n
+        finished, open_sequences = False, params.n
         try:
-            await send_message(self._to_tokenizer, _request(request_id, prompt, params))
+            await send_message(self._to_tokenizer, request)
             while not finished:
                 out = await stream.queue.get()
                 if out.finish_reason is not None:
@@ -331,13 +332,3 @@ class AsyncEngine:
             stream = self._streams.get(out.request_id)
             if stream is not None:
                 stream.queue.put_nowait(out)
-
-
-def _request(request_id: str, prompt, params: SamplingParams | None) -> GenerateRequest:
-    params = params or SamplingParams()
-    if isinstance(prompt, str):
-        return GenerateRequest(request_id, CLIENT_ID, prompt, None, None, params)
-    if prompt and all(isinstance(m, dict) for m in prompt):
-        messages = tuple(ChatMessage(str(m.get("role")), str(m.get("content"))) for m in prompt)
-        return GenerateRequest(request_id, CLIENT_ID, None, None, messages, params)
-    return GenerateRequest(request_id, CLIENT_ID, None, tuple(prompt), None, params)

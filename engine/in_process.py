@@ -61,7 +61,7 @@ class InProcessEngine:
         ):
             params = params.with_updates(logprobs=0)  # ranking reads them; not returned
             keep_logprobs = False
-        request = _generate_request(request_id, prompt, params)
+        request = GenerateRequest.of(request_id, CLIENT_ID, prompt, params)
         add = self.processor.admit(request, time.time())
         prompt_ids = list(add.prompt_token_ids)
         self.outputs.open(request_id, request.prompt, prompt_ids, params, keep_logprobs)
@@ -151,13 +151,3 @@ class InProcessEngine:
 def _ranked_without_logprobs(params: SamplingParams) -> bool:
     sampled_ranked = params.num_sequences > params.n and not params.use_beam_search
     return sampled_ranked and params.logprobs is None
-
-
-def _generate_request(request_id: str, prompt: Prompt, params: SamplingParams) -> GenerateRequest:
-    if isinstance(prompt, str):
-        return GenerateRequest(request_id, CLIENT_ID, prompt, None, None, params)
-    if isinstance(prompt, list | tuple) and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in prompt
-    ):
-        return GenerateRequest(request_id, CLIENT_ID, None, tuple(prompt), None, params)
-    raise ValueError("prompt must be a string or a list of token ids (ints)")

@@ -87,6 +87,22 @@ class GenerateRequest:
     messages: tuple[ChatMessage, ...] | None
     params: SamplingParams
 
+    @classmethod
+    def of(
+        cls, request_id: str, client_id: str, prompt: object, params: SamplingParams
+    ) -> GenerateRequest:
+        """From what a caller passes as a prompt: text, token ids, or a chat (a list of
+        {"role", "content"} dicts). ValueError for anything else."""
+        if isinstance(prompt, str):
+            return cls(request_id, client_id, prompt, None, None, params)
+        items = list(prompt) if isinstance(prompt, list | tuple) else None
+        if items and all(isinstance(m, dict) for m in items):
+            chat = tuple(ChatMessage(str(m.get("role")), str(m.get("content"))) for m in items)
+            return cls(request_id, client_id, None, None, chat, params)
+        if items is not None and all(type(t) is int for t in items):
+            return cls(request_id, client_id, None, tuple(items), None, params)
+        raise ValueError("prompt must be a string, a list of token ids (ints) or chat messages")
+
 
 @dataclass(frozen=True)
 class TokenDelta:

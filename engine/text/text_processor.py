@@ -108,32 +108,22 @@ class TextProcessor:
         for rid in {request.request_id, *ids}:
             if rid in self.sequences or rid in self.states:
                 raise ValueError(f"request_id {rid!r} is already in flight")
-        if params.use_beam_search:
-            return self._admit_beam_search(request, token_ids, arrival_time)
         self.sequences[request.request_id] = ids
         self.clients[request.request_id] = request.client_id
         ranked = k > params.n
+        beams = tuple(token_ids) if params.use_beam_search else ()  # decoded after the prompt
         for index, seq_id in enumerate(ids):
             detokenizer = self._detokenizer(token_ids, params)
             self.states[seq_id] = _TextState(
-                request.client_id, request, detokenizer, len(token_ids), index, ranked=ranked
+                request.client_id,
+                request,
+                detokenizer,
+                len(token_ids),
+                index,
+                ranked=ranked,
+                prompt_token_ids=beams,
             )
         return AddRequest(request.request_id, tuple(token_ids), params, arrival_time)
-
-    def _admit_beam_search(
-        self, request: GenerateRequest, token_ids: list[int], arrival_time: float
-    ) -> AddRequest:
-        rid = request.request_id
-        self.sequences[rid] = [rid]
-        self.clients[rid] = request.client_id
-        self.states[rid] = _TextState(
-            request.client_id,
-            request,
-            self._detokenizer(token_ids, request.params),
-            len(token_ids),
-            prompt_token_ids=tuple(token_ids),
-        )
-        return AddRequest(rid, tuple(token_ids), request.params, arrival_time)
 
     def _detokenizer(self, token_ids, params) -> IncrementalDetokenizer | NoText:
         if self.tokenizer is None:
