@@ -53,14 +53,9 @@ class InProcessEngine:
 
     # -- requests ------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams) -> None:
-        keep_logprobs = True
-        if (
-            params.num_sequences > params.n
-            and params.logprobs is None
-            and not params.use_beam_search
-        ):
-            params = params.with_updates(logprobs=0)  # ranking reads them; not returned
-            keep_logprobs = False
+        keep_logprobs = not _ranked_without_logprobs(params)
+        if not keep_logprobs:  # best_of ranks its sequences by their sampled logprobs
+            params = params.with_updates(logprobs=0)  # (their sums go out, not the rows)
         request = GenerateRequest.of(request_id, CLIENT_ID, prompt, params)
         add = self.processor.admit(request, time.time())
         prompt_ids = list(add.prompt_token_ids)
@@ -92,6 +87,12 @@ class InProcessEngine:
                 raise RuntimeError(f"no step can run: {self.core.stats()}")
             return []
         return self._deliver(self._in_flight.popleft())
+
+    def flush(self) -> None:
+        """Once nothing is left: tells the worker to drop the requests that ended."""
+        plan = None if self._in_flight else self.core.plan()
+        if plan is not None:
+            self.worker.execute(plan)
 
     def _note_scheduled(self, plan: StepPlan) -> None:
         for new in plan.new_requests:

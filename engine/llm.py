@@ -95,6 +95,7 @@ class LLM:
                 for out in self.engine.step():
                     outputs[out.request_id] = out
                     bar.update(1)
+        self.engine.flush()
         return [outputs[rid] for rid in ids]
 
 

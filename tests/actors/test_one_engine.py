@@ -102,6 +102,7 @@ def offline(model_dir: str, memory: Memory, depth: int, requests) -> tuple[list,
     prompts, params = zip(*requests, strict=True)
     outputs = llm.generate(list(prompts), list(params), use_tqdm=False)
     llm.engine.check_integrity()
+    assert not llm.engine.worker.requests  # every ended request dropped there too
     return outputs, llm
 
 
