@@ -9,7 +9,7 @@ import asyncio
 import os
 import shutil
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +36,7 @@ from engine.messages import (
     StepResult,
     WorkerReady,
 )
+from tests.eventually import eventually
 
 TIMEOUT = 5.0
 EMPTY_RESULT = StepResult(1, 0, (), (), (), (), None, 0.0)
@@ -119,12 +120,6 @@ async def rig(request, ctx) -> AsyncIterator[Rig]:
         shutil.rmtree(run_dir)
 
 
-async def wait_until(condition: Callable[[], bool]) -> None:
-    async with asyncio.timeout(TIMEOUT):
-        while not condition():
-            await asyncio.sleep(0.002)
-
-
 def socket_files(run_dir: str | None) -> list[str]:
     return [] if run_dir is None else sorted(f for f in os.listdir(run_dir) if f.endswith(".sock"))
 
@@ -192,7 +187,7 @@ async def test_shutdown_stops_the_actor_and_closes_its_transports(rig):
     await rig.reply()
     assert rig.actor.last_activity > before
     await rig.send(Shutdown("test over"))
-    await wait_until(lambda: not rig.actor.is_alive)
+    await eventually(lambda: not rig.actor.is_alive, TIMEOUT, "the actor ended on Shutdown")
     assert rig.actor.crash is None
     assert "actor.sock" not in socket_files(rig.run_dir)  # reply.sock is the test's own
     await rig.actor.stop()  # still fine afterwards
@@ -211,31 +206,35 @@ async def test_stop_is_idempotent_and_leaves_nothing_behind(rig):
 
 
 async def test_stop_lets_the_current_handler_finish():
-    finished = []
+    finished, entered = [], asyncio.Event()
 
     async def slow(message: StepResult) -> None:
-        await asyncio.sleep(0.1)
+        entered.set()
+        await asyncio.sleep(0.1)  # the behaviour under test: a handler still busy at stop()
         finished.append(message.step_id)
 
     _, inbox = pair = inproc_pair()
     actor = Actor("slow", inbox, {StepResult: slow})
     await actor.start()
     await send_message(pair[0], EMPTY_RESULT)
-    await asyncio.sleep(0.01)  # the handler is running now
+    await asyncio.wait_for(entered.wait(), TIMEOUT)
     await actor.stop(timeout=2.0)
     assert finished == [1]
     assert not actor.is_alive
 
 
 async def test_stop_cancels_a_handler_that_overruns_the_timeout():
+    entered = asyncio.Event()
+
     async def stuck(message: StepResult) -> None:
-        await asyncio.sleep(60)
+        entered.set()
+        await asyncio.sleep(60)  # the behaviour under test: a handler that overruns stop()
 
     outbox, inbox = inproc_pair()
     actor = Actor("stuck", inbox, {StepResult: stuck})
     await actor.start()
     await send_message(outbox, EMPTY_RESULT)
-    await asyncio.sleep(0.01)
+    await asyncio.wait_for(entered.wait(), TIMEOUT)
     started = time.monotonic()
     await actor.stop(timeout=0.2)
     assert time.monotonic() - started < 1.0
@@ -253,7 +252,7 @@ async def test_a_handler_may_stop_its_own_actor():
     actor = Actor("quitter", inbox, {AbortRequest: quit_})
     await actor.start()
     await send_message(outbox, AbortRequest("bye"))
-    await wait_until(lambda: not actor.is_alive)
+    await eventually(lambda: not actor.is_alive, TIMEOUT, "the actor stopped itself")
     assert actor.crash is None
 
 
@@ -263,7 +262,7 @@ async def test_shutdown_runs_its_handler_first():
     actor = Actor("cleanup", inbox, {Shutdown: lambda m: seen.append(m.reason)})
     await actor.start()
     await send_message(outbox, Shutdown("bye"))
-    await wait_until(lambda: not actor.is_alive)
+    await eventually(lambda: not actor.is_alive, TIMEOUT, "the actor ended on Shutdown")
     assert seen == ["bye"]
 
 
@@ -273,7 +272,7 @@ async def test_an_error_about_no_single_request_ends_the_loop():
     actor = EchoActor(inbox, reply[0])
     await actor.start()
     await send_message(outbox, BlockOp("boom", "r"))
-    await wait_until(lambda: not actor.is_alive)
+    await eventually(lambda: not actor.is_alive, TIMEOUT, "the loop ended on the error")
     assert isinstance(actor.crash, RuntimeError) and "no single request" in str(actor.crash)
     assert actor.failed == []
     await actor.stop()
@@ -285,7 +284,7 @@ async def test_an_actor_that_cannot_fail_requests_stops_rather_than_lose_one():
     actor = Actor("plain", inbox, {AbortRequest: lambda m: 1 / 0})
     await actor.start()
     await send_message(outbox, AbortRequest("r"))
-    await wait_until(lambda: not actor.is_alive)
+    await eventually(lambda: not actor.is_alive, TIMEOUT, "the actor stopped")
     assert "cannot fail request 'r'" in str(actor.crash)
     assert "ZeroDivisionError" in str(actor.crash)
 
@@ -323,7 +322,8 @@ async def test_await_ready_returns_messages_that_came_first(ctx):
         got, early = await await_ready(inbox, READY_DECODER, WorkerReady, TIMEOUT)
         assert got == ready
         assert early == [AbortRequest("early")]
-        assert READY_DECODER.decode(await inbox.recv()) == AbortRequest("late")  # not consumed
+        late = await asyncio.wait_for(inbox.recv(), TIMEOUT)
+        assert READY_DECODER.decode(late) == AbortRequest("late")  # not consumed
         outbox.close()
         inbox.close()
         assert socket_files(run_dir) == []
