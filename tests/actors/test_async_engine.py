@@ -13,6 +13,7 @@ from actors.async_engine import AsyncEngine
 from engine import LLM, SamplingParams
 from engine.engine_args import EngineArgs
 from tests.conftest import shared_path
+from tests.eventually import eventually
 
 START_TEXTS = ["Once upon a time", "The little dog", "Lily and Ben", "One day", "The sun"]
 
@@ -92,11 +93,14 @@ async def test_streams_equal_offline_outputs(served, depth):
     args = EngineArgs(model=served.path, **served.kwargs)
     engine = await AsyncEngine.start(args, pipeline_depth=depth)
     try:
-        results = await asyncio.gather(
-            *(
-                _run(engine, p, sp, f"r{i}")
-                for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
-            )
+        results = await asyncio.wait_for(
+            asyncio.gather(
+                *(
+                    _run(engine, p, sp, f"r{i}")
+                    for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
+                )
+            ),
+            timeout=240,
         )
         for got, exp, sp in zip(results, expected, params, strict=True):
             assert got.tokens == exp.outputs[0].token_ids
@@ -112,7 +116,8 @@ async def test_streams_equal_offline_outputs(served, depth):
         assert any(sp.logprobs is not None for sp in params) and any(
             sp.prompt_logprobs for sp in params
         )
-        bad = await _run(engine, "hi", SamplingParams(logit_bias={10**6: 1.0}), "bad")
+        bad_params = SamplingParams(logit_bias={10**6: 1.0})
+        bad = await asyncio.wait_for(_run(engine, "hi", bad_params, "bad"), timeout=60)
         assert bad.last.finish_reason == "error" and "logit_bias" in bad.last.error
         stats = engine.stats()
         assert stats.num_running == 0 and stats.num_free_blocks == stats.num_blocks
@@ -152,11 +157,7 @@ async def test_killed_worker_ends_every_request_with_an_error_and_shuts_down(ser
             pass
     await engine.shutdown()  # idempotent after the watchdog's own shutdown
     assert engine._worker.poll() is not None
-    for _ in range(50):
-        if not os.path.exists(run_dir):
-            break
-        await asyncio.sleep(0.05)
-    assert not os.path.exists(run_dir)
+    await eventually(lambda: not os.path.exists(run_dir), 5, f"{run_dir} removed")
 
 
 async def test_500_requests_with_random_aborts_leave_every_block_free(served):
@@ -187,11 +188,13 @@ async def test_500_requests_with_random_aborts_leave_every_block_free(served):
         aborted = [last for mode, last in results if mode == "abort"]
         assert all(last.finish_reason in ("stop", "length", "abort") for last in aborted)
         assert any(last.finish_reason == "abort" for last in aborted)
-        for _ in range(200):  # let the last aborts and results reach the scheduler
+
+        def idle() -> bool:  # the last aborts and results have reached the scheduler
             stats = engine.stats()
-            if stats.num_running == stats.num_waiting == 0 and engine.scheduler.in_flight == 0:
-                break
-            await asyncio.sleep(0.02)
+            return stats.num_running == stats.num_waiting == engine.scheduler.in_flight == 0
+
+        await eventually(idle, 10, "nothing running, waiting or in flight")
+        stats = engine.stats()
         engine.scheduler.core.scheduler.check_integrity()
         engine.block_manager.manager.check_integrity()  # the block manager's own tables
         assert stats.num_free_blocks == stats.num_blocks
@@ -233,9 +236,8 @@ async def test_n_sequences_stream_by_index_like_the_offline_engine(served):
                     finish[out.index] = out.finish_reason
             return tokens, text, finish
 
-        results = await asyncio.gather(
-            *(run(p, sp, f"g{i}") for i, (p, sp) in enumerate(zip(prompts, params, strict=True)))
-        )
+        runs = (run(p, sp, f"g{i}") for i, (p, sp) in enumerate(zip(prompts, params, strict=True)))
+        results = await asyncio.wait_for(asyncio.gather(*runs), timeout=240)
         for (tokens, text, finish), exp, sp in zip(results, expected, params, strict=True):
             assert sorted(tokens) == list(range(sp.n))
             for c in exp.outputs:
@@ -252,22 +254,21 @@ async def test_n_sequences_stream_by_index_like_the_offline_engine(served):
                 "bs",
             )
         )
-        await asyncio.sleep(0)
+        await eventually(lambda: "bs" in engine._streams, 5, "the beam search's stream open")
         await engine.abort("bs")
-        tokens, _, finish = await searching
+        tokens, _, finish = await asyncio.wait_for(searching, timeout=30)
         assert finish == {-1: "abort"} and not any(tokens.values())
         # leaving a stream early aborts every sequence; all blocks come back
         stream = engine.generate(
             "Once", SamplingParams(n=4, seed=1, max_tokens=200, ignore_eos=True), "early"
         )
-        async for _ in stream:
-            break
+        await asyncio.wait_for(anext(stream), timeout=60)
         await stream.aclose()
-        for _ in range(100):
+
+        def all_free() -> bool:
             stats = engine.stats()
-            if stats.num_free_blocks == stats.num_blocks and not stats.num_running:
-                break
-            await asyncio.sleep(0.05)
-        assert stats.num_free_blocks == stats.num_blocks
+            return stats.num_free_blocks == stats.num_blocks and not stats.num_running
+
+        await eventually(all_free, 5, "every block free and nothing running")
     finally:
         await engine.shutdown()
