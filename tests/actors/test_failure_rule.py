@@ -58,8 +58,8 @@ async def fails_alone(engine: AsyncEngine, faulty, rid: str = "faulty") -> Outpu
     """Runs `faulty` beside a long healthy request; the faulty one must end with an
     engine error within 1 s, the healthy one must finish, and nothing stays held."""
     healthy = asyncio.create_task(final(engine, "a healthy neighbour", LONG, "healthy"))
-    await asyncio.sleep(0)
-    out, took = await final(engine, *faulty, rid)
+    await eventually(lambda: "healthy" in engine._streams, 5, "the healthy neighbour's stream")
+    out, took = await asyncio.wait_for(final(engine, *faulty, rid), 10)
     assert out.finish_reason == "error" and out.index == -1, out
     assert took < 1.0, f"the failure took {took:.2f} s to reach the client"
     neighbour, _ = await asyncio.wait_for(healthy, 60)
