@@ -22,6 +22,7 @@ from engine.messages import INBOXES, AbortRequest, AddRequest, TokenDeltas
 from engine.wiring import build_engine
 from engine.worker.worker import build_worker
 from tests.engine.tiny_models import SMALL_ENGINE, random_prompts, save_hf_model
+from tests.eventually import eventually
 
 
 @pytest.fixture(scope="module")
@@ -86,10 +87,7 @@ async def test_actors_reproduce_offline_outputs_and_free_every_block(model_dir, 
     got = await _collect(tok_inbox, {f"r{i}" for i in range(12)})
     assert [got[f"r{i}"][0] for i in range(12)] == [o.outputs[0].token_ids for o in expected]
     assert all(got[f"r{i}"][1] == "length" for i in range(12))
-    for _ in range(50):  # the last results may still be on their way
-        if scheduler.in_flight == 0:
-            break
-        await asyncio.sleep(0.01)
+    await eventually(lambda: scheduler.in_flight == 0, 5, "the last results back")
     core.scheduler.check_integrity()
     blocks.check_integrity()
     assert blocks.num_free_blocks == ready.num_blocks
@@ -114,9 +112,6 @@ async def test_a_silent_block_manager_stops_the_scheduler_instead_of_hanging():
     )
     await scheduler.start()
     await send_message(to_sched, AddRequest("r", (1, 2, 3), SamplingParams(max_tokens=2), 0.0))
-    for _ in range(100):
-        if not scheduler.is_alive:
-            break
-        await asyncio.sleep(0.02)
+    await eventually(lambda: not scheduler.is_alive, 5, "the scheduler stopped")
     assert isinstance(scheduler.crash, BlockManagerTimeout)
     await scheduler.stop()
