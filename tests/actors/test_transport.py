@@ -49,6 +49,10 @@ def run_dir() -> Iterator[str]:
     shutil.rmtree(path, ignore_errors=True)
 
 
+async def recv(inbox: Inbox) -> bytes:
+    return await asyncio.wait_for(inbox.recv(), RECV_TIMEOUT)
+
+
 async def round_trip(outbox: Outbox, inbox: Inbox, frames: list[bytes]) -> list[bytes]:
     for frame in frames:
         await outbox.send(frame)
@@ -76,7 +80,7 @@ async def test_outbox_may_connect_before_the_inbox_binds(ctx, run_dir):
     await outbox.send(b"early")
     inbox = zmq_inbox(ctx, address)
     assert await round_trip(outbox, inbox, [b"later"]) == [b"early"]
-    assert await inbox.recv() == b"later"
+    assert await recv(inbox) == b"later"
     outbox.close()
     inbox.close()
 
@@ -102,11 +106,11 @@ async def test_bounded_inproc_pair_waits_while_full():
     await outbox.send(b"a")
     await outbox.send(b"b")
     blocked = asyncio.create_task(outbox.send(b"c"))
-    await asyncio.sleep(0.01)
+    await asyncio.sleep(0.01)  # the behaviour under test: the send stays blocked meanwhile
     assert not blocked.done()
-    assert await inbox.recv() == b"a"
+    assert await recv(inbox) == b"a"
     await asyncio.wait_for(blocked, RECV_TIMEOUT)
-    assert [await inbox.recv(), await inbox.recv()] == [b"b", b"c"]
+    assert [await recv(inbox), await recv(inbox)] == [b"b", b"c"]
 
 
 @pytest.mark.parametrize("kind", ["ipc", "tcp", "inproc"])
@@ -183,7 +187,7 @@ async def test_use_after_close_raises(ctx, run_dir):
         with pytest.raises(TransportClosed):
             await outbox.send(b"x")
         with pytest.raises(TransportClosed):
-            await inbox.recv()
+            await recv(inbox)
 
 
 async def test_inproc_frames_to_a_closed_inbox_are_discarded():
