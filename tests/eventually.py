@@ -4,6 +4,7 @@ poll helper, bounded, that says what it waited for when it gives up."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 from collections.abc import Callable
 
@@ -11,12 +12,17 @@ POLL_S = 0.02
 
 
 async def eventually(check: Callable[[], object], timeout: float = 5.0, what: str = "") -> None:
-    """Returns once `check()` is truthy; fails the test after `timeout` seconds."""
+    """Returns once `check()` is truthy (awaited when it returns an awaitable: a check
+    that asks another process); fails the test after `timeout` seconds."""
     deadline = time.monotonic() + timeout
-    while not check():
+    while not await _value(check()):
         if time.monotonic() > deadline:
             raise AssertionError(f"not within {timeout:g} s: {what or check}")
         await asyncio.sleep(POLL_S)
+
+
+async def _value(result: object) -> object:
+    return await result if inspect.isawaitable(result) else result
 
 
 def eventually_sync(check: Callable[[], object], timeout: float = 5.0, what: str = "") -> None:
