@@ -22,6 +22,8 @@ from typing import Any
 import pytest
 from websockets.asyncio.client import connect
 
+from tests.eventually import eventually
+
 BROWSER = next(
     (p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None
 )
@@ -94,12 +96,14 @@ class Page:
         if self.session_id:
             command["sessionId"] = self.session_id
         await self.ws.send(json.dumps(command))
-        while True:
-            reply = json.loads(await self.ws.recv())
-            if reply.get("id") == self.next_id and reply.get("sessionId", "") == self.session_id:
-                if "error" in reply:
-                    raise RuntimeError(f"{method}: {reply['error']}")
-                return reply["result"]
+        async with asyncio.timeout(30):
+            while True:
+                reply = json.loads(await self.ws.recv())
+                ours = reply.get("sessionId", "") == self.session_id
+                if reply.get("id") == self.next_id and ours:
+                    if "error" in reply:
+                        raise RuntimeError(f"{method}: {reply['error']}")
+                    return reply["result"]
 
     async def eval(self, expression: str) -> Any:
         result = await self.call(
@@ -109,14 +113,8 @@ class Page:
             raise AssertionError(f"{expression}: {result['exceptionDetails']}")
         return result["result"].get("value")
 
-    async def wait_for(self, expression: str, timeout: float = 10) -> Any:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            value = await self.eval(expression)
-            if value:
-                return value
-            await asyncio.sleep(0.05)
-        raise AssertionError(f"timed out after {timeout} s waiting for {expression}")
+    async def wait_for(self, expression: str, timeout: float = 10) -> None:
+        await eventually(lambda: self.eval(expression), timeout, expression)
 
     async def fill(self, selector: str, value: str) -> None:
         await self.eval(
@@ -144,13 +142,6 @@ def browser(tmp_path: Path) -> Iterator[Browser]:
         chromium.kill()
 
 
-async def wait_metric(server, name: str, value: float, timeout: float = 5) -> None:
-    deadline = time.monotonic() + timeout
-    while (got := await asyncio.to_thread(server.metric, name)) != value:
-        assert time.monotonic() < deadline, f"{name} is {got}, expected {value}"
-        await asyncio.sleep(0.1)
-
-
 async def test_chat_page_streams_stops_and_continues(builtin_server, browser: Browser) -> None:
     async with connect(browser.devtools_url(), max_size=None, proxy=None) as ws:
         page = await Page.open(ws)
@@ -168,20 +159,25 @@ async def test_chat_page_streams_stops_and_continues(builtin_server, browser: Br
         await page.fill("#prompt", "hello there")
         await page.click("#send")
         lengths: list[int] = []
-        deadline = time.monotonic() + 10
-        while len(set(lengths)) < 3:
-            assert time.monotonic() < deadline, f"reply did not stream: lengths {lengths}"
+
+        async def grew_twice() -> bool:
             assert await page.eval(STREAMING), f"reply ended before it streamed: {lengths}"
             length = await page.eval(f"({LAST_REPLY}?.textContent ?? '').length")
             assert not lengths or length >= lengths[-1]
             lengths.append(length)
-            await asyncio.sleep(0.1)
+            return len(set(lengths)) >= 3
+
+        await eventually(grew_twice, 10, "the reply streams (its length grows twice)")
         assert lengths[-1] > 0
 
         await page.click("#stop")
         await page.wait_for(f"!({STREAMING})", timeout=5)
         assert "(stopped)" in await page.eval(f"{LAST_REPLY}.textContent")
-        await wait_metric(builtin_server, "pagedserve_kv_blocks_used", 0)
+        await eventually(
+            lambda: builtin_server.metric("pagedserve_kv_blocks_used") == 0,
+            5,
+            "the stopped reply's KV blocks free",
+        )
 
         await page.fill("#max-tokens", "20")
         await page.fill("#prompt", "and again")
