@@ -3,26 +3,33 @@
 from __future__ import annotations
 
 import asyncio
-import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import pytest
 
+from tests.eventually import eventually
 from web.client import AsyncClient, ConnectionLostError, InvalidRequestError
 
 pytestmark = pytest.mark.asyncio(loop_scope="function")
 
 
-async def wait_blocks_free(server, timeout: float = 5.0) -> float:
-    """Seconds until the server reports no KV blocks in use."""
-    start = time.monotonic()
-    while server.metric("pagedserve_kv_blocks_used") != 0:
-        assert time.monotonic() - start < timeout, "blocks still in use"
-        await asyncio.sleep(0.05)
-    return time.monotonic() - start
+@asynccontextmanager
+async def bounded_client(url: str, seconds: float = 120, **kw) -> AsyncIterator[AsyncClient]:
+    """An AsyncClient whose whole use must end within `seconds` (its streams wait for the
+    server without a limit of their own)."""
+    async with asyncio.timeout(seconds), AsyncClient(url, **kw) as client:
+        yield client
+
+
+async def wait_blocks_free(server) -> None:
+    await eventually(
+        lambda: server.metric("pagedserve_kv_blocks_used") == 0, 5, "every KV block free"
+    )
 
 
 async def test_stream_and_complete(builtin_server) -> None:
-    async with AsyncClient(builtin_server.ws) as client:
+    async with bounded_client(builtin_server.ws) as client:
         deltas = [d async for d in client.stream("Once upon a time", max_tokens=12, temperature=0)]
         assert sum(len(d.token_ids) for d in deltas) == 12
         result = await client.complete("Once upon a time", max_tokens=12, temperature=0)
@@ -33,7 +40,7 @@ async def test_stream_and_complete(builtin_server) -> None:
 
 
 async def test_cancel_mid_stream_frees_blocks(builtin_server) -> None:
-    async with AsyncClient(builtin_server.ws) as client:
+    async with bounded_client(builtin_server.ws) as client:
         stream = client.stream("Hello", max_tokens=1500, ignore_eos=True)
         n = 0
         async for delta in stream:
@@ -53,7 +60,7 @@ async def test_cancel_mid_stream_frees_blocks(builtin_server) -> None:
 async def test_32_concurrent_requests_equal_running_alone(builtin_server) -> None:
     prompts = [f"story number {i}:" for i in range(32)]
     kinds = [dict(temperature=0), dict(temperature=1.0, seed=7)]
-    async with AsyncClient(builtin_server.ws) as client:
+    async with bounded_client(builtin_server.ws) as client:
         alone = []
         for i, p in enumerate(prompts):
             alone.append(await client.complete(p, max_tokens=16, **kinds[i % 2]))
@@ -65,7 +72,7 @@ async def test_32_concurrent_requests_equal_running_alone(builtin_server) -> Non
 
 
 async def test_five_turn_session(builtin_server) -> None:
-    async with AsyncClient(builtin_server.ws) as client:
+    async with bounded_client(builtin_server.ws) as client:
         chat = client.chat_session(system="You tell short stories.")
         prompt_sizes, replies, hits = [], [], []
         for turn in range(5):
@@ -90,7 +97,7 @@ async def test_five_turn_session(builtin_server) -> None:
 
 
 async def test_validation_error_is_typed_and_connection_survives(builtin_server) -> None:
-    async with AsyncClient(builtin_server.ws) as client:
+    async with bounded_client(builtin_server.ws) as client:
         with pytest.raises(InvalidRequestError, match="temperature"):
             await client.complete("hi", temperature=-1)
         result = await client.complete("hi", max_tokens=3)
@@ -143,7 +150,7 @@ async def test_lost_connection_fails_in_flight_and_reconnects_for_new(
 ) -> None:
     async with TcpProxy(builtin_server.port) as proxy:
         url = f"ws://127.0.0.1:{proxy.port}"
-        async with AsyncClient(url, reconnect=reconnect) as client:
+        async with bounded_client(url, reconnect=reconnect) as client:
             expected = await client.complete("Once", max_tokens=8, temperature=0)
             stream = client.stream("Hello", max_tokens=1500, ignore_eos=True)
             with pytest.raises(ConnectionLostError):
