@@ -17,32 +17,13 @@ import httpx
 import pytest
 import websockets
 
+from tests.eventually import eventually
+from tests.web.processes import alive, children_of
 from web.launch import ServerProcess
 
 GRACE_S = 0.5
 LONG = {"max_tokens": 1900, "ignore_eos": True}  # far longer than the grace period
 SHORT = {"max_tokens": 12, "ignore_eos": True}  # finishes within it
-
-
-def children_of(pid: int) -> list[int]:
-    """Processes whose parent is `pid` (Linux /proc)."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            found.append(int(stat.parent.name))
-    return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 class WsClient:
@@ -159,10 +140,7 @@ async def test_graceful_shutdown_under_load(how: str) -> None:
     assert error["code"] == "shutting_down" and "before it finished" in error["message"]
     assert rc == 0
     assert took < GRACE_S + 15
-    deadline = time.monotonic() + 5
-    while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
-        await asyncio.sleep(0.1)
-    assert not any(alive(pid) for pid in workers), "a worker outlived the server"
+    await eventually(lambda: not any(map(alive, workers)), 5, "every worker gone with the server")
 
 
 async def test_worker_exits_when_the_server_process_is_killed() -> None:
@@ -173,11 +151,8 @@ async def test_worker_exits_when_the_server_process_is_killed() -> None:
     run_dirs = {Path(a.split("://", 1)[1]).parent for a in ipc_addresses(workers)}
     try:
         server.proc.kill()  # no graceful shutdown: the worker is orphaned
-        server.proc.wait()
-        deadline = time.monotonic() + 5
-        while any(alive(pid) for pid in workers) and time.monotonic() < deadline:
-            await asyncio.sleep(0.1)
-        assert not any(alive(pid) for pid in workers), "an orphaned worker kept running"
+        server.proc.wait(10)
+        await eventually(lambda: not any(map(alive, workers)), 5, "the orphaned worker's exit")
         assert all(d.is_dir() for d in run_dirs)  # the killed server could not remove it
         following = ServerProcess([], env={"OMP_NUM_THREADS": "1"})
         following.start(timeout=120)  # the next server removes what the dead one left

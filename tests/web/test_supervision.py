@@ -18,7 +18,7 @@ import websockets
 
 from tests.eventually import eventually
 from tests.web.conftest import start_server, stop_server
-from tests.web.test_shutdown import children_of
+from tests.web.processes import children_of
 
 LONG = {"max_tokens": 1900, "ignore_eos": True}
 
@@ -47,7 +47,7 @@ async def test_a_frozen_worker_fails_its_requests_and_the_engine_recovers_when_i
         assert health(server) == 503
         refused = httpx.post(f"{server.http}/v1/completions", json={"prompt": "x"}, timeout=10)
         assert refused.status_code == 503 and "heartbeat" in refused.json()["error"]["message"]
-        await asyncio.sleep(2)  # frozen for well past the timeout
+        await asyncio.sleep(2)  # the behaviour under test: frozen for well past the timeout
         os.kill(worker, signal.SIGCONT)
         await eventually(lambda: health(server) == 200, 5, "healthy again after SIGCONT")
         ok = httpx.post(f"{server.http}/v1/completions", json={"prompt": "x", "max_tokens": 3})
