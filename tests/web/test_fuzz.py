@@ -49,6 +49,7 @@ from hypothesis import strategies as st
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import ClientConnection, connect
 
+from tests.eventually import eventually_sync
 from tests.web.conftest import RunningServer, start_server, stop_server
 from tests.web.fuzz_bodies import (
     CHAT_VALID,
@@ -215,17 +216,12 @@ def idle_problems(server: RunningServer) -> list[str]:
     return problems + ([f"/health {health}"] if health != 200 else [])
 
 
-def eventually(probe: Callable[[], list[str]], timeout: float = 5.0) -> list[str]:
-    """Polls `probe` until it reports no problem or `timeout` passes; the last report."""
-    deadline = time.monotonic() + timeout
-    while (problems := probe()) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return problems
-
-
 def assert_idle(server: RunningServer) -> None:
-    problems = eventually(lambda: idle_problems(server))
-    assert not problems, f"the server still holds resources: {problems}"
+    eventually_sync(
+        lambda: not idle_problems(server),
+        5,
+        lambda: f"the server still holds resources: {idle_problems(server)}",
+    )
 
 
 class ServerSlot:
@@ -263,7 +259,9 @@ def slot():
 def server(slot):
     server = slot.get()
     yield server
-    if eventually(lambda: idle_problems(server)):
+    try:
+        assert_idle(server)
+    except AssertionError:  # the test found a bug (and says so): the next gets a clean server
         slot.discard()
 
 
