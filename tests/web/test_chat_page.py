@@ -167,7 +167,7 @@ async def test_chat_page_streams_stops_and_continues(builtin_server, browser: Br
             lengths.append(length)
             return len(set(lengths)) >= 3
 
-        await eventually(grew_twice, 10, "the reply streams (its length grows twice)")
+        await eventually(grew_twice, 10, lambda: f"reply did not stream: lengths {lengths}")
         assert lengths[-1] > 0
 
         await page.click("#stop")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 
 import httpx
@@ -33,10 +34,8 @@ async def sse_stream_then_close(client: httpx.AsyncClient, server, i: int) -> No
 
 
 async def blocks_free_within(server, seconds: float) -> None:
-    def all_free() -> bool:
-        return server.metric("pagedserve_kv_blocks_used") == 0
-
-    await eventually(all_free, seconds, "every KV block free")
+    used = functools.partial(server.metric, "pagedserve_kv_blocks_used")
+    await eventually(lambda: used() == 0, seconds, lambda: f"{used()} blocks still in use")
 
 
 async def test_closing_50_websockets_and_50_sse_streams_frees_all_blocks(builtin_server):
