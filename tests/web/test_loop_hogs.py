@@ -20,8 +20,9 @@ STOPS = json.dumps({"prompt": "x", "stop": ["stop-word"] * 80_000}).encode()
 PROMPT = json.dumps({"prompt": "word " * 200_000}).encode()
 
 
-async def stream_seconds(server) -> float:
-    """Seconds from the first to the last token of a 1,500-token WebSocket stream."""
+async def stream_seconds(server, streaming: asyncio.Event | None = None) -> float:
+    """Seconds from the first to the last token of a 1,500-token WebSocket stream;
+    `streaming` is set at its first token."""
     async with websockets.connect(f"{server.ws}/v1/stream") as ws:
         message = {"type": "generate", "id": "s", "prompt": "Once", "params": STREAM}
         await ws.send(json.dumps(message))
@@ -30,6 +31,8 @@ async def stream_seconds(server) -> float:
             while (event := json.loads(await ws.recv()))["type"] != "done":
                 last = time.monotonic()
                 first = first or last
+                if streaming is not None:
+                    streaming.set()
         assert event["finish_reason"] == "length"
     return last - first
 
@@ -64,10 +67,11 @@ async def test_refusing_hostile_requests_does_not_slow_a_concurrent_stream(built
     ratios = []
     alone = await stream_seconds(builtin_server)
     for _ in range(5):  # each stream beside hostile requests against those alone around it
-        stream = asyncio.create_task(stream_seconds(builtin_server))
-        await asyncio.sleep(0.05)  # the stream is under way
+        streaming = asyncio.Event()
+        stream = asyncio.create_task(stream_seconds(builtin_server, streaming))
+        await asyncio.wait_for(streaming.wait(), 30)
         await hostile(builtin_server)
-        beside = await stream
+        beside = await asyncio.wait_for(stream, 90)
         after = await stream_seconds(builtin_server)
         ratios.append(beside / ((alone + after) / 2))
         alone = after
