@@ -29,7 +29,8 @@ def offline_text(server, prompt: str | None = None, messages=None, max_tokens: i
 
 
 def client(server) -> AsyncOpenAI:
-    return AsyncOpenAI(base_url=f"{server.http}/v1", api_key=server.api_key or "none")
+    key = server.api_key or "none"
+    return AsyncOpenAI(base_url=f"{server.http}/v1", api_key=key, timeout=60)  # not 600 s
 
 
 async def test_completion_greedy_equals_offline(served) -> None:

@@ -139,7 +139,7 @@ def test_slow_body_after_complete_headers_is_not_cut(server) -> None:
     data = request("/v1/completions", SMALL, close=True)
     head_len = data.index(b"\r\n\r\n") + 4
     with connect(server, data[:head_len]) as sock:
-        time.sleep(TIMEOUT + 0.5)  # the test is about elapsed time
+        time.sleep(TIMEOUT + 0.5)  # the behaviour under test: a body slower than the timeout
         sock.sendall(data[head_len:])
         response = read_until_eof(sock, time.monotonic() + 10)
     assert response.startswith(b"HTTP/1.1 200 OK\r\n"), response[:200]
@@ -153,7 +153,7 @@ def test_stream_longer_than_the_timeout_is_not_cut(server) -> None:
         assert r.status_code == 200
         lines = r.iter_lines()
         events = [next(line for line in lines if line.startswith("data: "))]
-        time.sleep(TIMEOUT + 0.5)  # the test is about elapsed time: outlast the timeout
+        time.sleep(TIMEOUT + 0.5)  # the behaviour under test: a stream outlasting the timeout
         events += [line for line in lines if line.startswith("data: ")]
     elapsed = time.monotonic() - start
     # an SSE event can hold more than one token (bytes held back until they decode), so
@@ -165,7 +165,7 @@ def test_stream_longer_than_the_timeout_is_not_cut(server) -> None:
 
 async def test_websocket_idle_longer_than_the_timeout_stays_open(server) -> None:
     async with websockets.connect(f"{server.ws}/v1/stream", open_timeout=10) as ws:
-        await asyncio.sleep(TIMEOUT + 0.5)  # the test is about elapsed time
+        await asyncio.sleep(TIMEOUT + 0.5)  # the behaviour under test: idle past the timeout
         latency = await asyncio.wait_for(await ws.ping(), 5)
         assert latency >= 0
 
@@ -174,7 +174,7 @@ def test_keep_alive_connection_serves_again_then_closes_when_idle(server) -> Non
     with connect(server) as sock:
         sock.sendall(request("/health"))
         assert read_response(sock).startswith(b"HTTP/1.1 200")
-        time.sleep(TIMEOUT / 4)  # idle, but within the timeout: the connection serves again
+        time.sleep(TIMEOUT / 4)  # the behaviour under test: idle, but within the timeout
         sock.sendall(request("/v1/completions", SMALL))
         assert read_response(sock).startswith(b"HTTP/1.1 200")
         done = time.monotonic()
@@ -197,6 +197,6 @@ def test_client_pool_survives_idle_closes(server) -> None:
     with httpx.Client(timeout=10) as client:
         r = client.post(f"{server.http}/v1/completions", json=SMALL)
         assert r.status_code == 200, r.text
-        time.sleep(TIMEOUT + 0.5)  # the server closes the pooled connection meanwhile
+        time.sleep(TIMEOUT + 0.5)  # the behaviour under test: the server closes it meanwhile
         r = client.post(f"{server.http}/v1/completions", json=SMALL)
         assert r.status_code == 200, r.text
