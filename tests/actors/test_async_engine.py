@@ -169,7 +169,7 @@ async def test_500_requests_with_random_aborts_leave_every_block_free(served):
         params = SamplingParams(temperature=0.8, seed=i, max_tokens=rng.randint(1, 30))
         mode = rng.choice(["finish", "break", "abort"])
         stop_after = rng.randint(0, 5)
-        await asyncio.sleep(rng.random() * 0.5)
+        await asyncio.sleep(rng.random() * 0.5)  # the behaviour under test: staggered arrivals
         n, last = 0, None
         async for out in engine.generate("Once upon a time", params, f"a{i}"):
             n, last = n + 1, out
