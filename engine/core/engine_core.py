@@ -1,4 +1,5 @@
-"""The scheduler actor's engine object: plans steps ahead of their results.
+"""The engine core: plans steps ahead of their results (the scheduler actor runs one; so
+does the offline engine, engine/in_process.py).
 
 Every row that samples in a plan gets a placeholder output token at plan time, and the
 plan's tokens count as computed at once; a later `StepResult` resolves the placeholders
