@@ -152,6 +152,7 @@ class AsyncEngine:
             raise
         config = args.build()  # reads config.json only; the worker holds the weights
         parts = build_engine(config, ready, with_block_manager=True)
+        self.ready = ready  # what the worker found at start-up (blocks, attention backend)
         to_tokenizer, tokenizer_inbox = inproc_pair()
         to_client, self._client_inbox = inproc_pair()
         to_blocks, blocks_inbox = inproc_pair()

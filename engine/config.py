@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-ATTENTION_BACKENDS = ("auto", "reference", "sdpa")
+ATTENTION_BACKENDS = ("auto", "native", "sdpa", "reference")
 
 
 @dataclass(frozen=True)

@@ -245,7 +245,8 @@ class StepResult:
 
 @dataclass(frozen=True)
 class WorkerReady:
-    """Start-up values a worker found (after loading and memory profiling)."""
+    """Start-up values a worker found (after loading and memory profiling), and the
+    attention backend it chose."""
 
     worker_id: int
     num_blocks: int
@@ -253,6 +254,8 @@ class WorkerReady:
     max_model_len: int
     vocab_size: int
     num_cpu_blocks: int = 0  # blocks of CPU swap space
+    attention_backend: str = ""  # the backend the worker runs ("native", "sdpa", ...)
+    attention_backend_reason: str = ""  # why it was chosen
 
 
 # ---------------------------------------------------------------- heartbeat inbox

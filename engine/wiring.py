@@ -44,7 +44,13 @@ def build_engine(
     tables = (ready.num_blocks, ready.block_size, cache.enable_prefix_caching, 0)
     tables += (ready.num_cpu_blocks,)
     blocks = BlockLedger(*tables) if with_block_manager else KVCacheManager(*tables)
-    core = EngineCore(config.scheduler, blocks, model.eos_token_ids, cache.preemption_mode)
+    core = EngineCore(
+        config.scheduler,
+        blocks,
+        model.eos_token_ids,
+        cache.preemption_mode,
+        ready.attention_backend,
+    )
     if tokenizer is None and not config.skip_tokenizer_init:
         tokenizer = Tokenizer(load_tokenizer(config.tokenizer or model.model_dir))
     limits = RequestLimits(

@@ -155,6 +155,8 @@ class Server:
                 "model": self.config.model_name,
                 "builtin": self.config.builtin,
                 "auth": bool(self.config.api_keys),
+                "attention_backend": self.engine.ready.attention_backend,
+                "attention_backend_reason": self.engine.ready.attention_backend_reason,
             }
         )
 

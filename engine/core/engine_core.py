@@ -68,8 +68,10 @@ class EngineCore:
         blocks: KVCacheManager,
         eos_token_ids: frozenset[int],
         preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE,
+        attention_backend: str = "",
     ) -> None:
         self.blocks = blocks
+        self.attention_backend = attention_backend  # the workers' (reported in stats)
         self._ledger = blocks if isinstance(blocks, BlockLedger) else None
         self.scheduler = Scheduler(config, blocks, preemption_mode=preemption_mode)
         self.builder = StepPlanBuilder()
@@ -208,6 +210,7 @@ class EngineCore:
             num_swapped_blocks=blocks.num_swapped_blocks,
             kv_sharing_saving=self.sharing.last,
             mean_kv_sharing_saving=self.sharing.mean,
+            attention_backend=self.attention_backend,
         )
 
     def check_integrity(self) -> None:

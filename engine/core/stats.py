@@ -28,6 +28,7 @@ class EngineStats:
     num_swapped_blocks: int = 0  # CPU swap blocks in use now
     kv_sharing_saving: float = 0.0  # now: 1 - blocks owned / blocks the tables hold
     mean_kv_sharing_saving: float = 0.0  # the same, summed over all steps
+    attention_backend: str = ""  # the workers' attention backend ("native", "sdpa", ...)
 
     @property
     def prefix_cache_hit_rate(self) -> float:

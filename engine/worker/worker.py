@@ -232,6 +232,8 @@ def build_worker(
         config.model.max_model_len,
         config.model.vocab_size,
         num_cpu_blocks,
+        runner.backend.name,
+        runner.backend_reason,
     )
     return Worker(runner, worker_id), ready
 
@@ -248,5 +250,7 @@ def build_null_worker(args: EngineArgs, worker_id: int = 0) -> tuple[NullWorker,
         config.cache.block_size,
         m.max_model_len,
         m.vocab_size,
+        attention_backend="none",
+        attention_backend_reason="a null worker runs no model",
     )
     return NullWorker(worker_id), ready

@@ -58,6 +58,7 @@ SAMPLES = [
         ),
     ),
     m.WorkerReady(0, 1024, 16, 2048, 32000),
+    m.WorkerReady(0, 1024, 16, 2048, 32000, 8, "native", "native CPU kernels loaded"),
     m.BlockOpsApplied(2, (3, 4), 17, 5, None),
     m.ApplyBlockOps(
         2, (m.BlockOp("grow", "r1", 40), m.BlockOp("match", "r2", 0, "", (-(2**63), 2**63 - 1)))
@@ -146,6 +147,8 @@ FIELD_ORDER = {
         "max_model_len",
         "vocab_size",
         "num_cpu_blocks",
+        "attention_backend",
+        "attention_backend_reason",
     ],
     "BlockOpsApplied": [
         "exchange_id",

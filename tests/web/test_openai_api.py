@@ -136,6 +136,16 @@ async def test_models_and_errors(builtin_server) -> None:
         await api.completions.create(model=builtin_server.model, prompt="x", top_p=1.5)
 
 
+async def test_info_names_the_attention_backend_and_why(builtin_server) -> None:
+    import json
+    import urllib.request
+
+    with urllib.request.urlopen(f"{builtin_server.http}/v1/info", timeout=30) as reply:
+        info = json.load(reply)
+    assert info["attention_backend"] in ("native", "sdpa")
+    assert info["attention_backend_reason"]
+
+
 async def test_beam_search_equals_offline(served) -> None:
     """vLLM's use_beam_search extra: the n best beams of width best_of (else n), the
     same as the offline engine's, plain and streamed (each choice arrives whole)."""

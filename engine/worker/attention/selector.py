@@ -1,20 +1,56 @@
-"""Chooses the attention backend once, at start-up."""
+"""Chooses the attention backend once, at start-up, and says why."""
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass
+
 from engine.worker.attention.backend import AttentionBackend, ReferenceBackend
+from engine.worker.attention.native import NativeCpuBackend
 from engine.worker.attention.sdpa import SdpaBackend
 
-_BACKENDS: dict[str, type[AttentionBackend]] = {
-    "reference": ReferenceBackend,
-    "sdpa": SdpaBackend,
-}
+logger = logging.getLogger(__name__)
+NAMES = ("auto", "native", "sdpa", "reference")
 
 
-def select_backend(name: str = "auto") -> AttentionBackend:
-    """'auto' picks the fastest backend available (SDPA on CPU and CUDA for now)."""
-    if name == "auto":
-        name = "sdpa"
-    if name not in _BACKENDS:
-        raise ValueError(f"attention_backend must be one of {['auto', *_BACKENDS]}, got {name!r}")
-    return _BACKENDS[name]()
+@dataclass(frozen=True)
+class BackendChoice:
+    """The backend a worker runs and why it was chosen (logged, in stats and /v1/info)."""
+
+    backend: AttentionBackend
+    reason: str
+
+
+def select_backend(name: str = "auto", device: str = "cpu") -> BackendChoice:
+    """'auto': the native kernels where they load (CPU for now), else torch's SDPA.
+    'native' insists on the kernels (an error with the loader's reason if they cannot
+    load); 'sdpa' and 'reference' are the torch backends."""
+    if name not in NAMES:
+        raise ValueError(f"attention_backend must be one of {list(NAMES)}, got {name!r}")
+    if name in ("auto", "native"):
+        choice = _native(device)
+        if choice.backend is not None:
+            return _chosen(choice)
+        if name == "native":
+            raise ValueError(f"attention_backend='native' cannot run: {choice.reason}")
+        return _chosen(BackendChoice(SdpaBackend(), f"auto: {choice.reason}; using torch SDPA"))
+    backend = SdpaBackend() if name == "sdpa" else ReferenceBackend()
+    return _chosen(BackendChoice(backend, f"attention_backend={name!r} was asked for"))
+
+
+def _native(device: str) -> BackendChoice:
+    if not str(device).startswith("cpu"):
+        return BackendChoice(None, f"no native kernels for device {device!r} yet")
+    try:
+        from cuda_ext.native_cpu import NativeCpuOps
+    except ImportError as exc:  # a checkout without the kernels' sources
+        return BackendChoice(None, f"the native kernels are not in this install ({exc})")
+    ops, reason = NativeCpuOps.load()
+    if ops is None:
+        return BackendChoice(None, reason)
+    return BackendChoice(NativeCpuBackend(ops), f"native CPU kernels loaded ({reason})")
+
+
+def _chosen(choice: BackendChoice) -> BackendChoice:
+    logger.info("attention backend: %s (%s)", choice.backend.name, choice.reason)
+    return choice

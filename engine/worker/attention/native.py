@@ -1,0 +1,63 @@
+"""The native CPU backend: cuda_ext's C++ kernels reading K/V blocks in place.
+
+Cache layout: the house layout `[num_blocks, block_size, num_kv_heads, head_size]` per
+layer (what the kernels and `cuda_ext/reference.py` read). A step writes its new K/V
+through the slot mapping (`reshape_and_cache`), then attends: the decode rows (query
+length 1, first in the batch) in one `paged_attention_decode` call, the prefill chunks
+in one `paged_attention_prefill` call; no gathering, no per-sequence Python loop.
+Copy-on-write copies every layer's blocks in one call.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.worker.attention.backend import AttentionBackend
+from engine.worker.attention.metadata import AttentionMetadata
+
+
+class NativeCpuBackend(AttentionBackend):
+    """Paged attention through the compiled CPU kernels (`ops`: a loaded NativeCpuOps)."""
+
+    name = "native"
+    block_dim = 0
+
+    def __init__(self, ops) -> None:
+        self.ops = ops
+
+    def write(self, key, value, key_cache, value_cache, slot_mapping) -> None:
+        self.ops.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+
+    def attend(self, query, key_cache, value_cache, metadata: AttentionMetadata, scale):
+        out = torch.empty_like(query)  # [num_tokens, num_heads, head_size]
+        nd, tables, seq_lens = metadata.num_decodes, metadata.block_tables, metadata.seq_lens
+        if nd:
+            self.ops.paged_attention_decode(
+                out[:nd], query[:nd], key_cache, value_cache, tables[:nd], seq_lens[:nd], scale
+            )
+        if nd < metadata.num_seqs:
+            starts = metadata.query_start_loc[nd:] - metadata.query_start_loc[nd]
+            self.ops.paged_attention_prefill(
+                out[nd:],
+                query[nd:],
+                key_cache,
+                value_cache,
+                tables[nd:],
+                starts,
+                seq_lens[nd:],
+                scale,
+            )
+        return out
+
+    def copy_blocks(self, kv_cache, src, dst) -> None:
+        """Every layer's K and V blocks src[i] -> dst[i], in one call."""
+        mapping = torch.stack([src, dst], dim=1)  # [num_copies, 2]
+        keys = [k for k, _ in kv_cache]
+        values = [v for _, v in kv_cache]
+        self.ops.copy_blocks(keys, values, mapping)
+
+    def swap_blocks(self, src_cache, dst_cache, src, dst) -> None:
+        mapping = torch.stack([src, dst], dim=1)  # [num_blocks, 2]
+        for (sk, sv), (dk, dv) in zip(src_cache, dst_cache, strict=True):
+            self.ops.swap_blocks(sk, dk, mapping)
+            self.ops.swap_blocks(sv, dv, mapping)
