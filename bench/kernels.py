@@ -106,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(a.threads)
     from cuda_ext.native_cpu import NativeCpuOps
 
-    ops, reason = NativeCpuOps.load()
+    ops = NativeCpuOps.load()
+    _, reason = NativeCpuOps.available()
     if ops is None:
         log(f"native CPU kernels unavailable: {reason}")
         return 1

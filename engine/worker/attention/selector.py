@@ -45,7 +45,8 @@ def _native(device: str) -> BackendChoice:
         from cuda_ext.native_cpu import NativeCpuOps
     except ImportError as exc:  # a checkout without the kernels' sources
         return BackendChoice(None, f"the native kernels are not in this install ({exc})")
-    ops, reason = NativeCpuOps.load()
+    ops = NativeCpuOps.load()
+    _, reason = NativeCpuOps.available()
     if ops is None:
         return BackendChoice(None, reason)
     return BackendChoice(NativeCpuBackend(ops), f"native CPU kernels loaded ({reason})")
