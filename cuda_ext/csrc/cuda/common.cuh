@@ -1,0 +1,152 @@
+// Device helpers shared by the kernels: storage <-> float conversion, vector loads, warp and
+// block reductions, and the dispatch from runtime sizes to template instantiations.
+// CUDA headers only (see launchers.h).
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include "launchers.h"
+
+namespace pagedserve {
+
+constexpr int kWarpSize = 32;
+constexpr unsigned kFullMask = 0xffffffffu;
+
+__host__ __device__ constexpr int cdiv(int a, int b) { return (a + b - 1) / b; }
+
+// Storage types hold the cache; all arithmetic is float32.
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T>
+__device__ __forceinline__ T from_float(float x);
+template <>
+__device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+
+// VEC consecutive elements, aligned so that one load instruction fetches them all.
+template <typename T, int VEC>
+struct alignas(sizeof(T) * VEC) Vec {
+  T v[VEC];
+};
+
+// Loads ptr[0, VEC) as floats; ptr must be aligned to sizeof(T) * VEC.
+template <typename T, int VEC>
+__device__ __forceinline__ void load_floats(const T* ptr, float (&out)[VEC]) {
+  const Vec<T, VEC> x = *reinterpret_cast<const Vec<T, VEC>*>(ptr);
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) out[i] = to_float(x.v[i]);
+}
+
+// The widest load (at most 16 bytes, at most 4 elements per lane) that tiles a head of
+// HEAD_SIZE elements across a warp with no remainder; 1 (scalar loads) otherwise.
+template <typename T, int HEAD_SIZE>
+__host__ __device__ constexpr int lane_vec_width() {
+  return (HEAD_SIZE % (kWarpSize * 4) == 0 && 4 * sizeof(T) <= 16) ? 4
+         : (HEAD_SIZE % (kWarpSize * 2) == 0)                      ? 2
+                                                                   : 1;
+}
+
+// Reductions over lanes xor-adjacent within groups of WIDTH lanes (a power of two <= 32):
+// every lane of the group gets the result.
+template <int WIDTH = kWarpSize>
+__device__ __forceinline__ float group_sum(float x) {
+#pragma unroll
+  for (int mask = WIDTH / 2; mask > 0; mask >>= 1) x += __shfl_xor_sync(kFullMask, x, mask);
+  return x;
+}
+
+template <int WIDTH = kWarpSize>
+__device__ __forceinline__ float group_max(float x) {
+#pragma unroll
+  for (int mask = WIDTH / 2; mask > 0; mask >>= 1) {
+    x = fmaxf(x, __shfl_xor_sync(kFullMask, x, mask));
+  }
+  return x;
+}
+
+// Reductions over the whole thread block (blockDim.x a multiple of 32); every thread gets
+// the result. `scratch` holds >= blockDim.x / 32 floats and may be reused right after.
+__device__ __forceinline__ float block_max(float x, float* scratch) {
+  x = group_max(x);
+  __syncthreads();  // earlier readers of scratch are done
+  if (threadIdx.x % kWarpSize == 0) scratch[threadIdx.x / kWarpSize] = x;
+  __syncthreads();
+  x = scratch[0];
+  for (int w = 1; w < static_cast<int>(blockDim.x / kWarpSize); ++w) x = fmaxf(x, scratch[w]);
+  return x;
+}
+
+__device__ __forceinline__ float block_sum(float x, float* scratch) {
+  x = group_sum(x);
+  __syncthreads();
+  if (threadIdx.x % kWarpSize == 0) scratch[threadIdx.x / kWarpSize] = x;
+  __syncthreads();
+  x = scratch[0];
+  for (int w = 1; w < static_cast<int>(blockDim.x / kWarpSize); ++w) x += scratch[w];
+  return x;
+}
+
+// Dispatch: calls f(T{}) with the storage type named by `dtype`.
+template <typename F>
+cudaError_t dispatch_dtype(DType dtype, F&& f) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return f(float{});
+    case DType::kFloat16:
+      return f(__half{});
+    case DType::kBFloat16:
+      return f(__nv_bfloat16{});
+  }
+  return cudaErrorInvalidValue;
+}
+
+template <int N>
+struct IntConst {
+  static constexpr int value = N;
+};
+
+// Calls f(IntConst<HEAD_SIZE>{}) for a specialized head size, f(IntConst<0>{}) (the generic
+// path) for any other size up to kMaxHeadSize.
+template <typename F>
+cudaError_t dispatch_head_size(int head_size, F&& f) {
+  switch (head_size) {
+    case 64:
+      return f(IntConst<64>{});
+    case 80:
+      return f(IntConst<80>{});
+    case 96:
+      return f(IntConst<96>{});
+    case 128:
+      return f(IntConst<128>{});
+    default:
+      if (head_size <= 0 || head_size > kMaxHeadSize) return cudaErrorInvalidValue;
+      return f(IntConst<0>{});
+  }
+}
+
+template <typename F>
+cudaError_t dispatch_block_size(int block_size, F&& f) {
+  switch (block_size) {
+    case 8:
+      return f(IntConst<8>{});
+    case 16:
+      return f(IntConst<16>{});
+    case 32:
+      return f(IntConst<32>{});
+    default:
+      return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace pagedserve
