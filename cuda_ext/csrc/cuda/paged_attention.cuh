@@ -1,0 +1,253 @@
+// The decode attention kernel shared by paged_attention_v1.cu and paged_attention_v2.cu.
+//
+// One thread block per (head, sequence, partition). v1 has one partition, the whole
+// context; v2 cuts the context into PARTITION_SIZE-token partitions and combines them
+// afterwards (paged_attention_v2.cu). Within a thread block:
+//   - every warp holds the (scaled) query, spread over its lanes: lane l owns dims
+//     [(i * 32 + l) * VEC, + VEC) for i < ITERS;
+//   - warps take the partition's KV blocks round-robin, reading each through the block
+//     table. For a block, each lane computes its partial dot product with every token's
+//     key (BLOCK_SIZE independent loads in flight), a butterfly reduction gives every lane
+//     every logit, and the warp folds the block into its own running softmax (max m, sum l,
+//     unnormalized output acc) and accumulates p * V over the lane's dims;
+//   - the warps' (m, l, acc) are combined in shared memory (block-level reduction).
+// No logit is stored, so the one-pass v1 handles any context length (only its parallelism
+// suffers, which is what v2 is for). Query heads of one KV group are adjacent in
+// blockIdx.x, so the group's blocks run together and mostly re-read K/V from L2.
+#pragma once
+
+#include <math_constants.h>
+
+#include "common.cuh"
+
+namespace pagedserve {
+
+constexpr int kAttnThreads = 128;
+constexpr int kAttnWarps = kAttnThreads / kWarpSize;
+
+// HEAD_SIZE == 0 is the generic path: head_size_rt <= kMaxHeadSize at run time.
+// PARTITION_SIZE == 0 is v1 (write `out`); otherwise v2 (write the partition's normalized
+// output to tmp_out and its max logit and exp sum to max_logits and exp_sums).
+template <typename T, int HEAD_SIZE, int BLOCK_SIZE, int PARTITION_SIZE>
+__global__ void __launch_bounds__(kAttnThreads) paged_attention_kernel(
+    T* __restrict__ out,                 // v1: [num_seqs, num_heads, head_size]
+    float* __restrict__ exp_sums,        // v2: [num_seqs, num_heads, max_num_partitions]
+    float* __restrict__ max_logits,      // v2: [num_seqs, num_heads, max_num_partitions]
+    float* __restrict__ tmp_out,         // v2: [num_seqs, num_heads, max_parts, head_size]
+    const T* __restrict__ query,         // [num_seqs, num_heads, head_size], token stride
+    int64_t query_stride,                //
+    const T* __restrict__ key_cache,     // [num_blocks, BLOCK_SIZE, num_kv_heads, head_size]
+    const T* __restrict__ value_cache,   // [num_blocks, BLOCK_SIZE, num_kv_heads, head_size]
+    const int* __restrict__ block_tables,  // [num_seqs, max_blocks_per_seq]
+    const int* __restrict__ seq_lens,      // [num_seqs]
+    int max_blocks_per_seq, int num_kv_heads, int head_size_rt, float scale) {
+  static_assert(PARTITION_SIZE % BLOCK_SIZE == 0, "partitions hold whole blocks");
+  constexpr bool kGeneric = HEAD_SIZE == 0;
+  constexpr int kMaxD = kGeneric ? kMaxHeadSize : HEAD_SIZE;
+  constexpr int VEC = kGeneric ? 1 : lane_vec_width<T, HEAD_SIZE>();
+  constexpr int ITERS = cdiv(kMaxD, kWarpSize * VEC);
+  const int head_size = kGeneric ? head_size_rt : HEAD_SIZE;
+
+  const int head = blockIdx.x;
+  const int seq = blockIdx.y;
+  const int partition = blockIdx.z;
+  const int num_heads = gridDim.x;
+  const int max_num_partitions = gridDim.z;
+  const int kv_head = head / (num_heads / num_kv_heads);
+  const int warp = threadIdx.x / kWarpSize;
+  const int lane = threadIdx.x % kWarpSize;
+
+  const int seq_len = seq_lens[seq];
+  const int start = partition * PARTITION_SIZE;  // 0 for v1
+  const int end = PARTITION_SIZE == 0 ? seq_len : min(start + PARTITION_SIZE, seq_len);
+  if (start >= end) {
+    // v2: a partition past this sequence's end (the reduce kernel never reads it).
+    // v1: an empty context attends to nothing; its output is zero.
+    if constexpr (PARTITION_SIZE == 0) {
+      T* o = out + (static_cast<int64_t>(seq) * num_heads + head) * head_size;
+      for (int d = threadIdx.x; d < head_size; d += kAttnThreads) o[d] = from_float<T>(0.f);
+    }
+    return;
+  }
+
+  // The query, pre-scaled, in this lane's dims.
+  float q[ITERS][VEC];
+  const T* q_ptr = query + seq * query_stride + static_cast<int64_t>(head) * head_size;
+#pragma unroll
+  for (int i = 0; i < ITERS; ++i) {
+    const int d0 = (i * kWarpSize + lane) * VEC;
+    if (d0 < head_size) {
+      load_floats<T, VEC>(q_ptr + d0, q[i]);
+#pragma unroll
+      for (int v = 0; v < VEC; ++v) q[i][v] *= scale;
+    } else {
+#pragma unroll
+      for (int v = 0; v < VEC; ++v) q[i][v] = 0.f;
+    }
+  }
+
+  // This warp's running softmax over the blocks it has seen.
+  float m = -CUDART_INF_F;
+  float l = 0.f;
+  float acc[ITERS][VEC];
+#pragma unroll
+  for (int i = 0; i < ITERS; ++i) {
+#pragma unroll
+    for (int v = 0; v < VEC; ++v) acc[i][v] = 0.f;
+  }
+
+  const int* table = block_tables + static_cast<int64_t>(seq) * max_blocks_per_seq;
+  const int64_t token_stride = static_cast<int64_t>(num_kv_heads) * head_size;
+  const int first_block = start / BLOCK_SIZE;
+  const int end_block = cdiv(end, BLOCK_SIZE);
+  for (int b = first_block + warp; b < end_block; b += kAttnWarps) {
+    const int64_t base =
+        static_cast<int64_t>(table[b]) * BLOCK_SIZE * token_stride +
+        static_cast<int64_t>(kv_head) * head_size;
+    const int valid = min(BLOCK_SIZE, end - b * BLOCK_SIZE);  // >= 1, uniform in the warp
+
+    // Logits of the block's tokens; the tail of the last block is masked, never read
+    // (its memory may hold anything, NaN included).
+    float s[BLOCK_SIZE];
+    const T* k_blk = key_cache + base;
+#pragma unroll
+    for (int t = 0; t < BLOCK_SIZE; ++t) {
+      float partial = 0.f;
+      if (t < valid) {
+#pragma unroll
+        for (int i = 0; i < ITERS; ++i) {
+          const int d0 = (i * kWarpSize + lane) * VEC;
+          if (d0 < head_size) {
+            float k[VEC];
+            load_floats<T, VEC>(k_blk + t * token_stride + d0, k);
+#pragma unroll
+            for (int v = 0; v < VEC; ++v) partial = fmaf(q[i][v], k[v], partial);
+          }
+        }
+      }
+      s[t] = partial;
+    }
+    float block_max_logit = -CUDART_INF_F;
+#pragma unroll
+    for (int t = 0; t < BLOCK_SIZE; ++t) {
+      s[t] = t < valid ? group_sum(s[t]) : -CUDART_INF_F;
+      block_max_logit = fmaxf(block_max_logit, s[t]);
+    }
+
+    // Fold the block into the running softmax; exp(-inf) = 0 on the warp's first block.
+    const float m_new = fmaxf(m, block_max_logit);
+    const float rescale = __expf(m - m_new);
+    l *= rescale;
+#pragma unroll
+    for (int i = 0; i < ITERS; ++i) {
+#pragma unroll
+      for (int v = 0; v < VEC; ++v) acc[i][v] *= rescale;
+    }
+    const T* v_blk = value_cache + base;
+#pragma unroll
+    for (int t = 0; t < BLOCK_SIZE; ++t) {
+      if (t < valid) {
+        const float p = __expf(s[t] - m_new);
+        l += p;
+#pragma unroll
+        for (int i = 0; i < ITERS; ++i) {
+          const int d0 = (i * kWarpSize + lane) * VEC;
+          if (d0 < head_size) {
+            float val[VEC];
+            load_floats<T, VEC>(v_blk + t * token_stride + d0, val);
+#pragma unroll
+            for (int v = 0; v < VEC; ++v) acc[i][v] = fmaf(p, val[v], acc[i][v]);
+          }
+        }
+      }
+    }
+    m = m_new;
+  }
+
+  // Block-level reduction of the warps' softmaxes. A warp that saw no block has m = -inf,
+  // l = 0, acc = 0 and weighs exp(-inf) = 0; at least one warp saw a block (start < end).
+  __shared__ float warp_m[kAttnWarps];
+  __shared__ float warp_l[kAttnWarps];
+  __shared__ float warp_acc[kAttnWarps][kMaxD];
+  if (lane == 0) {
+    warp_m[warp] = m;
+    warp_l[warp] = l;
+  }
+#pragma unroll
+  for (int i = 0; i < ITERS; ++i) {
+    const int d0 = (i * kWarpSize + lane) * VEC;
+    if (d0 < head_size) {
+#pragma unroll
+      for (int v = 0; v < VEC; ++v) warp_acc[warp][d0 + v] = acc[i][v];
+    }
+  }
+  __syncthreads();
+
+  float total_max = -CUDART_INF_F;
+#pragma unroll
+  for (int w = 0; w < kAttnWarps; ++w) total_max = fmaxf(total_max, warp_m[w]);
+  float weight[kAttnWarps];
+  float total_sum = 0.f;
+#pragma unroll
+  for (int w = 0; w < kAttnWarps; ++w) {
+    weight[w] = __expf(warp_m[w] - total_max);
+    total_sum += warp_l[w] * weight[w];
+  }
+  const float inv_sum = 1.f / total_sum;
+
+  const int64_t row = static_cast<int64_t>(seq) * num_heads + head;
+  for (int d = threadIdx.x; d < head_size; d += kAttnThreads) {
+    float o = 0.f;
+#pragma unroll
+    for (int w = 0; w < kAttnWarps; ++w) o = fmaf(warp_acc[w][d], weight[w], o);
+    if constexpr (PARTITION_SIZE == 0) {
+      out[row * head_size + d] = from_float<T>(o * inv_sum);
+    } else {
+      tmp_out[(row * max_num_partitions + partition) * head_size + d] = o * inv_sum;
+    }
+  }
+  if constexpr (PARTITION_SIZE != 0) {
+    if (threadIdx.x == 0) {
+      max_logits[row * max_num_partitions + partition] = total_max;
+      exp_sums[row * max_num_partitions + partition] = total_sum;
+    }
+  }
+}
+
+// Launches paged_attention_kernel over grid (num_heads, num_seqs, num_partitions) for the
+// storage type, head size and block size given at run time.
+template <int PARTITION_SIZE>
+cudaError_t launch_paged_attention_kernel(void* out, float* exp_sums, float* max_logits,
+                                          float* tmp_out, int num_partitions,
+                                          const void* query, int64_t query_stride,
+                                          const void* key_cache, const void* value_cache,
+                                          const int* block_tables, const int* seq_lens,
+                                          int num_seqs, int num_heads, int num_kv_heads,
+                                          int head_size, int block_size,
+                                          int max_blocks_per_seq, float scale, DType dtype,
+                                          cudaStream_t stream) {
+  if (num_seqs == 0) return cudaSuccess;
+  if (num_seqs < 0 || num_kv_heads <= 0 || num_heads % num_kv_heads != 0 ||
+      num_seqs > 65535 || num_partitions <= 0 || num_partitions > 65535) {
+    return cudaErrorInvalidValue;
+  }
+  const dim3 grid(num_heads, num_seqs, num_partitions);
+  return dispatch_dtype(dtype, [&](auto dtype_tag) {
+    using T = decltype(dtype_tag);
+    return dispatch_head_size(head_size, [&](auto head_tag) {
+      constexpr int kHead = decltype(head_tag)::value;
+      return dispatch_block_size(block_size, [&](auto block_tag) {
+        constexpr int kBlock = decltype(block_tag)::value;
+        paged_attention_kernel<T, kHead, kBlock, PARTITION_SIZE>
+            <<<grid, kAttnThreads, 0, stream>>>(
+                static_cast<T*>(out), exp_sums, max_logits, tmp_out,
+                static_cast<const T*>(query), query_stride,
+                static_cast<const T*>(key_cache), static_cast<const T*>(value_cache),
+                block_tables, seq_lens, max_blocks_per_seq, num_kv_heads, head_size, scale);
+        return cudaGetLastError();
+      });
+    });
+  });
+}
+
+}  // namespace pagedserve
