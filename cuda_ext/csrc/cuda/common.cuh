@@ -48,13 +48,10 @@ __device__ __forceinline__ void load_floats(const T* ptr, float (&out)[VEC]) {
   for (int i = 0; i < VEC; ++i) out[i] = to_float(x.v[i]);
 }
 
-// The widest load (at most 16 bytes, at most 4 elements per lane) that tiles a head of
-// HEAD_SIZE elements across a warp with no remainder; 1 (scalar loads) otherwise.
-template <typename T, int HEAD_SIZE>
-__host__ __device__ constexpr int lane_vec_width() {
-  return (HEAD_SIZE % (kWarpSize * 4) == 0 && 4 * sizeof(T) <= 16) ? 4
-         : (HEAD_SIZE % (kWarpSize * 2) == 0)                      ? 2
-                                                                   : 1;
+// Elements per lane per load (4: 8 bytes of float16, 16 of float32) when a head of
+// HEAD_SIZE elements tiles a warp with no remainder; 1 (scalar loads) otherwise.
+__host__ __device__ constexpr int lane_vec_width(int head_size) {
+  return head_size % (kWarpSize * 4) == 0 ? 4 : head_size % (kWarpSize * 2) == 0 ? 2 : 1;
 }
 
 // Reductions over lanes xor-adjacent within groups of WIDTH lanes (a power of two <= 32):

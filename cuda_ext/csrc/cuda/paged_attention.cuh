@@ -44,7 +44,7 @@ __global__ void __launch_bounds__(kAttnThreads) paged_attention_kernel(
   static_assert(PARTITION_SIZE % BLOCK_SIZE == 0, "partitions hold whole blocks");
   constexpr bool kGeneric = HEAD_SIZE == 0;
   constexpr int kMaxD = kGeneric ? kMaxHeadSize : HEAD_SIZE;
-  constexpr int VEC = kGeneric ? 1 : lane_vec_width<T, HEAD_SIZE>();
+  constexpr int VEC = kGeneric ? 1 : lane_vec_width(HEAD_SIZE);
   constexpr int ITERS = cdiv(kMaxD, kWarpSize * VEC);
   const int head_size = kGeneric ? head_size_rt : HEAD_SIZE;
 

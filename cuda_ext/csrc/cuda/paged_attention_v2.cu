@@ -32,7 +32,9 @@ __global__ void __launch_bounds__(kReduceThreads) paged_attention_reduce_kernel(
     for (int d = threadIdx.x; d < head_size; d += kReduceThreads) o[d] = from_float<T>(0.f);
     return;
   }
-  const int num_partitions = cdiv(seq_len, kPartitionSize);
+  // Clamped so that a caller's too-small max_num_partitions truncates, never reads past
+  // the workspaces.
+  const int num_partitions = min(cdiv(seq_len, kPartitionSize), max_num_partitions);
   const float* m = max_logits + row * max_num_partitions;
   const float* l = exp_sums + row * max_num_partitions;
 
