@@ -25,6 +25,85 @@ namespace pagedserve {
 constexpr int kAttnThreads = 128;
 constexpr int kAttnWarps = kAttnThreads / kWarpSize;
 
+// The first of VEC consecutive dims that lane `lane` owns in its i-th slice of a head.
+template <int VEC>
+__device__ __forceinline__ int lane_dim(int i, int lane) {
+  return (i * kWarpSize + lane) * VEC;
+}
+
+// One warp's online softmax over the KV blocks it has seen: the max logit m, the sum l of
+// exp(logit - m), and the output sum of exp(logit - m) * v in the lane's dims.
+template <int ITERS, int VEC>
+struct WarpSoftmax {
+  float m = -CUDART_INF_F;
+  float l = 0.f;
+  float acc[ITERS][VEC] = {};
+};
+
+// Folds the first `valid` tokens of one KV block into the warp's softmax. The block's
+// other slots are never read: their memory may hold anything, NaN included.
+template <typename T, int BLOCK_SIZE, int ITERS, int VEC>
+__device__ __forceinline__ void fold_block(WarpSoftmax<ITERS, VEC>& state,
+                                           const float (&q)[ITERS][VEC],  // scaled query
+                                           const T* k_block, const T* v_block,
+                                           int64_t token_stride, int valid, int head_size,
+                                           int lane) {
+  // Partial dot products for every token (BLOCK_SIZE independent loads in flight), then
+  // a butterfly sum that leaves every logit in every lane.
+  float s[BLOCK_SIZE];
+#pragma unroll
+  for (int t = 0; t < BLOCK_SIZE; ++t) {
+    float partial = 0.f;
+    if (t < valid) {
+#pragma unroll
+      for (int i = 0; i < ITERS; ++i) {
+        const int d0 = lane_dim<VEC>(i, lane);
+        if (d0 < head_size) {
+          float k[VEC];
+          load_floats<T, VEC>(k_block + t * token_stride + d0, k);
+#pragma unroll
+          for (int v = 0; v < VEC; ++v) partial = fmaf(q[i][v], k[v], partial);
+        }
+      }
+    }
+    s[t] = partial;
+  }
+  float block_max_logit = -CUDART_INF_F;
+#pragma unroll
+  for (int t = 0; t < BLOCK_SIZE; ++t) {
+    s[t] = t < valid ? group_sum(s[t]) : -CUDART_INF_F;  // `valid` is uniform in the warp
+    block_max_logit = fmaxf(block_max_logit, s[t]);
+  }
+
+  // Rescale to the new max (exp(-inf) = 0 on the warp's first block), then add p * V.
+  const float m_new = fmaxf(state.m, block_max_logit);
+  const float rescale = __expf(state.m - m_new);
+  state.m = m_new;
+  state.l *= rescale;
+#pragma unroll
+  for (int i = 0; i < ITERS; ++i) {
+#pragma unroll
+    for (int v = 0; v < VEC; ++v) state.acc[i][v] *= rescale;
+  }
+#pragma unroll
+  for (int t = 0; t < BLOCK_SIZE; ++t) {
+    if (t < valid) {
+      const float p = __expf(s[t] - m_new);
+      state.l += p;
+#pragma unroll
+      for (int i = 0; i < ITERS; ++i) {
+        const int d0 = lane_dim<VEC>(i, lane);
+        if (d0 < head_size) {
+          float val[VEC];
+          load_floats<T, VEC>(v_block + t * token_stride + d0, val);
+#pragma unroll
+          for (int v = 0; v < VEC; ++v) state.acc[i][v] = fmaf(p, val[v], state.acc[i][v]);
+        }
+      }
+    }
+  }
+}
+
 // HEAD_SIZE == 0 is the generic path: head_size_rt <= kMaxHeadSize at run time.
 // PARTITION_SIZE == 0 is v1 (write `out`); otherwise v2 (write the partition's normalized
 // output to tmp_out and its max logit and exp sum to max_logits and exp_sums).
@@ -52,10 +131,10 @@ __global__ void __launch_bounds__(kAttnThreads) paged_attention_kernel(
   const int seq = blockIdx.y;
   const int partition = blockIdx.z;
   const int num_heads = gridDim.x;
-  const int max_num_partitions = gridDim.z;
   const int kv_head = head / (num_heads / num_kv_heads);
   const int warp = threadIdx.x / kWarpSize;
   const int lane = threadIdx.x % kWarpSize;
+  const int64_t row = static_cast<int64_t>(seq) * num_heads + head;  // of out, the stats
 
   const int seq_len = seq_lens[seq];
   const int start = partition * PARTITION_SIZE;  // 0 for v1
@@ -64,104 +143,35 @@ __global__ void __launch_bounds__(kAttnThreads) paged_attention_kernel(
     // v2: a partition past this sequence's end (the reduce kernel never reads it).
     // v1: an empty context attends to nothing; its output is zero.
     if constexpr (PARTITION_SIZE == 0) {
-      T* o = out + (static_cast<int64_t>(seq) * num_heads + head) * head_size;
-      for (int d = threadIdx.x; d < head_size; d += kAttnThreads) o[d] = from_float<T>(0.f);
+      for (int d = threadIdx.x; d < head_size; d += kAttnThreads) {
+        out[row * head_size + d] = from_float<T>(0.f);
+      }
     }
     return;
   }
 
-  // The query, pre-scaled, in this lane's dims.
-  float q[ITERS][VEC];
-  const T* q_ptr = query + seq * query_stride + static_cast<int64_t>(head) * head_size;
+  float q[ITERS][VEC];  // pre-scaled, in this lane's dims
+  const T* q_row = query + seq * query_stride + static_cast<int64_t>(head) * head_size;
 #pragma unroll
   for (int i = 0; i < ITERS; ++i) {
-    const int d0 = (i * kWarpSize + lane) * VEC;
-    if (d0 < head_size) {
-      load_floats<T, VEC>(q_ptr + d0, q[i]);
+    const int d0 = lane_dim<VEC>(i, lane);
 #pragma unroll
-      for (int v = 0; v < VEC; ++v) q[i][v] *= scale;
-    } else {
+    for (int v = 0; v < VEC; ++v) q[i][v] = 0.f;
+    if (d0 < head_size) load_floats<T, VEC>(q_row + d0, q[i]);
 #pragma unroll
-      for (int v = 0; v < VEC; ++v) q[i][v] = 0.f;
-    }
+    for (int v = 0; v < VEC; ++v) q[i][v] *= scale;
   }
 
-  // This warp's running softmax over the blocks it has seen.
-  float m = -CUDART_INF_F;
-  float l = 0.f;
-  float acc[ITERS][VEC];
-#pragma unroll
-  for (int i = 0; i < ITERS; ++i) {
-#pragma unroll
-    for (int v = 0; v < VEC; ++v) acc[i][v] = 0.f;
-  }
-
+  // Warps take the partition's blocks round-robin.
+  WarpSoftmax<ITERS, VEC> state;
   const int* table = block_tables + static_cast<int64_t>(seq) * max_blocks_per_seq;
   const int64_t token_stride = static_cast<int64_t>(num_kv_heads) * head_size;
-  const int first_block = start / BLOCK_SIZE;
-  const int end_block = cdiv(end, BLOCK_SIZE);
-  for (int b = first_block + warp; b < end_block; b += kAttnWarps) {
-    const int64_t base =
-        static_cast<int64_t>(table[b]) * BLOCK_SIZE * token_stride +
-        static_cast<int64_t>(kv_head) * head_size;
-    const int valid = min(BLOCK_SIZE, end - b * BLOCK_SIZE);  // >= 1, uniform in the warp
-
-    // Logits of the block's tokens; the tail of the last block is masked, never read
-    // (its memory may hold anything, NaN included).
-    float s[BLOCK_SIZE];
-    const T* k_blk = key_cache + base;
-#pragma unroll
-    for (int t = 0; t < BLOCK_SIZE; ++t) {
-      float partial = 0.f;
-      if (t < valid) {
-#pragma unroll
-        for (int i = 0; i < ITERS; ++i) {
-          const int d0 = (i * kWarpSize + lane) * VEC;
-          if (d0 < head_size) {
-            float k[VEC];
-            load_floats<T, VEC>(k_blk + t * token_stride + d0, k);
-#pragma unroll
-            for (int v = 0; v < VEC; ++v) partial = fmaf(q[i][v], k[v], partial);
-          }
-        }
-      }
-      s[t] = partial;
-    }
-    float block_max_logit = -CUDART_INF_F;
-#pragma unroll
-    for (int t = 0; t < BLOCK_SIZE; ++t) {
-      s[t] = t < valid ? group_sum(s[t]) : -CUDART_INF_F;
-      block_max_logit = fmaxf(block_max_logit, s[t]);
-    }
-
-    // Fold the block into the running softmax; exp(-inf) = 0 on the warp's first block.
-    const float m_new = fmaxf(m, block_max_logit);
-    const float rescale = __expf(m - m_new);
-    l *= rescale;
-#pragma unroll
-    for (int i = 0; i < ITERS; ++i) {
-#pragma unroll
-      for (int v = 0; v < VEC; ++v) acc[i][v] *= rescale;
-    }
-    const T* v_blk = value_cache + base;
-#pragma unroll
-    for (int t = 0; t < BLOCK_SIZE; ++t) {
-      if (t < valid) {
-        const float p = __expf(s[t] - m_new);
-        l += p;
-#pragma unroll
-        for (int i = 0; i < ITERS; ++i) {
-          const int d0 = (i * kWarpSize + lane) * VEC;
-          if (d0 < head_size) {
-            float val[VEC];
-            load_floats<T, VEC>(v_blk + t * token_stride + d0, val);
-#pragma unroll
-            for (int v = 0; v < VEC; ++v) acc[i][v] = fmaf(p, val[v], acc[i][v]);
-          }
-        }
-      }
-    }
-    m = m_new;
+  for (int b = start / BLOCK_SIZE + warp; b < cdiv(end, BLOCK_SIZE); b += kAttnWarps) {
+    const int64_t block_start = static_cast<int64_t>(table[b]) * BLOCK_SIZE * token_stride +
+                                static_cast<int64_t>(kv_head) * head_size;
+    const int valid = min(BLOCK_SIZE, end - b * BLOCK_SIZE);  // >= 1
+    fold_block<T, BLOCK_SIZE>(state, q, key_cache + block_start, value_cache + block_start,
+                              token_stride, valid, head_size, lane);
   }
 
   // Block-level reduction of the warps' softmaxes. A warp that saw no block has m = -inf,
@@ -170,15 +180,15 @@ __global__ void __launch_bounds__(kAttnThreads) paged_attention_kernel(
   __shared__ float warp_l[kAttnWarps];
   __shared__ float warp_acc[kAttnWarps][kMaxD];
   if (lane == 0) {
-    warp_m[warp] = m;
-    warp_l[warp] = l;
+    warp_m[warp] = state.m;
+    warp_l[warp] = state.l;
   }
 #pragma unroll
   for (int i = 0; i < ITERS; ++i) {
-    const int d0 = (i * kWarpSize + lane) * VEC;
+    const int d0 = lane_dim<VEC>(i, lane);
     if (d0 < head_size) {
 #pragma unroll
-      for (int v = 0; v < VEC; ++v) warp_acc[warp][d0 + v] = acc[i][v];
+      for (int v = 0; v < VEC; ++v) warp_acc[warp][d0 + v] = state.acc[i][v];
     }
   }
   __syncthreads();
@@ -194,8 +204,7 @@ __global__ void __launch_bounds__(kAttnThreads) paged_attention_kernel(
     total_sum += warp_l[w] * weight[w];
   }
   const float inv_sum = 1.f / total_sum;
-
-  const int64_t row = static_cast<int64_t>(seq) * num_heads + head;
+  const int max_num_partitions = gridDim.z;
   for (int d = threadIdx.x; d < head_size; d += kAttnThreads) {
     float o = 0.f;
 #pragma unroll
