@@ -3,6 +3,7 @@
 // CUDA headers only (see launchers.h).
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 
 #include <cuda_bf16.h>
@@ -15,6 +16,7 @@ namespace pagedserve {
 
 constexpr int kWarpSize = 32;
 constexpr unsigned kFullMask = 0xffffffffu;
+constexpr float kNegInfinity = -INFINITY;  // usable on host and device (CUDART_INF_F is not)
 
 __host__ __device__ constexpr int cdiv(int a, int b) { return (a + b - 1) / b; }
 

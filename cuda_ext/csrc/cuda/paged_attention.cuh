@@ -16,8 +16,6 @@
 // blockIdx.x, so the group's blocks run together and mostly re-read K/V from L2.
 #pragma once
 
-#include <math_constants.h>
-
 #include "common.cuh"
 
 namespace pagedserve {
@@ -35,9 +33,17 @@ __device__ __forceinline__ int lane_dim(int i, int lane) {
 // exp(logit - m), and the output sum of exp(logit - m) * v in the lane's dims.
 template <int ITERS, int VEC>
 struct WarpSoftmax {
-  float m = -CUDART_INF_F;
-  float l = 0.f;
-  float acc[ITERS][VEC] = {};
+  float m;
+  float l;
+  float acc[ITERS][VEC];
+
+  __device__ WarpSoftmax() : m(kNegInfinity), l(0.f) {
+#pragma unroll
+    for (int i = 0; i < ITERS; ++i) {
+#pragma unroll
+      for (int v = 0; v < VEC; ++v) acc[i][v] = 0.f;
+    }
+  }
 };
 
 // Folds the first `valid` tokens of one KV block into the warp's softmax. The block's
@@ -68,10 +74,10 @@ __device__ __forceinline__ void fold_block(WarpSoftmax<ITERS, VEC>& state,
     }
     s[t] = partial;
   }
-  float block_max_logit = -CUDART_INF_F;
+  float block_max_logit = kNegInfinity;
 #pragma unroll
   for (int t = 0; t < BLOCK_SIZE; ++t) {
-    s[t] = t < valid ? group_sum(s[t]) : -CUDART_INF_F;  // `valid` is uniform in the warp
+    s[t] = t < valid ? group_sum(s[t]) : kNegInfinity;  // `valid` is uniform in the warp
     block_max_logit = fmaxf(block_max_logit, s[t]);
   }
 
@@ -193,7 +199,7 @@ __global__ void __launch_bounds__(kAttnThreads) paged_attention_kernel(
   }
   __syncthreads();
 
-  float total_max = -CUDART_INF_F;
+  float total_max = kNegInfinity;
 #pragma unroll
   for (int w = 0; w < kAttnWarps; ++w) total_max = fmaxf(total_max, warp_m[w]);
   float weight[kAttnWarps];

@@ -4,8 +4,6 @@
 // float32 workspaces; pass 2 (below) combines a sequence's partitions per head:
 //   M = max_p m_p,  w_p = l_p * exp(m_p - M),  out = sum_p w_p * o_p / sum_p w_p.
 // Long contexts thus spread over many SMs even when the batch is small.
-#include <math_constants.h>
-
 #include "paged_attention.cuh"
 
 namespace pagedserve {
@@ -38,7 +36,7 @@ __global__ void __launch_bounds__(kReduceThreads) paged_attention_reduce_kernel(
   const float* m = max_logits + row * max_num_partitions;
   const float* l = exp_sums + row * max_num_partitions;
 
-  float local_max = -CUDART_INF_F;
+  float local_max = kNegInfinity;
   for (int p = threadIdx.x; p < num_partitions; p += kReduceThreads) {
     local_max = fmaxf(local_max, m[p]);
   }

@@ -15,8 +15,6 @@
 //   3. the row's probabilities go through shared memory, and lane j accumulates
 //      p * V into the dims j, j + 8, j + 16, ... that it owns.
 // Rows and K/V tiles are padded by one float so the row-parallel reads hit distinct banks.
-#include <math_constants.h>
-
 #include "common.cuh"
 
 namespace pagedserve {
@@ -86,7 +84,7 @@ __global__ void __launch_bounds__(kPrefillThreads) prefill_attention_kernel(
     sq[r * padded + d] = x * scale;
   }
 
-  float m = -CUDART_INF_F;
+  float m = kNegInfinity;
   float l = 0.f;
   float acc[kDimsPerLane];
 #pragma unroll
@@ -114,7 +112,7 @@ __global__ void __launch_bounds__(kPrefillThreads) prefill_attention_kernel(
     __syncthreads();
 
     float s[kKeysPerLane];
-    float tile_max = -CUDART_INF_F;
+    float tile_max = kNegInfinity;
 #pragma unroll
     for (int c = 0; c < kKeysPerLane; ++c) {
       const int key = j + c * kLanesPerRow;
@@ -123,7 +121,7 @@ __global__ void __launch_bounds__(kPrefillThreads) prefill_attention_kernel(
       float dot = 0.f;
       for (int d = 0; d < head_size; ++d) dot = fmaf(qr[d], kr[d], dot);
       const int pos = kv0 + key;
-      s[c] = (pos <= q_pos && pos < kv_end) ? dot : -CUDART_INF_F;
+      s[c] = (pos <= q_pos && pos < kv_end) ? dot : kNegInfinity;
       tile_max = fmaxf(tile_max, s[c]);
     }
     // Finite for real rows: each row's first tile holds key 0. Padding rows score zeros.
