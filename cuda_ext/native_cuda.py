@@ -118,7 +118,7 @@ def _check(
     if device is None and not tensor.is_cuda:
         raise _fail(name, "a CUDA tensor", f"device {tensor.device}")
     if device is not None and tensor.device != device:
-        raise _fail(name, f"on {device} like the other arguments", tensor.device)
+        raise _fail(name, f"on {device}", tensor.device)
     return tensor
 
 
