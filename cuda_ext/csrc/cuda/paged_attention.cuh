@@ -13,7 +13,8 @@
 //   - the warps' (m, l, acc) are combined in shared memory (block-level reduction).
 // No logit is stored, so the one-pass v1 handles any context length (only its parallelism
 // suffers, which is what v2 is for). Query heads of one KV group are adjacent in
-// blockIdx.x, so the group's blocks run together and mostly re-read K/V from L2.
+// blockIdx.x, so under GQA the group's thread blocks tend to run together and can find
+// their shared K/V in L2 (the design's intent; not measured).
 #pragma once
 
 #include "common.cuh"
