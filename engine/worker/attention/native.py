@@ -61,3 +61,43 @@ class NativeCpuBackend(AttentionBackend):
         for (sk, sv), (dk, dv) in zip(src_cache, dst_cache, strict=True):
             self.ops.swap_blocks(sk, dk, mapping)
             self.ops.swap_blocks(sv, dv, mapping)
+
+
+class NativeCudaBackend(NativeCpuBackend):
+    """Paged attention through the CUDA kernels (`kernels`: a loaded CudaKernels): v1
+    or v2 decode by context length, the paged prefill kernel, one copy launch for every
+    layer. The kernels take int32 block tables and lengths: converted once per layer
+    call here (a few hundred bytes). Not yet run on a GPU (see docs/performance.md)."""
+
+    name = "native-cuda"
+
+    def attend(self, query, key_cache, value_cache, metadata: AttentionMetadata, scale):
+        out = torch.empty_like(query)
+        nd = metadata.num_decodes
+        tables = metadata.block_tables.to(torch.int32)
+        seq_lens = metadata.seq_lens.to(torch.int32)
+        if nd:
+            self.ops.paged_attention(
+                out[:nd],
+                query[:nd],
+                key_cache,
+                value_cache,
+                tables[:nd],
+                seq_lens[:nd],
+                scale,
+                max(metadata.seq_lens_cpu[:nd]),
+            )
+        if nd < metadata.num_seqs:
+            starts = (metadata.query_start_loc[nd:] - metadata.query_start_loc[nd]).to(torch.int32)
+            self.ops.prefill_attention(
+                out[nd:],
+                query[nd:],
+                key_cache,
+                value_cache,
+                tables[nd:],
+                starts,
+                seq_lens[nd:],
+                scale,
+                max(metadata.query_lens_cpu[nd:]),
+            )
+        return out

@@ -6,7 +6,7 @@ import logging
 from dataclasses import dataclass
 
 from engine.worker.attention.backend import AttentionBackend, ReferenceBackend
-from engine.worker.attention.native import NativeCpuBackend
+from engine.worker.attention.native import NativeCpuBackend, NativeCudaBackend
 from engine.worker.attention.sdpa import SdpaBackend
 
 logger = logging.getLogger(__name__)
@@ -39,8 +39,10 @@ def select_backend(name: str = "auto", device: str = "cpu") -> BackendChoice:
 
 
 def _native(device: str) -> BackendChoice:
+    if str(device).startswith("cuda"):
+        return _native_cuda()
     if not str(device).startswith("cpu"):
-        return BackendChoice(None, f"no native kernels for device {device!r} yet")
+        return BackendChoice(None, f"no native kernels for device {device!r}")
     try:
         from cuda_ext.native_cpu import NativeCpuOps
     except ImportError as exc:  # a checkout without the kernels' sources
@@ -50,6 +52,15 @@ def _native(device: str) -> BackendChoice:
     if ops is None:
         return BackendChoice(None, reason)
     return BackendChoice(NativeCpuBackend(ops), f"native CPU kernels loaded ({reason})")
+
+
+def _native_cuda() -> BackendChoice:
+    from cuda_ext.native_cuda import cuda_unavailable_reason, load_cuda_kernels
+
+    kernels = load_cuda_kernels()
+    if kernels is None:
+        return BackendChoice(None, f"CUDA kernels unavailable: {cuda_unavailable_reason()}")
+    return BackendChoice(NativeCudaBackend(kernels), "native CUDA kernels loaded")
 
 
 def _chosen(choice: BackendChoice) -> BackendChoice:
