@@ -137,7 +137,8 @@ class Case:
     """One (model, workload) cell: what every system in it gets. `workdir` holds links to
     the model's files plus workload.json, the layout offline_throughput.py's children read;
     `kv_slots` is the KV size in tokens for pagedserve and hf_cb (the blocks the
-    max-num-seqs longest requests need at full length: nothing is preempted)."""
+    max-num-seqs longest requests need at full length, so nothing is preempted, and at
+    least one sequence of the model's full context)."""
 
     checkpoint: models.Checkpoint
     workload: Workload
@@ -163,9 +164,12 @@ def make_case(args, checkpoint, workload, workdir: Path, lcpp, peer_python) -> C
     data = {"prompts": workload.prompts, "output_lens": workload.output_lens}
     (workdir / "workload.json").write_text(json.dumps(data))
     ins, outs = workload.input_lens, workload.output_lens
-    # default_kv_cache_memory sizes for the 58M shape: divide back to token slots.
+    # default_kv_cache_memory sizes for the 58M shape: divide back to token slots. The
+    # engine wants room for one sequence of the model's whole context (8192 for SmolLM2).
     slots = default_kv_cache_memory(ins, outs, args.max_num_seqs, args.dtype)
     slots //= kv_bytes_per_token(args.dtype)
+    context = checkpoint.config["max_position_embeddings"]
+    slots = max(slots, -(-context // BLOCK_SIZE) * BLOCK_SIZE)
     return Case(checkpoint, workload, workdir, slots, args.dtype, lcpp, peer_python)
 
 
