@@ -201,7 +201,11 @@ def _child(args, case: Case, system: str, kv_cache_memory: int) -> dict:
     cmd += ["--hf-cb-max-requests", str(args.hf_cb_max_requests)]
     cmd += ["--hf-cb-max-batch-tokens", str(args.hf_cb_max_batch_tokens)]
     done = subprocess.run(
-        cmd, env=_thread_env(args), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        cmd,
+        env=dict(os.environ, **_thread_vars(args)),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     if done.returncode != 0 or not result_file.is_file():
         tail = "\n".join(done.stderr.replace("\r", "\n").splitlines()[-15:])
@@ -243,7 +247,7 @@ def run_pagedserve_served(args, case: Case) -> dict:
         for p, m in zip(case.workload.prompts, case.workload.output_lens, strict=True)
     ]
     with tempfile.NamedTemporaryFile(prefix="pagedserve-e2e-", suffix=".log") as server_log:
-        server = ServerProcess(server_args, env=_thread_env(args), log=server_log)
+        server = ServerProcess(server_args, env=_thread_vars(args), log=server_log)
         server.start(timeout=300)
         try:
             for body in _warmup_bodies(case, "max_tokens"):
@@ -316,11 +320,14 @@ def _warmup_bodies(case: Case, length_field: str) -> list[dict]:
     return [{"prompt": p[:8], length_field: 8} for p in case.workload.prompts[:2]]
 
 
-def _thread_env(args) -> dict[str, str]:
+def _thread_vars(args) -> dict[str, str]:
+    """What every system's process gets on top of this environment."""
     threads = str(args.threads)
-    return dict(
-        os.environ, OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, TOKENIZERS_PARALLELISM="false"
-    )
+    return {
+        "OMP_NUM_THREADS": threads,
+        "MKL_NUM_THREADS": threads,
+        "TOKENIZERS_PARALLELISM": "false",
+    }
 
 
 def systems_to_run(args) -> dict[str, Callable[[argparse.Namespace, Case], dict]]:
