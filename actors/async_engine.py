@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import zmq
 import zmq.asyncio
 
-from actors.actor import await_ready, send_message
+from actors.actor import ActorStartupError, await_ready, send_message
 from actors.block_manager_actor import BlockManagerActor
 from actors.codec import DecodeError, InboxDecoder
 from actors.scheduler_actor import SchedulerActor
@@ -135,13 +135,7 @@ class AsyncEngine:
         )
         self._monitor = WorkerMonitor(self._worker, heartbeat_address)
         try:
-            ready, _ = await await_ready(
-                sched_inbox,
-                InboxDecoder(INBOXES["scheduler"]),
-                WorkerReady,
-                ready_timeout,
-                sender="worker 0",
-            )
+            ready = await self._worker_ready(sched_inbox, ready_timeout)
         except BaseException:  # no worker: leave no process, socket or run dir behind
             self._worker.kill()
             self._worker.wait()
@@ -181,6 +175,28 @@ class AsyncEngine:
         self._reader = asyncio.create_task(self._read_outputs())
         self._watchdog = asyncio.create_task(self._watch())
         return self
+
+    async def _worker_ready(self, inbox, timeout: float) -> WorkerReady:
+        """The worker's ready message, or an error as soon as its process exits (a model
+        that cannot load fails the start at once, not after `timeout`)."""
+        waiting = asyncio.ensure_future(
+            await_ready(
+                inbox, InboxDecoder(INBOXES["scheduler"]), WorkerReady, timeout, sender="worker 0"
+            )
+        )
+        try:
+            while not waiting.done():
+                code = self._worker.poll()
+                if code is not None:
+                    raise ActorStartupError(
+                        f"worker 0 exited with code {code} before it was ready "
+                        "(its error is in the log above)"
+                    )
+                await asyncio.wait({waiting}, timeout=0.1)
+            ready, _ = waiting.result()
+            return ready
+        finally:
+            waiting.cancel()
 
     async def generate(
         self,

@@ -272,3 +272,18 @@ async def test_n_sequences_stream_by_index_like_the_offline_engine(served):
         await eventually(all_free, 5, "every block free and nothing running")
     finally:
         await engine.shutdown()
+
+
+async def test_a_worker_that_cannot_load_fails_the_start_at_once(tmp_path):
+    """The worker process exits (a model it cannot load): start() says so at once
+    instead of waiting out its ready timeout, and leaves no process or run dir."""
+    import json
+    import time
+
+    from actors.actor import ActorStartupError
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["NopeForCausalLM"]}))
+    started = time.monotonic()
+    with pytest.raises(ActorStartupError, match="exited with code"):
+        await AsyncEngine.start(EngineArgs(model=str(tmp_path)), ready_timeout=120)
+    assert time.monotonic() - started < 60
