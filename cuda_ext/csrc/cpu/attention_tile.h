@@ -1,0 +1,213 @@
+// The core both paged-attention ops share: one tile of query rows attending, with an
+// online softmax, over a range of one sequence's keys read in place through its block
+// table.
+//
+// A tile is the `group` query heads that share one KV head (GQA), for one or more
+// consecutive query tokens of one sequence: row r is head r % group of the tile's query
+// token r / group. Each K and V row is loaded (and converted to float) once per tile and
+// used for every row of it. Keys are taken kChunk at a time: scores for the chunk, one
+// max and rescale per row per chunk, then the V accumulation.
+#pragma once
+
+#include <cmath>
+#include <vector>
+
+#include "common.h"
+
+namespace pagedserve {
+
+constexpr int64_t kChunk = 128;  // keys per softmax step; a multiple of kVec
+constexpr int64_t kTileRows = 32;  // query rows a prefill tile aims for
+
+// The arguments both attention ops take, as raw pointers and strides.
+template <typename T>
+struct PagedAttentionArgs {
+  T* out;  // [num_tokens, num_heads, head_size], unit stride in the last dim
+  int64_t out_stride0, out_stride1;
+  const T* query;  // [num_tokens, num_heads, head_size], unit stride in the last dim
+  int64_t query_stride0, query_stride1;
+  const T* key_cache;  // [num_blocks, block_size, num_kv_heads, head_size], contiguous
+  const T* value_cache;
+  int64_t block_size, num_kv_heads, head_size, group;
+  float scale;
+
+  PagedAttentionArgs(const at::Tensor& out_t, const at::Tensor& query_t,
+                     const at::Tensor& key_t, const at::Tensor& value_t, double scale_)
+      : out(out_t.data_ptr<T>()),
+        out_stride0(out_t.stride(0)),
+        out_stride1(out_t.stride(1)),
+        query(query_t.data_ptr<T>()),
+        query_stride0(query_t.stride(0)),
+        query_stride1(query_t.stride(1)),
+        key_cache(key_t.data_ptr<T>()),
+        value_cache(value_t.data_ptr<T>()),
+        block_size(key_t.size(1)),
+        num_kv_heads(key_t.size(2)),
+        head_size(key_t.size(3)),
+        group(query_t.size(1) / key_t.size(2)),
+        scale(static_cast<float>(scale_)) {}
+
+  const T* query_row(int64_t token, int64_t head) const {
+    return query + token * query_stride0 + head * query_stride1;
+  }
+  T* out_row(int64_t token, int64_t head) const {
+    return out + token * out_stride0 + head * out_stride1;
+  }
+};
+
+// One thread's buffers for tiles of up to `max_rows` rows.
+struct TileScratch {
+  int64_t padded;  // head size rounded up to whole vectors
+  std::vector<float> buf;
+  float *q, *acc, *logits, *m, *l;
+
+  TileScratch(int64_t max_rows, int64_t head_size)
+      : padded(cdiv(head_size, kVec) * kVec),
+        buf(max_rows * (2 * padded + kChunk + 2)) {
+    q = buf.data();
+    acc = q + max_rows * padded;
+    logits = acc + max_rows * padded;
+    m = logits + max_rows * kChunk;
+    l = m + max_rows;
+  }
+};
+
+// Online-softmax attention of one tile. HEAD is the head size where specialized, else 0.
+template <typename T, int HEAD>
+class TileAttention {
+ public:
+  // Vectors per K/V row held in registers (or, on the generic path, a stack array).
+  static constexpr int kRowVecs = cdiv(HEAD > 0 ? HEAD : kMaxHeadSize, kVec);
+
+  TileAttention(const PagedAttentionArgs<T>& args, TileScratch& scratch)
+      : a_(args),
+        s_(scratch),
+        row_stride_(args.num_kv_heads * args.head_size),
+        full_(args.head_size / kVec),
+        tail_(args.head_size % kVec) {}
+
+  // Begins a tile of `rows` rows whose first query token sits at position `pos0`.
+  void start(int64_t rows, int64_t pos0, int64_t kv_head) {
+    rows_ = rows;
+    pos0_ = pos0;
+    kv_offset_ = kv_head * a_.head_size;
+    std::fill(s_.acc, s_.acc + rows * s_.padded, 0.f);
+    std::fill(s_.m, s_.m + rows, kNegInf);
+    std::fill(s_.l, s_.l + rows, 0.f);
+  }
+
+  // Row r's query, times the softmax scale, zero-padded to whole vectors.
+  void load_query(int64_t r, const T* src) {
+    float* q = s_.q + r * s_.padded;
+    for (int64_t i = 0; i < a_.head_size; ++i) q[i] = static_cast<float>(src[i]) * a_.scale;
+    std::fill(q + a_.head_size, q + s_.padded, 0.f);
+  }
+
+  // Attends to keys at positions [begin, end), each row up to its own causal limit.
+  void attend(const BlockTableRow& table, int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; c += kChunk) {
+      const int64_t n = std::min(kChunk, end - c);
+      const int64_t first = row_begin(c);
+      if (first >= rows_) break;  // no row sees this chunk, nor any later one
+      scores(table, c, n, first);
+      softmax_step(n, first);
+      accumulate_values(table, c, n, first);
+    }
+  }
+
+  // Row r's output, acc / l, in storage precision.
+  void store(int64_t r, T* dst) const {
+    const float inv = 1.f / s_.l[r];
+    const float* acc = s_.acc + r * s_.padded;
+    for (int64_t i = 0; i < a_.head_size; ++i) dst[i] = static_cast<T>(acc[i] * inv);
+  }
+
+  float max_logit(int64_t r) const { return s_.m[r]; }
+  float exp_sum(int64_t r) const { return s_.l[r]; }
+  const float* unnormalized(int64_t r) const { return s_.acc + r * s_.padded; }
+
+ private:
+  int nv() const { return HEAD > 0 ? kRowVecs : full_ + (tail_ > 0); }
+
+  // The first row that sees the key at `pos`: rows of earlier query tokens do not.
+  int64_t row_begin(int64_t pos) const {
+    const int64_t tokens_before = pos - pos0_;
+    return tokens_before <= 0 ? 0 : std::min(tokens_before * a_.group, rows_);
+  }
+
+  void load_row(const T* p, fvec* out) const {
+    const int full = HEAD > 0 ? HEAD / kVec : full_;
+    const int tail = HEAD > 0 ? HEAD % kVec : tail_;
+    for (int i = 0; i < full; ++i) out[i] = load_f(p + i * kVec);
+    if (tail > 0) out[full] = load_f(p + full * kVec, tail);
+  }
+
+  void scores(const BlockTableRow& table, int64_t c, int64_t n, int64_t first) {
+    const int nvec = nv();
+    for_each_slot(table, a_.block_size, c, c + n, [&](int64_t pos, int64_t slot) {
+      const int64_t j = pos - c;
+      const int64_t visible = row_begin(pos);
+      for (int64_t r = first; r < visible; ++r) s_.logits[r * kChunk + j] = kNegInf;
+      fvec k[kRowVecs];
+      load_row(a_.key_cache + slot * row_stride_ + kv_offset_, k);
+      for (int64_t r = visible; r < rows_; ++r) {
+        const float* q = s_.q + r * s_.padded;
+        fvec dot(0.f);
+        for (int i = 0; i < nvec; ++i) dot = at::vec::fmadd(fvec::loadu(q + i * kVec), k[i], dot);
+        s_.logits[r * kChunk + j] = reduce_add(dot);
+      }
+    });
+  }
+
+  // Per row: the chunk's max joins the running max, acc and l are rescaled once, and
+  // the logits become exp(logit - max) in place.
+  void softmax_step(int64_t n, int64_t first) {
+    const int64_t padded_n = cdiv(n, kVec) * kVec;
+    for (int64_t r = first; r < rows_; ++r) {
+      float* lg = s_.logits + r * kChunk;
+      std::fill(lg + n, lg + padded_n, kNegInf);
+      fvec vmax(kNegInf);
+      for (int64_t j = 0; j < padded_n; j += kVec) vmax = at::vec::maximum(vmax, fvec::loadu(lg + j));
+      const float m_new = std::max(s_.m[r], reduce_max(vmax));
+      const float alpha = std::exp(s_.m[r] - m_new);  // 0 on a row's first chunk
+      const fvec shift(m_new);
+      fvec vsum(0.f);
+      for (int64_t j = 0; j < padded_n; j += kVec) {
+        const fvec e = (fvec::loadu(lg + j) - shift).exp_u20();
+        e.store(lg + j);
+        vsum = vsum + e;
+      }
+      s_.l[r] = s_.l[r] * alpha + reduce_add(vsum);
+      s_.m[r] = m_new;
+      if (alpha != 1.f) {
+        float* acc = s_.acc + r * s_.padded;
+        const fvec va(alpha);
+        for (int64_t i = 0; i < s_.padded; i += kVec) (fvec::loadu(acc + i) * va).store(acc + i);
+      }
+    }
+  }
+
+  void accumulate_values(const BlockTableRow& table, int64_t c, int64_t n, int64_t first) {
+    const int nvec = nv();
+    for_each_slot(table, a_.block_size, c, c + n, [&](int64_t pos, int64_t slot) {
+      const int64_t j = pos - c;
+      fvec v[kRowVecs];
+      load_row(a_.value_cache + slot * row_stride_ + kv_offset_, v);
+      for (int64_t r = std::max(first, row_begin(pos)); r < rows_; ++r) {
+        const fvec p(s_.logits[r * kChunk + j]);
+        float* acc = s_.acc + r * s_.padded;
+        for (int i = 0; i < nvec; ++i) {
+          at::vec::fmadd(p, v[i], fvec::loadu(acc + i * kVec)).store(acc + i * kVec);
+        }
+      }
+    });
+  }
+
+  const PagedAttentionArgs<T>& a_;
+  TileScratch& s_;
+  const int64_t row_stride_;  // elements between consecutive slots of a cache
+  const int full_, tail_;     // whole vectors and leftover elements of a row
+  int64_t rows_ = 0, pos0_ = 0, kv_offset_ = 0;
+};
+
+}  // namespace pagedserve
