@@ -109,7 +109,7 @@ class TileAttention {
       const int64_t n = std::min(kChunk, end - c);
       const int64_t first = row_begin(c);
       if (first >= rows_) break;  // no row sees this chunk, nor any later one
-      scores(table, c, n, first);
+      scores(table, c, n, first, end);
       softmax_step(n, first);
       accumulate_values(table, c, n, first);
     }
@@ -135,26 +135,41 @@ class TileAttention {
     return tokens_before <= 0 ? 0 : std::min(tokens_before * a_.group, rows_);
   }
 
-  void load_row(const T* p, fvec* out) const {
+  // Vector i of a row, as float (the last one zero-padded on the generic path).
+  fvec load_vec(const T* row, int i) const {
     const int full = HEAD > 0 ? HEAD / kVec : full_;
     const int tail = HEAD > 0 ? HEAD % kVec : tail_;
-    for (int i = 0; i < full; ++i) out[i] = load_f(p + i * kVec);
-    if (tail > 0) out[full] = load_f(p + full * kVec, tail);
+    return (tail > 0 && i == full) ? load_f(row + i * kVec, tail) : load_f(row + i * kVec);
   }
 
-  void scores(const BlockTableRow& table, int64_t c, int64_t n, int64_t first) {
+  // The K pass over positions [c, c + n): logits of every row that sees each key. While
+  // a block's keys are scored, its values and the next block's keys are prefetched.
+  void scores(const BlockTableRow& table, int64_t c, int64_t n, int64_t first, int64_t end) {
     const int nvec = nv();
-    for_each_slot(table, a_.block_size, c, c + n, [&](int64_t pos, int64_t slot) {
-      const int64_t j = pos - c;
-      const int64_t visible = row_begin(pos);
-      for (int64_t r = first; r < visible; ++r) s_.logits[r * kChunk + j] = kNegInf;
-      fvec k[kRowVecs];
-      load_row(a_.key_cache + slot * row_stride_ + kv_offset_, k);
-      for (int64_t r = visible; r < rows_; ++r) {
-        const float* q = s_.q + r * s_.padded;
-        fvec dot(0.f);
-        for (int i = 0; i < nvec; ++i) dot = at::vec::fmadd(fvec::loadu(q + i * kVec), k[i], dot);
-        s_.logits[r * kChunk + j] = reduce_add(dot);
+    const int64_t row_bytes = a_.head_size * static_cast<int64_t>(sizeof(T));
+    for_each_block(table, a_.block_size, c, c + n, [&](int64_t pos, int64_t slot, int64_t cnt) {
+      const T* keys = a_.key_cache + slot * row_stride_ + kv_offset_;
+      prefetch_rows(a_.value_cache + slot * row_stride_ + kv_offset_, cnt, row_stride_, row_bytes);
+      const int64_t next = pos + cnt;
+      if (next < end && next % a_.block_size == 0) {
+        const int64_t next_slot = table[next / a_.block_size] * a_.block_size;
+        prefetch_rows(a_.key_cache + next_slot * row_stride_ + kv_offset_,
+                      std::min(a_.block_size, end - next), row_stride_, row_bytes);
+      }
+      for (int64_t t = 0; t < cnt; ++t) {
+        const int64_t j = pos + t - c;
+        const int64_t visible = row_begin(pos + t);
+        for (int64_t r = first; r < visible; ++r) s_.logits[r * kChunk + j] = kNegInf;
+        fvec k[kRowVecs];
+        _Pragma("GCC unroll 32")
+        for (int i = 0; i < nvec; ++i) k[i] = load_vec(keys + t * row_stride_, i);
+        for (int64_t r = visible; r < rows_; ++r) {
+          const float* q = s_.q + r * s_.padded;
+          fvec dot(0.f);
+          _Pragma("GCC unroll 32")
+          for (int i = 0; i < nvec; ++i) dot = at::vec::fmadd(fvec::loadu(q + i * kVec), k[i], dot);
+          s_.logits[r * kChunk + j] = reduce_add(dot);
+        }
       }
     });
   }
@@ -187,18 +202,29 @@ class TileAttention {
     }
   }
 
+  // The V pass over positions [c, c + n): per block and row, the row's output stays in
+  // registers while the block's values (hot in cache after the first row) add into it.
   void accumulate_values(const BlockTableRow& table, int64_t c, int64_t n, int64_t first) {
     const int nvec = nv();
-    for_each_slot(table, a_.block_size, c, c + n, [&](int64_t pos, int64_t slot) {
-      const int64_t j = pos - c;
-      fvec v[kRowVecs];
-      load_row(a_.value_cache + slot * row_stride_ + kv_offset_, v);
+    for_each_block(table, a_.block_size, c, c + n, [&](int64_t pos, int64_t slot, int64_t cnt) {
+      const T* values = a_.value_cache + slot * row_stride_ + kv_offset_;
       for (int64_t r = std::max(first, row_begin(pos)); r < rows_; ++r) {
-        const fvec p(s_.logits[r * kChunk + j]);
-        float* acc = s_.acc + r * s_.padded;
-        for (int i = 0; i < nvec; ++i) {
-          at::vec::fmadd(p, v[i], fvec::loadu(acc + i * kVec)).store(acc + i * kVec);
+        // Row r sees keys up to position pos0 + r / group.
+        const int64_t seen = std::min(cnt, pos0_ + r / a_.group + 1 - pos);
+        const float* p = s_.logits + r * kChunk + (pos - c);
+        float* out = s_.acc + r * s_.padded;
+        fvec acc[kRowVecs];
+        _Pragma("GCC unroll 32")
+        for (int i = 0; i < nvec; ++i) acc[i] = fvec::loadu(out + i * kVec);
+        for (int64_t t = 0; t < seen; ++t) {
+          const fvec w(p[t]);
+          _Pragma("GCC unroll 32")
+          for (int i = 0; i < nvec; ++i) {
+            acc[i] = at::vec::fmadd(w, load_vec(values + t * row_stride_, i), acc[i]);
+          }
         }
+        _Pragma("GCC unroll 32")
+        for (int i = 0; i < nvec; ++i) acc[i].store(out + i * kVec);
       }
     });
   }

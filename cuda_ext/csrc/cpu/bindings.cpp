@@ -11,4 +11,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention_decode", &pagedserve::paged_attention_decode, nogil, py::arg("out"),
         py::arg("query"), py::arg("key_cache"), py::arg("value_cache"),
         py::arg("block_tables"), py::arg("seq_lens"), py::arg("scale"));
+  m.def("paged_attention_prefill", &pagedserve::paged_attention_prefill, nogil, py::arg("out"),
+        py::arg("query"), py::arg("key_cache"), py::arg("value_cache"),
+        py::arg("block_tables"), py::arg("query_start_loc"), py::arg("seq_lens"),
+        py::arg("scale"));
+  m.def("reshape_and_cache", &pagedserve::reshape_and_cache, nogil, py::arg("key"),
+        py::arg("value"), py::arg("key_cache"), py::arg("value_cache"),
+        py::arg("slot_mapping"));
+  m.def("copy_blocks", &pagedserve::copy_blocks, nogil, py::arg("key_caches"),
+        py::arg("value_caches"), py::arg("block_mapping"));
+  m.def("swap_blocks", &pagedserve::swap_blocks, nogil, py::arg("src"), py::arg("dst"),
+        py::arg("block_mapping"));
 }

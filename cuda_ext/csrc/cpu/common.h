@@ -90,6 +90,9 @@ inline void dispatch_head_size(int64_t head_size, F&& f) {
   }
 }
 
+// Copies smaller than this run on one thread: starting the others costs more.
+constexpr int64_t kParallelBytes = 1 << 16;
+
 // The largest head size the generic path takes (its rows live in stack arrays).
 constexpr int64_t kMaxHeadSize = 512;
 
@@ -131,20 +134,28 @@ inline void check_block_tables(const char* op, const at::Tensor& block_tables,
   }
 }
 
-// Calls f(pos, slot) for every position in [begin, end) of one sequence, in order, with
-// slot = block_table[pos / block_size] * block_size + pos % block_size. One division
-// per block, none per token.
+// Calls f(pos, slot, n) for each run of positions [pos, pos + n) within [begin, end)
+// that share a block, in order; their slots are slot .. slot + n - 1.
 template <typename F>
-inline void for_each_slot(const BlockTableRow& table, int64_t block_size, int64_t begin,
-                          int64_t end, F&& f) {
+inline void for_each_block(const BlockTableRow& table, int64_t block_size, int64_t begin,
+                           int64_t end, F&& f) {
   int64_t pos = begin;
   while (pos < end) {
     const int64_t logical = pos / block_size;
     const int64_t offset = pos - logical * block_size;
     const int64_t n = std::min(block_size - offset, end - pos);
-    const int64_t slot0 = table[logical] * block_size + offset;
-    for (int64_t i = 0; i < n; ++i) f(pos + i, slot0 + i);
+    f(pos, table[logical] * block_size + offset, n);
     pos += n;
+  }
+}
+
+// Asks for `rows` rows of `bytes` bytes each, `stride` elements apart, to be brought
+// into cache ahead of use. Only a hint: never faults.
+template <typename T>
+inline void prefetch_rows(const T* first, int64_t rows, int64_t stride, int64_t bytes) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const char* p = reinterpret_cast<const char*>(first + r * stride);
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 3);
   }
 }
 
