@@ -1,0 +1,254 @@
+"""The native CPU kernels (`cuda_ext/csrc/cpu`), behind thin wrappers that check arguments.
+
+Use:
+
+    from cuda_ext.native_cpu import NativeCpuOps
+
+    ops = NativeCpuOps.load()  # a NativeCpuOps, or None where the kernels cannot run
+    if ops is None:
+        ok, reason = NativeCpuOps.available()  # (False, why); fall back to cuda_ext.reference
+
+The first load on a machine compiles the kernels (about a minute, then cached; see
+`cuda_ext.build`); a process loads them once. Every op writes into its output tensors
+and returns None:
+
+    ops.paged_attention_decode(out, query, key_cache, value_cache, block_tables, seq_lens, scale)
+    ops.paged_attention_prefill(out, query, key_cache, value_cache, block_tables,
+                                query_start_loc, seq_lens, scale)
+    ops.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+    ops.copy_blocks(key_caches, value_caches, block_mapping)
+    ops.swap_blocks(src, dst, block_mapping)
+
+Layouts (one layer): key_cache, value_cache `[num_blocks, block_size, num_kv_heads,
+head_size]`, contiguous; a slot is `block_id * block_size + offset`. query/out/key/value
+rows may be strided views, with unit stride in the last dim. Index tensors are int64
+(block tables int32 or int64), contiguous. Everything lives on the CPU. The attention
+ops take float32 or bfloat16 (query, out and caches one dtype; math in float32); the copy
+ops take any dtype their tensors share. The math is `cuda_ext.reference`'s.
+
+A bad argument raises ValueError naming it and what was expected. Data-dependent errors
+(a block id outside the cache, a slot past its end, a context longer than its block
+table row, query_start_loc going backwards) raise ValueError from the kernel before it
+touches memory. The kernels release the GIL while they run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from types import ModuleType
+
+import torch
+
+from cuda_ext.build import load_cpu_ops
+
+ATTENTION_DTYPES = (torch.float32, torch.bfloat16)
+BLOCK_TABLE_DTYPES = (torch.int32, torch.int64)
+
+
+class NativeCpuOps:
+    """The five native CPU ops, each checking its arguments before the kernel runs."""
+
+    def __init__(self, module: ModuleType) -> None:
+        self._ops = module
+
+    @classmethod
+    def load(cls) -> NativeCpuOps | None:
+        """The ops, compiled and loaded on first use; None where they cannot run."""
+        result = load_cpu_ops()
+        return None if result.module is None else cls(result.module)
+
+    @staticmethod
+    def available() -> tuple[bool, str]:
+        """Whether the ops load here, and the loader's reason (why not, or from where)."""
+        result = load_cpu_ops()
+        return result.ok, result.reason
+
+    def paged_attention_decode(
+        self,
+        out: torch.Tensor,  # [num_seqs, num_heads, head_size]
+        query: torch.Tensor,  # [num_seqs, num_heads, head_size], each sequence's last token
+        key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
+        value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
+        block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32 or int64
+        seq_lens: torch.Tensor,  # [num_seqs] int64, context lengths including the query
+        scale: float,
+    ) -> None:
+        """One query token per sequence over its whole paged context (GQA/MQA aware)."""
+        _check_caches(key_cache, value_cache, attention=True)
+        _check_rows("query", query, key_cache, is_query=True)
+        _check_like("out", out, query)
+        _check_block_tables(block_tables, query.shape[0])
+        _check_index("seq_lens", seq_lens, (query.shape[0],))
+        self._ops.paged_attention_decode(
+            out, query, key_cache, value_cache, block_tables, seq_lens, float(scale)
+        )
+
+    def paged_attention_prefill(
+        self,
+        out: torch.Tensor,  # [num_tokens, num_heads, head_size]
+        query: torch.Tensor,  # [num_tokens, num_heads, head_size], sequences back to back
+        key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
+        value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
+        block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32 or int64
+        query_start_loc: torch.Tensor,  # [num_seqs + 1] int64, cumulative query lengths
+        seq_lens: torch.Tensor,  # [num_seqs] int64, context lengths including the query
+        scale: float,
+    ) -> None:
+        """Causal attention of each sequence's last q_len positions over its context.
+
+        Query j of sequence i sits at position seq_lens[i] - q_len + j and sees keys at
+        positions <= that; the chunk's own K/V must already be in the cache.
+        """
+        _check_caches(key_cache, value_cache, attention=True)
+        _check_rows("query", query, key_cache, is_query=True)
+        _check_like("out", out, query)
+        _check_index("seq_lens", seq_lens, None)
+        num_seqs = seq_lens.shape[0]
+        _check_index("query_start_loc", query_start_loc, (num_seqs + 1,))
+        _check_block_tables(block_tables, num_seqs)
+        self._ops.paged_attention_prefill(
+            out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
+            float(scale),
+        )  # fmt: skip
+
+    def reshape_and_cache(
+        self,
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
+        value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
+        slot_mapping: torch.Tensor,  # [num_tokens] int64; < 0 is padding, skipped
+    ) -> None:
+        """Writes each token's K and V rows into its slot."""
+        _check_caches(key_cache, value_cache, attention=False)
+        _check_rows("key", key, key_cache, is_query=False)
+        _check_like("value", value, key)
+        _check_index("slot_mapping", slot_mapping, (key.shape[0],))
+        self._ops.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+
+    def copy_blocks(
+        self,
+        key_caches: Sequence[torch.Tensor],  # per layer, blocks along dim 0
+        value_caches: Sequence[torch.Tensor],  # per layer, the same shape and dtype
+        block_mapping: torch.Tensor,  # [num_pairs, 2] int64: (src, dst) block ids
+    ) -> None:
+        """Copies block src to block dst in every layer's K and V cache, in one call.
+
+        dst ids must be distinct and none of them a src (pairs run in parallel). Each
+        layer's caches are checked in the kernel (no per-layer Python loop).
+        """
+        if not isinstance(key_caches, Sequence) or not isinstance(value_caches, Sequence):
+            raise ValueError("key_caches and value_caches must be lists of tensors, one per layer")
+        if len(key_caches) != len(value_caches):
+            raise ValueError(
+                f"key_caches has {len(key_caches)} layers but value_caches {len(value_caches)}"
+            )
+        _check_index("block_mapping", block_mapping, (None, 2))
+        self._ops.copy_blocks(list(key_caches), list(value_caches), block_mapping)
+
+    def swap_blocks(
+        self,
+        src: torch.Tensor,  # [src_blocks, ...] one cache
+        dst: torch.Tensor,  # [dst_blocks, ...] another, the same block shape and dtype
+        block_mapping: torch.Tensor,  # [num_pairs, 2] int64: (src block, dst block)
+    ) -> None:
+        """Copies blocks of src into blocks of dst (swap out to or in from a CPU cache)."""
+        for name, cache in (("src", src), ("dst", dst)):
+            _check_cpu(name, cache)
+            if cache.dim() < 1 or not cache.is_contiguous():
+                raise ValueError(
+                    f"{name} must be a contiguous cache [num_blocks, ...]; got {_describe(cache)}"
+                )
+        if dst.shape[1:] != src.shape[1:] or dst.dtype != src.dtype:
+            raise ValueError(
+                f"dst must have src's block shape and dtype ({_describe(src)}); "
+                f"got {_describe(dst)}"
+            )
+        _check_index("block_mapping", block_mapping, (None, 2))
+        self._ops.swap_blocks(src, dst, block_mapping)
+
+
+available = NativeCpuOps.available
+
+
+def _describe(t: torch.Tensor) -> str:
+    layout = "" if t.is_contiguous() else ", not contiguous"
+    return f"{list(t.shape)} {t.dtype} on {t.device}{layout}"
+
+
+def _check_cpu(name: str, t: torch.Tensor) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise ValueError(f"{name} must be on the CPU (native CPU kernels); got {t.device}")
+
+
+def _check_caches(key_cache: torch.Tensor, value_cache: torch.Tensor, *, attention: bool) -> None:
+    for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
+        _check_cpu(name, cache)
+        if cache.dim() != 4 or not cache.is_contiguous():
+            raise ValueError(
+                f"{name} must be contiguous [num_blocks, block_size, num_kv_heads, head_size]; "
+                f"got {_describe(cache)}"
+            )
+    if value_cache.shape != key_cache.shape or value_cache.dtype != key_cache.dtype:
+        raise ValueError(
+            f"value_cache must match key_cache ({_describe(key_cache)}); "
+            f"got {_describe(value_cache)}"
+        )
+    if attention and key_cache.dtype not in ATTENTION_DTYPES:
+        raise ValueError(
+            f"key_cache has dtype {key_cache.dtype}, not supported on CPU: use float32 or bfloat16"
+        )
+
+
+def _check_rows(name: str, t: torch.Tensor, key_cache: torch.Tensor, *, is_query: bool) -> None:
+    """t: [num_tokens, heads, head_size] rows of the cache's dtype, unit last stride;
+    heads is a multiple of the cache's KV heads for a query, equal to them for K/V."""
+    _check_cpu(name, t)
+    _, _, num_kv_heads, head_size = key_cache.shape
+    if is_query:
+        shape_ok = t.dim() == 3 and t.shape[1] % num_kv_heads == 0
+        expected = f"[num_tokens, num_heads (a multiple of {num_kv_heads}), {head_size}]"
+    else:
+        shape_ok = t.dim() == 3 and t.shape[1] == num_kv_heads
+        expected = f"[num_tokens, {num_kv_heads}, {head_size}]"
+    if not shape_ok or t.shape[2] != head_size or t.stride(2) != 1:
+        raise ValueError(f"{name} must be {expected} with unit last stride; got {_describe(t)}")
+    if t.dtype != key_cache.dtype:
+        raise ValueError(f"{name} must have the caches' dtype {key_cache.dtype}; got {t.dtype}")
+
+
+def _check_like(name: str, t: torch.Tensor, like: torch.Tensor) -> None:
+    _check_cpu(name, t)
+    if t.shape != like.shape or t.dtype != like.dtype or t.stride(-1) != 1:
+        raise ValueError(
+            f"{name} must be {list(like.shape)} {like.dtype} with unit last stride; "
+            f"got {_describe(t)}"
+        )
+
+
+def _check_block_tables(block_tables: torch.Tensor, num_seqs: int) -> None:
+    _check_cpu("block_tables", block_tables)
+    if (
+        block_tables.dtype not in BLOCK_TABLE_DTYPES
+        or block_tables.dim() != 2
+        or block_tables.shape[0] != num_seqs
+        or not block_tables.is_contiguous()
+    ):
+        raise ValueError(
+            f"block_tables must be contiguous [{num_seqs}, max_blocks] int32 or int64; "
+            f"got {_describe(block_tables)}"
+        )
+
+
+def _check_index(name: str, t: torch.Tensor, shape: tuple[int | None, ...] | None) -> None:
+    """t: contiguous int64 of `shape` (None: any 1-D; a None entry: any size there)."""
+    _check_cpu(name, t)
+    expected = shape or (None,)
+    shape_ok = t.dim() == len(expected) and all(
+        want is None or got == want for got, want in zip(t.shape, expected, strict=True)
+    )
+    if t.dtype != torch.int64 or not shape_ok or not t.is_contiguous():
+        dims = ", ".join("n" if want is None else str(want) for want in expected)
+        raise ValueError(f"{name} must be contiguous int64 [{dims}]; got {_describe(t)}")
