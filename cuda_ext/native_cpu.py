@@ -208,7 +208,7 @@ def _check_rows(name: str, t: torch.Tensor, key_cache: torch.Tensor, *, is_query
     _check_cpu(name, t)
     _, _, num_kv_heads, head_size = key_cache.shape
     if is_query:
-        shape_ok = t.dim() == 3 and t.shape[1] % num_kv_heads == 0
+        shape_ok = t.dim() == 3 and num_kv_heads > 0 and t.shape[1] % num_kv_heads == 0
         expected = f"[num_tokens, num_heads (a multiple of {num_kv_heads}), {head_size}]"
     else:
         shape_ok = t.dim() == 3 and t.shape[1] == num_kv_heads

@@ -57,7 +57,7 @@ class PagedContexts:
         self.seq_lens = list(seq_lens)
         shape = (block_size, num_kv_heads, head_size)
         tables, next_block = [], 0
-        for i, length in enumerate(self.seq_lens):
+        for length in self.seq_lens:
             need = cdiv(length, block_size)
             prefix = tables[0][: min(need, len(tables[0])) // 2] if tables else []
             tables.append(prefix + list(range(next_block, next_block + need - len(prefix))))
@@ -358,6 +358,21 @@ def test_decode_rejects_bad_arguments(override, message):
     args.update(override(args))
     with pytest.raises(ValueError, match=message):
         OPS.paged_attention_decode(**args)
+
+
+def test_attention_rejects_head_sizes_over_the_limit():
+    cache = torch.zeros(2, 4, 1, 520)
+    query = torch.zeros(1, 1, 520)
+    with pytest.raises(ValueError, match="head_size 520 is over the native CPU kernels' limit"):
+        OPS.paged_attention_decode(
+            query.clone(),
+            query,
+            cache,
+            cache.clone(),
+            torch.zeros(1, 1, dtype=torch.int64),
+            torch.tensor([3]),
+            1.0,
+        )
 
 
 def test_prefill_rejects_bad_query_layouts():

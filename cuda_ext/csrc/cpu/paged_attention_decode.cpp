@@ -1,7 +1,8 @@
 // Decode attention: one query token per sequence (the last position of its context)
 // over the whole paged context, GQA-aware. Parallel over (sequence, KV head); when those
-// are few next to the threads and contexts are long, each context is also split into
-// kPartition-token partitions computed in parallel and merged afterwards.
+// tasks are few next to the threads and contexts are long, each context is also split
+// into partitions (of at least kMinPartition tokens) computed in parallel, each giving
+// (max, sum, unnormalized output), merged afterwards.
 #include "attention_tile.h"  // first: it picks the vector ISA
 #include "ops.h"
 
@@ -10,9 +11,14 @@
 namespace pagedserve {
 namespace {
 
-constexpr int64_t kPartition = 512;  // tokens per partition on the split path
-constexpr int64_t kTasksPerThread = 4;  // fewer (sequence, KV head) tasks than this per
-                                        // thread, with long contexts, splits them
+constexpr int64_t kMinPartition = 512;  // tokens: shorter parts cost more to merge
+constexpr int64_t kItemsPerThread = 4;  // the split aims for this many work items a thread
+
+// How many partitions each context is split into: 1 (no split) when there are enough
+// (sequence, KV head) tasks for the threads or the contexts are short.
+int64_t num_partitions(int64_t tasks, int64_t max_len, int threads) {
+  return std::min(cdiv(max_len, kMinPartition), cdiv(kItemsPerThread * threads, tasks));
+}
 
 template <typename T, int HEAD>
 void decode_whole(const PagedAttentionArgs<T>& a, const at::Tensor& block_tables,
@@ -56,9 +62,10 @@ struct Partials {
 template <typename T, int HEAD>
 void decode_partitioned(const PagedAttentionArgs<T>& a, const at::Tensor& block_tables,
                         const int64_t* seq_lens, int64_t num_seqs, int64_t max_len,
-                        int threads) {
+                        int64_t partitions, int threads) {
   const int64_t tasks = num_seqs * a.num_kv_heads;
-  Partials partials(tasks, cdiv(max_len, kPartition), a.group, a.head_size);
+  const int64_t part_len = cdiv(cdiv(max_len, partitions), kChunk) * kChunk;
+  Partials partials(tasks, partitions, a.group, a.head_size);
   const int64_t items = tasks * partials.partitions;
 #pragma omp parallel num_threads(threads)
   {
@@ -68,13 +75,13 @@ void decode_partitioned(const PagedAttentionArgs<T>& a, const at::Tensor& block_
     for (int64_t item = 0; item < items; ++item) {
       const int64_t task = item / partials.partitions, part = item % partials.partitions;
       const int64_t seq = task / a.num_kv_heads, kv_head = task % a.num_kv_heads;
-      const int64_t len = seq_lens[seq], begin = part * kPartition;
+      const int64_t len = seq_lens[seq], begin = part * part_len;
       if (begin >= len) continue;
       tile.start(a.group, len - 1, kv_head);
       for (int64_t g = 0; g < a.group; ++g) {
         tile.load_query(g, a.query_row(seq, kv_head * a.group + g));
       }
-      tile.attend(block_table_row(block_tables, seq), begin, std::min(len, begin + kPartition));
+      tile.attend(block_table_row(block_tables, seq), begin, std::min(len, begin + part_len));
       for (int64_t g = 0; g < a.group; ++g) {
         float* dst = partials.row(task, part, g);
         dst[0] = tile.max_logit(g);
@@ -90,7 +97,7 @@ void decode_partitioned(const PagedAttentionArgs<T>& a, const at::Tensor& block_
 #pragma omp for schedule(static)
     for (int64_t task = 0; task < tasks; ++task) {
       const int64_t seq = task / a.num_kv_heads, kv_head = task % a.num_kv_heads;
-      const int64_t parts = cdiv(seq_lens[seq], kPartition);
+      const int64_t parts = cdiv(seq_lens[seq], part_len);
       for (int64_t g = 0; g < a.group; ++g) {
         float m = kNegInf;
         for (int64_t p = 0; p < parts; ++p) m = std::max(m, partials.row(task, p, g)[0]);
@@ -123,9 +130,12 @@ void check_args(const at::Tensor& out, const at::Tensor& query, const at::Tensor
                         key_cache.scalar_type() == query.scalar_type() &&
                         value_cache.scalar_type() == query.scalar_type(),
                     "paged_attention_decode: out, query and caches must share a dtype");
-  TORCH_CHECK_VALUE(key_cache.size(3) == query.size(2) && key_cache.size(3) <= kMaxHeadSize &&
+  TORCH_CHECK_VALUE(key_cache.size(3) == query.size(2) && key_cache.size(2) > 0 &&
                         query.size(1) % key_cache.size(2) == 0,
                     "paged_attention_decode: head sizes or head counts disagree");
+  TORCH_CHECK_VALUE(key_cache.size(3) <= kMaxHeadSize, "paged_attention_decode: head_size ",
+                    key_cache.size(3), " is over the native CPU kernels' limit of ",
+                    kMaxHeadSize);
   TORCH_CHECK_VALUE(block_tables.dim() == 2 && block_tables.size(0) == query.size(0) &&
                         block_tables.stride(1) == 1 &&
                         (block_tables.scalar_type() == at::kInt ||
@@ -155,15 +165,15 @@ void paged_attention_decode(const at::Tensor& out, const at::Tensor& query,
                      key_cache.size(1), key_cache.size(0));
   if (num_seqs == 0) return;
   const int threads = at::get_num_threads();
-  const bool split = num_seqs * key_cache.size(2) < kTasksPerThread * threads &&
-                     max_len > kPartition;
+  const int64_t partitions = num_partitions(num_seqs * key_cache.size(2), max_len, threads);
   dispatch_dtype(query.scalar_type(), "paged_attention_decode", [&](auto tag) {
     using T = decltype(tag);
     const PagedAttentionArgs<T> args(out, query, key_cache, value_cache, scale);
     dispatch_head_size(args.head_size, [&](auto head) {
       constexpr int HEAD = decltype(head)::value;
-      if (split) {
-        decode_partitioned<T, HEAD>(args, block_tables, lens, num_seqs, max_len, threads);
+      if (partitions > 1) {
+        decode_partitioned<T, HEAD>(args, block_tables, lens, num_seqs, max_len, partitions,
+                                    threads);
       } else {
         decode_whole<T, HEAD>(args, block_tables, lens, num_seqs, threads);
       }

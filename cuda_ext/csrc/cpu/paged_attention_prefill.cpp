@@ -71,9 +71,12 @@ void check_args(const at::Tensor& out, const at::Tensor& query, const at::Tensor
                         key_cache.scalar_type() == query.scalar_type() &&
                         value_cache.scalar_type() == query.scalar_type(),
                     "paged_attention_prefill: out, query and caches must share a dtype");
-  TORCH_CHECK_VALUE(key_cache.size(3) == query.size(2) && key_cache.size(3) <= kMaxHeadSize &&
+  TORCH_CHECK_VALUE(key_cache.size(3) == query.size(2) && key_cache.size(2) > 0 &&
                         query.size(1) % key_cache.size(2) == 0,
                     "paged_attention_prefill: head sizes or head counts disagree");
+  TORCH_CHECK_VALUE(key_cache.size(3) <= kMaxHeadSize, "paged_attention_prefill: head_size ",
+                    key_cache.size(3), " is over the native CPU kernels' limit of ",
+                    kMaxHeadSize);
   const int64_t num_seqs = seq_lens.size(0);
   TORCH_CHECK_VALUE(block_tables.dim() == 2 && block_tables.size(0) == num_seqs &&
                         block_tables.stride(1) == 1 &&
