@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import torch
+
 from engine.worker.attention.backend import AttentionBackend, ReferenceBackend
 from engine.worker.attention.native import NativeCpuBackend, NativeCudaBackend
 from engine.worker.attention.sdpa import SdpaBackend
@@ -21,14 +23,16 @@ class BackendChoice:
     reason: str
 
 
-def select_backend(name: str = "auto", device: str = "cpu") -> BackendChoice:
+def select_backend(
+    name: str = "auto", device: str = "cpu", dtype: torch.dtype = torch.float32
+) -> BackendChoice:
     """'auto': the native kernels where they load (CPU for now), else torch's SDPA.
     'native' insists on the kernels (an error with the loader's reason if they cannot
     load); 'sdpa' and 'reference' are the torch backends."""
     if name not in NAMES:
         raise ValueError(f"attention_backend must be one of {list(NAMES)}, got {name!r}")
     if name in ("auto", "native"):
-        choice = _native(device)
+        choice = _native(device, dtype)
         if choice.backend is not None:
             return _chosen(choice)
         if name == "native":
@@ -38,11 +42,13 @@ def select_backend(name: str = "auto", device: str = "cpu") -> BackendChoice:
     return _chosen(BackendChoice(backend, f"attention_backend={name!r} was asked for"))
 
 
-def _native(device: str) -> BackendChoice:
+def _native(device: str, dtype: torch.dtype) -> BackendChoice:
     if str(device).startswith("cuda"):
         return _native_cuda()
     if not str(device).startswith("cpu"):
         return BackendChoice(None, f"no native kernels for device {device!r}")
+    if dtype not in (torch.float32, torch.bfloat16):
+        return BackendChoice(None, f"the native CPU kernels take float32 and bfloat16, not {dtype}")
     try:
         from cuda_ext.native_cpu import NativeCpuOps
     except ImportError as exc:  # a checkout without the kernels' sources
@@ -51,7 +57,7 @@ def _native(device: str) -> BackendChoice:
     _, reason = NativeCpuOps.available()
     if ops is None:
         return BackendChoice(None, reason)
-    return BackendChoice(NativeCpuBackend(ops), f"native CPU kernels loaded ({reason})")
+    return BackendChoice(NativeCpuBackend(ops), reason)
 
 
 def _native_cuda() -> BackendChoice:
