@@ -171,8 +171,8 @@ def _exclusive(lock_path: Path) -> Iterator[None]:
 
 
 def _summarize(exc: Exception) -> str:
-    """The first lines of a build error that say what failed (compiler errors first)."""
+    """The first lines of a failure: the compiler's `error:` lines where there are any."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    errors = [line for line in lines if "error" in line.lower()]
-    chosen = (errors or lines)[:_REASON_LINES] or [repr(exc)]
+    diagnostics = [line for line in lines if "error:" in line]
+    chosen = (diagnostics or lines)[:_REASON_LINES] or [repr(exc)]
     return f"{type(exc).__name__}: " + "\n".join(line[:300] for line in chosen)

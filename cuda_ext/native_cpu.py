@@ -8,6 +8,8 @@ Use:
     if ops is None:
         ok, reason = NativeCpuOps.available()  # (False, why); fall back to cuda_ext.reference
 
+(`available()` is also a module-level function here.)
+
 The first load on a machine compiles the kernels (about a minute, then cached; see
 `cuda_ext.build`); a process loads them once. Every op writes into its output tensors
 and returns None:

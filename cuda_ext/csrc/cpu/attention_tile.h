@@ -4,9 +4,11 @@
 //
 // A tile is the `group` query heads that share one KV head (GQA), for one or more
 // consecutive query tokens of one sequence: row r is head r % group of the tile's query
-// token r / group. Each K and V row is loaded (and converted to float) once per tile and
-// used for every row of it. Keys are taken kChunk at a time: scores for the chunk, one
-// max and rescale per row per chunk, then the V accumulation.
+// token r / group. Keys are taken kChunk at a time: scores for the chunk, one max and
+// rescale per row, then the V accumulation. The K pass loads each K row from memory once
+// (into registers, as float) and scores every row of the tile with it; the V pass keeps
+// one output row in registers while a block's V rows add into it, so the block comes
+// from memory for the first row and from cache for the others.
 #pragma once
 
 #include <cmath>
