@@ -116,7 +116,10 @@ def _build_and_import() -> tuple[ModuleType, Path]:
                 module = _build(name, build_dir)
                 marker.touch()
                 return module, build_dir
-    return _import(name, build_dir / f"{name}.so"), build_dir
+    try:
+        return _import(name, build_dir / f"{name}.so"), build_dir
+    except ImportError as exc:
+        raise ImportError(f"{exc} (delete {build_dir} to rebuild)") from exc
 
 
 def _build(name: str, build_dir: Path) -> ModuleType:

@@ -473,6 +473,17 @@ def test_a_missing_compiler_is_named(monkeypatch, tmp_path):
     assert result.module is None and "no C++ compiler: `no-such-compiler`" in result.reason
 
 
+def test_a_broken_cached_library_says_how_to_rebuild(monkeypatch, tmp_path):
+    monkeypatch.setenv(build.CACHE_ENV, str(tmp_path))
+    name = f"pagedserve_cpu_{build.build_key()}"
+    build_dir = tmp_path / "torch_extensions" / name
+    build_dir.mkdir(parents=True)
+    (build_dir / f"{name}.so").write_bytes(b"not a library")
+    (build_dir / "built").touch()
+    result = load_cpu_ops.__wrapped__()
+    assert result.module is None and f"delete {build_dir} to rebuild" in result.reason
+
+
 def test_changed_sources_change_the_build_directory(monkeypatch, tmp_path):
     first = build.build_key()
     monkeypatch.setattr(build, "CPU_SOURCES", write_sources(tmp_path, "int f() { return 1; }\n"))
