@@ -42,6 +42,13 @@ def _add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) ->
         help="what a preempted sequence's blocks do (swap needs --swap-space)",
     )
     p.add_argument(
+        "--attention-backend",
+        default="auto",
+        choices=["auto", "native", "sdpa", "reference"],
+        help="auto: the native kernels where they load, else torch SDPA (the choice and "
+        "why are logged and in /v1/info)",
+    )
+    p.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -161,6 +168,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         "enable_prefix_caching": args.enable_prefix_caching,
         "swap_space": args.swap_space,
         "preemption_mode": args.preemption_mode,
+        "attention_backend": args.attention_backend,
     }
 
 
