@@ -10,13 +10,12 @@ from tqdm.auto import tqdm
 
 from engine.core.stats import EngineStats
 from engine.engine_args import EngineArgs
-from engine.in_process import InProcessEngine
+from engine.in_process import InProcessEngine, Prompt
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.wiring import build_engine
 from engine.worker.worker import build_worker
 
-Prompt = str | list[int]
 Messages = list[dict[str, Any]]
 
 

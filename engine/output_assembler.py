@@ -15,7 +15,6 @@ class _Pending:
     """One request being assembled: its prompt, its outputs so far, its milestones."""
 
     output: RequestOutput
-    params: SamplingParams
     keep_logprobs: bool  # False: rows only sampled to rank best_of's sequences
     scores: dict[int, RankedSequence] = field(default_factory=dict)  # beam search, by index
 
@@ -51,7 +50,7 @@ class OutputAssembler:
             finished=False,
             metrics=RequestMetrics(time.time()),
         )
-        self._pending[request_id] = _Pending(output, params, keep_logprobs)
+        self._pending[request_id] = _Pending(output, keep_logprobs)
 
     def drop(self, request_id: str) -> None:
         self._pending.pop(request_id, None)

@@ -22,13 +22,13 @@ from engine.text.tokenizer import Tokenizer, load_tokenizer
 
 @dataclass(frozen=True)
 class EngineParts:
-    """One engine's pure-logic pieces. `block_manager` holds the authoritative block
+    """One engine's pure-logic pieces (the request limits are `processor.limits`).
+    `block_manager` holds the authoritative block
     tables when they live in a block-manager actor (the core then plans on a
     `BlockLedger` replica of them); None when the core's own tables are the real ones."""
 
     core: EngineCore
     processor: TextProcessor
-    limits: RequestLimits
     block_manager: BlockManager | None
 
 
@@ -63,4 +63,4 @@ def build_engine(
         config.scheduler.max_num_seqs,
     )
     manager = BlockManager(*tables) if with_block_manager else None
-    return EngineParts(core, TextProcessor(tokenizer, limits), limits, manager)
+    return EngineParts(core, TextProcessor(tokenizer, limits), manager)

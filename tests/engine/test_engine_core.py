@@ -77,7 +77,7 @@ def test_null_worker_drives_the_core_without_a_model():
 
     core = EngineCore(SchedulerConfig(8, 64, 128), BlockLedger(64, 4), frozenset())
     blocks, worker = BlockManager(64, 4), NullWorker(token_id=7)
-    parts = EngineParts(core, None, None, blocks)
+    parts = EngineParts(core, None, blocks)
     lengths = [1, 5, 12, 30]
     for i, n in enumerate(lengths):
         core.add_request(AddRequest(f"n{i}", (1, 2, 3), SamplingParams(max_tokens=n), 0.0))
@@ -106,8 +106,7 @@ def test_prefix_caching_one_step_ahead_matches_offline_without_it(model_dir, dep
     for turn, prompts in enumerate(turns):
         hits.append(core.scheduler.prefix_stats.hit_tokens)
         expected = offline.generate(prompts, params, use_tqdm=False)
-        for i, p in enumerate(prompts):
-            core.add_request(AddRequest(f"t{turn}-{i}", tuple(p), params, 0.0))
+        add_all(core, prompts, [params] * len(prompts), prefix=f"t{turn}-")
         outputs, _ = run_pipelined(parts, worker, depth)
         got = [outputs[f"t{turn}-{i}"] for i in range(len(prompts))]
         assert got == [o.outputs[0].token_ids for o in expected]

@@ -21,6 +21,7 @@ class NativeCpuBackend(AttentionBackend):
 
     name = "native"
     block_dim = 0
+    index_dtype = torch.int64  # of block tables, lengths and query offsets
 
     def __init__(self, ops) -> None:
         self.ops = ops
@@ -30,24 +31,28 @@ class NativeCpuBackend(AttentionBackend):
 
     def attend(self, query, key_cache, value_cache, metadata: AttentionMetadata, scale):
         out = torch.empty_like(query)  # [num_tokens, num_heads, head_size]
-        nd, tables, seq_lens = metadata.num_decodes, metadata.block_tables, metadata.seq_lens
+        nd, caches = metadata.num_decodes, (key_cache, value_cache)
+        tables = metadata.block_tables.to(self.index_dtype)  # no copy when already so
+        seq_lens = metadata.seq_lens.to(self.index_dtype)
         if nd:
-            self.ops.paged_attention_decode(
-                out[:nd], query[:nd], key_cache, value_cache, tables[:nd], seq_lens[:nd], scale
-            )
+            self._decode(out[:nd], query[:nd], *caches, tables[:nd], seq_lens[:nd], scale, metadata)
         if nd < metadata.num_seqs:
-            starts = metadata.query_start_loc[nd:] - metadata.query_start_loc[nd]
-            self.ops.paged_attention_prefill(
-                out[nd:],
-                query[nd:],
-                key_cache,
-                value_cache,
-                tables[nd:],
-                starts,
-                seq_lens[nd:],
-                scale,
+            starts = (metadata.query_start_loc[nd:] - metadata.query_start_loc[nd]).to(
+                self.index_dtype
             )
+            rows = (tables[nd:], starts, seq_lens[nd:])
+            self._prefill(out[nd:], query[nd:], *caches, *rows, scale, metadata)
         return out
+
+    def _decode(self, out, query, key_cache, value_cache, tables, seq_lens, scale, metadata):
+        self.ops.paged_attention_decode(out, query, key_cache, value_cache, tables, seq_lens, scale)
+
+    def _prefill(
+        self, out, query, key_cache, value_cache, tables, starts, seq_lens, scale, metadata
+    ):
+        self.ops.paged_attention_prefill(
+            out, query, key_cache, value_cache, tables, starts, seq_lens, scale
+        )
 
     def copy_blocks(self, kv_cache, src, dst) -> None:
         """Every layer's K and V blocks src[i] -> dst[i], in one call."""
@@ -70,34 +75,18 @@ class NativeCudaBackend(NativeCpuBackend):
     call here (a few hundred bytes). Not yet run on a GPU (see docs/performance.md)."""
 
     name = "native-cuda"
+    index_dtype = torch.int32
 
-    def attend(self, query, key_cache, value_cache, metadata: AttentionMetadata, scale):
-        out = torch.empty_like(query)
-        nd = metadata.num_decodes
-        tables = metadata.block_tables.to(torch.int32)
-        seq_lens = metadata.seq_lens.to(torch.int32)
-        if nd:
-            self.ops.paged_attention(
-                out[:nd],
-                query[:nd],
-                key_cache,
-                value_cache,
-                tables[:nd],
-                seq_lens[:nd],
-                scale,
-                max(metadata.seq_lens_cpu[:nd]),
-            )
-        if nd < metadata.num_seqs:
-            starts = (metadata.query_start_loc[nd:] - metadata.query_start_loc[nd]).to(torch.int32)
-            self.ops.prefill_attention(
-                out[nd:],
-                query[nd:],
-                key_cache,
-                value_cache,
-                tables[nd:],
-                starts,
-                seq_lens[nd:],
-                scale,
-                max(metadata.query_lens_cpu[nd:]),
-            )
-        return out
+    def _decode(self, out, query, key_cache, value_cache, tables, seq_lens, scale, metadata):
+        max_len = max(metadata.seq_lens_cpu[: metadata.num_decodes])  # host-side: no sync
+        self.ops.paged_attention(
+            out, query, key_cache, value_cache, tables, seq_lens, scale, max_len
+        )
+
+    def _prefill(
+        self, out, query, key_cache, value_cache, tables, starts, seq_lens, scale, metadata
+    ):
+        max_query = max(metadata.query_lens_cpu[metadata.num_decodes :])
+        self.ops.prefill_attention(
+            out, query, key_cache, value_cache, tables, starts, seq_lens, scale, max_query
+        )
