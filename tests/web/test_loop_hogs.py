@@ -1,7 +1,9 @@
 """Hostile requests do not hold up the others: one with 80,000 stop strings (0.87 MB),
 one that announces a 200 MiB body, and a megabyte of prompt are each refused by name,
-and a stream running beside them is not slowed beyond 10% (the stop list once slowed one
-21x, the megabyte prompt blocked the event loop for about a second)."""
+fast, and a stream running beside them neither loses a token nor stalls (the megabyte
+prompt once blocked the event loop for about a second; the stop list once slowed a
+stream 21x). How much the stream slows on average is a measurement, not a test:
+`bench/loop_hogs.py`."""
 
 from __future__ import annotations
 
@@ -18,23 +20,25 @@ import websockets
 STREAM = {"max_tokens": 1500, "ignore_eos": True}
 STOPS = json.dumps({"prompt": "x", "stop": ["stop-word"] * 80_000}).encode()
 PROMPT = json.dumps({"prompt": "word " * 200_000}).encode()
+# A stream's tokens arrive about a millisecond apart here; beside the hostile requests
+# the longest gap measured 40-160 ms on 2 cores. A blocked event loop shows as a gap of
+# the blocking time (about 1 s when the megabyte prompt was tokenized on the loop).
+STALL_S = 0.5
 
 
-async def stream_seconds(server, streaming: asyncio.Event | None = None) -> float:
-    """Seconds from the first to the last token of a 1,500-token WebSocket stream;
-    `streaming` is set at its first token."""
+async def token_times(server, streaming: asyncio.Event) -> list[float]:
+    """Arrival times of the tokens of a 1,500-token WebSocket stream, which ends on its
+    length; `streaming` is set at the first token."""
     async with websockets.connect(f"{server.ws}/v1/stream") as ws:
         message = {"type": "generate", "id": "s", "prompt": "Once", "params": STREAM}
         await ws.send(json.dumps(message))
-        first = last = None
+        times = []
         async with asyncio.timeout(60):
             while (event := json.loads(await ws.recv()))["type"] != "done":
-                last = time.monotonic()
-                first = first or last
-                if streaming is not None:
-                    streaming.set()
+                times.append(time.monotonic())
+                streaming.set()
         assert event["finish_reason"] == "length"
-    return last - first
+    return times
 
 
 def huge_body_head(port: int) -> str:
@@ -61,22 +65,26 @@ async def hostile(server) -> None:
         assert answer.elapsed.total_seconds() < 0.5
 
 
-@pytest.mark.timeout(300)
-async def test_refusing_hostile_requests_does_not_slow_a_concurrent_stream(builtin_server):
-    await stream_seconds(builtin_server)  # warm-up
-    ratios = []
-    alone = await stream_seconds(builtin_server)
-    for _ in range(5):  # each stream beside hostile requests against those alone around it
+def longest_gap(times: list[float], start: float, end: float) -> float:
+    """The longest wait between two tokens that overlaps [start, end]."""
+    return max((b - a for a, b in zip(times, times[1:]) if b >= start and a <= end), default=0.0)
+
+
+@pytest.mark.timeout(120)
+async def test_refusing_hostile_requests_does_not_stall_a_concurrent_stream(builtin_server):
+    stalls = []
+    for _ in range(3):  # the median of three rounds: one scheduling hiccup is not a stall
         streaming = asyncio.Event()
-        stream = asyncio.create_task(stream_seconds(builtin_server, streaming))
+        stream = asyncio.create_task(token_times(builtin_server, streaming))
         await asyncio.wait_for(streaming.wait(), 30)
+        start = time.monotonic()
         await hostile(builtin_server)
-        beside = await asyncio.wait_for(stream, 90)
-        after = await stream_seconds(builtin_server)
-        ratios.append(beside / ((alone + after) / 2))
-        alone = after
-    ratio = statistics.median(ratios)
-    assert ratio < 1.10, f"streams took {ratio:.2f}x as long beside hostile requests"
+        end = time.monotonic()
+        times = await asyncio.wait_for(stream, 60)
+        assert len(times) == STREAM["max_tokens"]
+        stalls.append(longest_gap(times, start, end))
+    stall = statistics.median(stalls)
+    assert stall < STALL_S, f"a stream stalled {stall:.2f} s beside hostile requests"
 
 
 def read_reply(sock: socket.socket) -> str:
