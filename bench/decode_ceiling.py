@@ -10,11 +10,13 @@ run, so the ratio compares; the absolute numbers depend on the machine.
 
     python bench/decode_ceiling.py --out bench/results/decode_ceiling.json
     python bench/decode_ceiling.py --quick
+    python bench/decode_ceiling.py --batch 8 64 --compile-model both   # torch.compile or not
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import platform
 import statistics
@@ -29,6 +31,9 @@ sys.path[:0] = [str(REPO), str(Path(__file__).resolve().parent)]
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from systems import MODEL_SHAPE, write_model  # noqa: E402
+
+
+COMPILE = {"off": (False,), "on": (True,), "both": (False, True)}
 
 
 def log(msg: str) -> None:
@@ -108,7 +113,9 @@ def dense_tok_s(model_dir: Path, batch: int, context: int, steps: int, dtype) ->
     return batch / statistics.median(times)
 
 
-def ours_tok_s(model_dir: Path, batch: int, context: int, steps: int, dtype: str, backend: str):
+def ours_tok_s(
+    model_dir: Path, batch: int, context: int, steps: int, dtype: str, backend: str, compiled: bool
+):
     from engine import LLM, SamplingParams
 
     llm = LLM(
@@ -118,6 +125,7 @@ def ours_tok_s(model_dir: Path, batch: int, context: int, steps: int, dtype: str
         max_num_seqs=batch,
         max_num_batched_tokens=max(2048, batch),
         attention_backend=backend,
+        compile_model=compiled,
     )
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=steps + 40, ignore_eos=True)
@@ -148,6 +156,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--backends", nargs="+", default=["auto", "sdpa"])
+    p.add_argument(
+        "--compile-model",
+        choices=["off", "on", "both"],
+        default="off",
+        help="ours eager, through torch.compile, or both side by side",
+    )
     p.add_argument("--quick", action="store_true", help="batch 8, 8 steps")
     p.add_argument("--out", type=Path)
     a = p.parse_args(argv)
@@ -162,14 +176,18 @@ def main(argv: list[str] | None = None) -> int:
         for batch in a.batch:
             ceiling = dense_tok_s(model_dir, batch, a.context, a.steps, dtype)
             log(f"batch {batch}: dense ceiling {ceiling:.1f} tok/s")
-            for backend in a.backends:
-                ours, chosen = ours_tok_s(model_dir, batch, a.context, a.steps, a.dtype, backend)
-                log(f"batch {batch}: ours ({chosen}) {ours:.1f} tok/s = {ours / ceiling:.0%}")
+            for backend, compiled in itertools.product(a.backends, COMPILE[a.compile_model]):
+                ours, chosen = ours_tok_s(
+                    model_dir, batch, a.context, a.steps, a.dtype, backend, compiled
+                )
+                how = f"{chosen}{', compiled' if compiled else ''}"
+                log(f"batch {batch}: ours ({how}) {ours:.1f} tok/s = {ours / ceiling:.0%}")
                 rows.append(
                     dict(
                         batch=batch,
                         backend=chosen,
                         asked=backend,
+                        compile_model=compiled,
                         ours_tok_s=round(ours, 1),
                         dense_ceiling_tok_s=round(ceiling, 1),
                         ours_over_ceiling=round(ours / ceiling, 3),

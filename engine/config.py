@@ -119,10 +119,13 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class DeviceConfig:
-    """Where the model runs and which attention backend it uses."""
+    """Where the model runs, which attention backend it uses, and whether the model's
+    forward pass goes through `torch.compile` (off by default: measured no faster on
+    CPU, see docs/performance.md)."""
 
     device: str = "cpu"
     attention_backend: str = "auto"
+    compile_model: bool = False
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:

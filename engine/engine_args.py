@@ -27,6 +27,7 @@ class EngineArgs:
     seed: int = 0
     device: str | None = None
     attention_backend: str = "auto"
+    compile_model: bool = False
     skip_tokenizer_init: bool = False
     enable_prefix_caching: bool = True
     swap_space: float = 0.0  # GiB
@@ -54,7 +55,7 @@ class EngineArgs:
                 self.preemption_mode,
             ),
             scheduler=scheduler,
-            device=DeviceConfig(device, self.attention_backend),
+            device=DeviceConfig(device, self.attention_backend, self.compile_model),
             tokenizer=self.tokenizer,
             skip_tokenizer_init=self.skip_tokenizer_init,
         )

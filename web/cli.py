@@ -49,6 +49,12 @@ def _add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) ->
         "why are logged and in /v1/info)",
     )
     p.add_argument(
+        "--compile-model",
+        action="store_true",
+        help="run the model's forward pass through torch.compile (the first steps of each "
+        "new shape compile; measured no faster on CPU: see docs/performance.md)",
+    )
+    p.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -169,6 +175,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         "swap_space": args.swap_space,
         "preemption_mode": args.preemption_mode,
         "attention_backend": args.attention_backend,
+        "compile_model": args.compile_model,
     }
 
 

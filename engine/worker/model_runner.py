@@ -13,6 +13,7 @@ from engine.core.request import Request
 from engine.core.scheduler_output import SchedulerOutput
 from engine.kv.block_count import cdiv
 from engine.worker.attention.selector import select_backend
+from engine.worker.compiled_model import compile_model
 from engine.worker.input_batch import ModelInput, build_model_input
 from engine.worker.kv_cache import (
     DEFAULT_CPU_KV_CACHE_MEMORY,
@@ -86,6 +87,9 @@ class ModelRunner:
         choice = select_backend(device_config.attention_backend, self.device, model_config.dtype)
         self.backend, self.backend_reason = choice.backend, choice.reason
         self.model = load_model(model_config, self.backend, self.device)
+        if device_config.compile_model:
+            compile_model(self.model)
+            logger.info("the model's forward pass runs through torch.compile")
         gen = torch.Generator(device=self.device).manual_seed(model_config.seed)
         self.sampler = Sampler(gen)
         self.kv_cache: KVCache = []
