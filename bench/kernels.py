@@ -29,6 +29,8 @@ sys.path[:0] = [str(REPO)]
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from engine.worker.huge_pages import zeros_on_huge_pages  # noqa: E402
+
 BLOCK_SIZE = 16
 
 
@@ -52,8 +54,9 @@ def case(ops, batch: int, context: int, heads: int, kv_heads: int, head: int, dt
     per_seq = -(-context // BLOCK_SIZE)
     num_blocks = batch * per_seq + 1
     shape = (num_blocks, BLOCK_SIZE, kv_heads, head)
-    key_cache = torch.randn(shape, generator=gen).to(dtype)
-    value_cache = torch.randn(shape, generator=gen).to(dtype)
+    # Both layouts on 2 MiB pages, as the engine allocates its CPU cache.
+    key_cache = zeros_on_huge_pages(shape, dtype).copy_(torch.randn(shape, generator=gen))
+    value_cache = zeros_on_huge_pages(shape, dtype).copy_(torch.randn(shape, generator=gen))
     tables = torch.randperm(num_blocks - 1, generator=gen)[: batch * per_seq].view(batch, per_seq)
     seq_lens = torch.full((batch,), context, dtype=torch.int64)
     query = torch.randn(batch, heads, head, generator=gen).to(dtype)
@@ -66,7 +69,8 @@ def case(ops, batch: int, context: int, heads: int, kv_heads: int, head: int, dt
     # The same K/V, contiguous per sequence and head: [B, KVH, context, D].
     k = key_cache[tables].reshape(batch, per_seq * BLOCK_SIZE, kv_heads, head)[:, :context]
     v = value_cache[tables].reshape(batch, per_seq * BLOCK_SIZE, kv_heads, head)[:, :context]
-    k, v = k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
+    dense_shape = (batch, kv_heads, context, head)
+    k, v = (zeros_on_huge_pages(dense_shape, dtype).copy_(x.transpose(1, 2)) for x in (k, v))
     q = query.unsqueeze(2)  # [B, H, 1, D]
 
     def contiguous():

@@ -8,6 +8,7 @@ import torch
 
 from engine.config import CacheConfig, ModelConfig
 from engine.kv.block_count import cdiv
+from engine.worker.huge_pages import zeros_on_huge_pages
 
 logger = logging.getLogger(__name__)
 
@@ -58,11 +59,12 @@ def cuda_budget_bytes(cache: CacheConfig, peak_bytes: int, device: torch.device)
 
 
 def allocate_kv_cache(model: ModelConfig, shape: tuple[int, ...], device: str) -> KVCache:
-    """Per layer, zeroed K and V caches of the attention backend's `shape`."""
-    return [
-        (
-            torch.zeros(shape, dtype=model.dtype, device=device),
-            torch.zeros(shape, dtype=model.dtype, device=device),
-        )
-        for _ in range(model.num_layers)
-    ]
+    """Per layer, zeroed K and V caches of the attention backend's `shape`; on the CPU,
+    on transparent huge pages where the system allows (engine/worker/huge_pages.py)."""
+
+    def zeros() -> torch.Tensor:
+        if str(device) == "cpu":
+            return zeros_on_huge_pages(shape, model.dtype)
+        return torch.zeros(shape, dtype=model.dtype, device=device)
+
+    return [(zeros(), zeros()) for _ in range(model.num_layers)]

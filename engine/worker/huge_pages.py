@@ -1,0 +1,46 @@
+"""Zeroed CPU tensors on transparent huge pages (2 MiB), where Linux allows them.
+
+The paged-attention kernels read each KV head's rows out of blocks scattered over the
+whole cache: on 4 KiB pages almost every block costs TLB misses (a 16-token block of 8
+heads of 64 float32 spans 8 pages, of which one head reads 512 bytes each). On 2 MiB
+pages a whole cache of a few GiB fits the TLB. Linux's default THP mode on many
+distributions is `madvise`: a region gets huge pages only when asked, before it is
+first touched, which is what `zeros_on_huge_pages` does. Elsewhere (other systems,
+THP off, a failing madvise) it is `torch.zeros`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import math
+import sys
+
+import torch
+
+HUGE_PAGE = 2 << 20  # bytes
+MADV_HUGEPAGE = 14  # <sys/mman.h> on Linux
+
+
+def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed contiguous CPU tensor whose memory is 2 MiB-aligned and advised
+    MADV_HUGEPAGE (a view of a slightly larger byte buffer); `torch.zeros` where that
+    cannot be done or would not help (under 2 MiB)."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if nbytes < HUGE_PAGE or not sys.platform.startswith("linux"):
+        return torch.zeros(shape, dtype=dtype)
+    raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
+    offset = -raw.data_ptr() % HUGE_PAGE
+    region = raw[offset : offset + nbytes]
+    _advise_huge(region.data_ptr(), nbytes // HUGE_PAGE * HUGE_PAGE)
+    return region.view(dtype).view(shape).zero_()  # first touch after the advice
+
+
+def _advise_huge(address: int, length: int) -> bool:
+    """madvise(MADV_HUGEPAGE) on [address, address + length); False where it fails."""
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return False
+    libc = ctypes.CDLL(name, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc.madvise(address, length, MADV_HUGEPAGE) == 0
