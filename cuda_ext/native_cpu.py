@@ -20,13 +20,19 @@ and returns None:
     ops.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
     ops.copy_blocks(key_caches, value_caches, block_mapping)
     ops.swap_blocks(src, dst, block_mapping)
+    ops.rms_norm(out, x, weight, eps)
+    ops.fused_add_rms_norm(x, residual, weight, eps)  # in place: both
+    ops.silu_and_mul(out, gate_up)
+    ops.rotary_embedding(positions, query, key, cos, sin)  # in place: query, key
 
 Layouts (one layer): key_cache, value_cache `[num_blocks, block_size, num_kv_heads,
 head_size]`, contiguous; a slot is `block_id * block_size + offset`. query/out/key/value
 rows may be strided views, with unit stride in the last dim. Index tensors are int64
 (block tables int32 or int64), contiguous. Everything lives on the CPU. The attention
 ops take float32 or bfloat16 (query, out and caches one dtype; math in float32); the copy
-ops take any dtype their tensors share. The math is `cuda_ext.reference`'s.
+ops take any dtype their tensors share. The elementwise ops (the last four) take
+float32 or bfloat16 rows `[num_tokens, d]` (query/key `[num_tokens, heads, head_size]`)
+with unit last stride and rows that do not overlap. The math is `cuda_ext.reference`'s.
 
 A bad argument raises ValueError naming it and what was expected. Data-dependent errors
 (a block id outside the cache, a slot past its end, a context longer than its block
@@ -48,7 +54,7 @@ BLOCK_TABLE_DTYPES = (torch.int32, torch.int64)
 
 
 class NativeCpuOps:
-    """The five native CPU ops, each checking its arguments before the kernel runs."""
+    """The native CPU ops, each checking its arguments before the kernel runs."""
 
     def __init__(self, module: ModuleType) -> None:
         self._ops = module
@@ -58,6 +64,16 @@ class NativeCpuOps:
         """The ops, compiled and loaded on first use; None where they cannot run."""
         result = load_cpu_ops()
         return None if result.module is None else cls(result.module)
+
+    @property
+    def unchecked(self) -> ModuleType:
+        """The compiled ops without these wrappers' Python checks, for hot paths whose
+        arguments are right by construction (the model's layer ops, called ~4 times a
+        layer). Same signatures. Every kernel still checks structure (ranks, sizes,
+        strides, dtypes, index ranges) and raises ValueError, never reading wild; only
+        the messages are terser. Why: the checks cost 4-8 us a call where the fused
+        kernels take about 1 us at batch 1 (docs/performance.md, "Fused layer ops")."""
+        return self._ops
 
     @staticmethod
     def available() -> tuple[bool, str]:
@@ -169,6 +185,86 @@ class NativeCpuOps:
         _check_index("block_mapping", block_mapping, (None, 2))
         self._ops.swap_blocks(src, dst, block_mapping)
 
+    def rms_norm(
+        self,
+        out: torch.Tensor,  # [num_tokens, hidden_size]; may be x
+        x: torch.Tensor,  # [num_tokens, hidden_size]
+        weight: torch.Tensor,  # [hidden_size]
+        eps: float,
+    ) -> None:
+        """out = weight * to_dtype(x * rsqrt(mean(x^2) + eps)), the norm in float32."""
+        _check_tokens("x", x, None)
+        _check_tokens("out", out, x)
+        _check_weight(weight, x)
+        self._ops.rms_norm(out, x, weight, float(eps))
+
+    def fused_add_rms_norm(
+        self,
+        x: torch.Tensor,  # [num_tokens, hidden_size], a sublayer's output; overwritten
+        residual: torch.Tensor,  # [num_tokens, hidden_size], the residual stream; updated
+        weight: torch.Tensor,  # [hidden_size]
+        eps: float,
+    ) -> None:
+        """In place: residual += x (rounded to the dtype); x = rms_norm(residual)."""
+        _check_tokens("x", x, None)
+        _check_tokens("residual", residual, x)
+        if x.numel() and residual.data_ptr() == x.data_ptr():
+            raise ValueError("residual must not be x: both are written")
+        _check_weight(weight, x)
+        self._ops.fused_add_rms_norm(x, residual, weight, float(eps))
+
+    def silu_and_mul(
+        self,
+        out: torch.Tensor,  # [num_tokens, d]
+        gate_up: torch.Tensor,  # [num_tokens, 2 * d]: [gate | up]
+    ) -> None:
+        """out = silu(gate) * up, rounded as torch's `F.silu(gate) * up`."""
+        _check_tokens("gate_up", gate_up, None)
+        if gate_up.shape[1] % 2:
+            raise ValueError(
+                f"gate_up must be [num_tokens, 2 * d] (an even last dim); got {_describe(gate_up)}"
+            )
+        shape = (gate_up.shape[0], gate_up.shape[1] // 2)
+        if out.shape != shape:
+            raise ValueError(f"out must be {list(shape)}; got {_describe(out)}")
+        _check_tokens("out", out, None)
+        if out.dtype != gate_up.dtype:
+            raise ValueError(f"out must have gate_up's dtype {gate_up.dtype}; got {out.dtype}")
+        self._ops.silu_and_mul(out, gate_up)
+
+    def rotary_embedding(
+        self,
+        positions: torch.Tensor,  # [num_tokens] int64, each < max_positions
+        query: torch.Tensor,  # [num_tokens, num_heads, head_size]; rotated in place
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]; rotated in place
+        cos: torch.Tensor,  # [max_positions, head_size], float32 or the query's dtype
+        sin: torch.Tensor,  # [max_positions, head_size], cos's dtype
+    ) -> None:
+        """Rotate-half rotary of every query and key head at its token's position.
+
+        Table rows repeat their angles in both halves (as `RotaryEmbedding` builds them);
+        the kernel reads the first half. A position outside the tables raises ValueError.
+        """
+        _check_index("positions", positions, (None,))
+        num_tokens = positions.shape[0]
+        _check_heads("query", query, num_tokens, None)
+        _check_heads("key", key, num_tokens, query)
+        head_size = query.shape[2]
+        for name, table in (("cos", cos), ("sin", sin)):
+            _check_cpu(name, table)
+            ok_dtype = table.dtype in (torch.float32, query.dtype)
+            if table.dim() != 2 or table.shape[1] != head_size or not table.is_contiguous():
+                raise ValueError(
+                    f"{name} must be contiguous [max_positions, {head_size}]; "
+                    f"got {_describe(table)}"
+                )
+            if not ok_dtype or table.dtype != cos.dtype or table.shape != cos.shape:
+                raise ValueError(
+                    f"{name} must be float32 or {query.dtype}, cos and sin alike; "
+                    f"got cos {_describe(cos)}, sin {_describe(sin)}"
+                )
+        self._ops.rotary_embedding(positions, query, key, cos, sin)
+
 
 available = NativeCpuOps.available
 
@@ -254,3 +350,52 @@ def _check_index(name: str, t: torch.Tensor, shape: tuple[int | None, ...] | Non
     if t.dtype != torch.int64 or not shape_ok or not t.is_contiguous():
         dims = ", ".join("n" if want is None else str(want) for want in expected)
         raise ValueError(f"{name} must be contiguous int64 [{dims}]; got {_describe(t)}")
+
+
+def _rows_apart(t: torch.Tensor) -> bool:
+    """Unit last stride, and rows (dim 0) that do not overlap: safe to write in parallel."""
+    rows, cols = t.shape[0], t.shape[-1]
+    return (cols <= 1 or t.stride(-1) == 1) and (rows <= 1 or t.stride(0) >= cols)
+
+
+def _check_tokens(name: str, t: torch.Tensor, like: torch.Tensor | None) -> None:
+    """t: [num_tokens, d] float32/bfloat16 rows (like `like`'s shape and dtype if given)."""
+    _check_cpu(name, t)
+    if like is not None and (t.shape != like.shape or t.dtype != like.dtype):
+        raise ValueError(f"{name} must be {list(like.shape)} {like.dtype}; got {_describe(t)}")
+    if t.dim() != 2 or t.dtype not in ATTENTION_DTYPES or not _rows_apart(t):
+        raise ValueError(
+            f"{name} must be [num_tokens, d] float32 or bfloat16 with unit last stride and "
+            f"rows that do not overlap; got {_describe(t)} with strides {t.stride()}"
+        )
+
+
+def _check_weight(weight: torch.Tensor, x: torch.Tensor) -> None:
+    _check_cpu("weight", weight)
+    if weight.shape != x.shape[1:] or weight.dtype != x.dtype or not weight.is_contiguous():
+        raise ValueError(
+            f"weight must be contiguous [{x.shape[1]}] {x.dtype} (x's hidden size and dtype); "
+            f"got {_describe(weight)}"
+        )
+
+
+def _check_heads(name: str, t: torch.Tensor, num_tokens: int, query: torch.Tensor | None) -> None:
+    """t: [num_tokens, heads, head_size] float32/bfloat16, head_size even (query's for a
+    key), unit last stride, heads and tokens that do not overlap."""
+    _check_cpu(name, t)
+    head_size = query.shape[2] if query is not None else (t.shape[2] if t.dim() == 3 else 0)
+    shape_ok = t.dim() == 3 and t.shape[0] == num_tokens and t.shape[2] == head_size
+    if not shape_ok or head_size % 2 or t.dtype not in ATTENTION_DTYPES:
+        size = head_size if query is not None else "head_size (even)"
+        raise ValueError(
+            f"{name} must be [{num_tokens}, heads, {size}] float32 or bfloat16; got {_describe(t)}"
+        )
+    if query is not None and t.dtype != query.dtype:
+        raise ValueError(f"{name} must have the query's dtype {query.dtype}; got {t.dtype}")
+    heads_apart = t.shape[1] <= 1 or t.stride(1) >= head_size
+    tokens_apart = num_tokens <= 1 or t.stride(0) >= t.shape[1] * max(t.stride(1), head_size)
+    if t.stride(2) != 1 or not heads_apart or not tokens_apart:
+        raise ValueError(
+            f"{name} must have unit last stride and heads that do not overlap; "
+            f"got strides {t.stride()}"
+        )

@@ -1,12 +1,18 @@
-"""Pure-torch reference kernels for the paged KV cache: the test oracle and the fallback.
+"""Pure-torch reference kernels: the test oracle and the fallback.
 
-Cache layout (one layer): key_cache, value_cache `[num_blocks, block_size, num_kv_heads,
-head_size]`. A slot is `block_id * block_size + offset`.
+The paged KV cache ops: cache layout (one layer) key_cache, value_cache `[num_blocks,
+block_size, num_kv_heads, head_size]`; a slot is `block_id * block_size + offset`.
+
+The elementwise ops of a Llama decoder layer (RMSNorm, the residual add before it,
+SwiGLU's activation, rotary): Hugging Face's math op for op, so each intermediate is
+rounded to the input's dtype where transformers rounds it. They return new tensors and
+leave their inputs alone; the native versions (`cuda_ext.native_cpu`) write in place.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def reshape_and_cache(
@@ -98,3 +104,51 @@ def swap_blocks(
     """Copies blocks src[i] of one cache into blocks dst[i] of another (swap out / in)."""
     moved = src_cache.index_select(block_dim, src.to(src_cache.device))
     dst_cache.index_copy_(block_dim, dst.to(dst_cache.device), moved.to(dst_cache.device))
+
+
+def rms_norm(
+    x: torch.Tensor,  # [..., hidden_size]
+    weight: torch.Tensor,  # [hidden_size]
+    eps: float,
+) -> torch.Tensor:  # [..., hidden_size]
+    """HF LlamaRMSNorm: the norm in float32, rounded to x's dtype, then times weight."""
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor,  # [..., hidden_size], a sublayer's output
+    residual: torch.Tensor,  # [..., hidden_size], the residual stream
+    weight: torch.Tensor,  # [hidden_size]
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # (normalized, new residual), both [..., hidden_size]
+    """The residual add before a pre-norm: `residual + x` (in x's dtype), normalized."""
+    residual = residual + x
+    return rms_norm(residual, weight, eps), residual
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [..., 2 * d] -> [..., d]
+    """SwiGLU's activation: silu(gate) * up, for gate_up = [gate | up] on the last dim."""
+    d = gate_up.shape[-1] // 2
+    return F.silu(gate_up[..., :d]) * gate_up[..., d:]
+
+
+def rotary_embedding(
+    positions: torch.Tensor,  # [num_tokens] int64
+    query: torch.Tensor,  # [num_tokens, num_heads, head_size]
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+    cos: torch.Tensor,  # [max_positions, head_size]: cos of [angles | angles]
+    sin: torch.Tensor,  # [max_positions, head_size]: sin of [angles | angles]
+) -> tuple[torch.Tensor, torch.Tensor]:  # rotated (query, key), same shapes
+    """Rotate-half (GPT-NeoX) rotary: x * cos + rotate_half(x) * sin, with the tables
+    rounded to the heads' dtype. A table row repeats its angles in both halves."""
+    cos = cos[positions].unsqueeze(1).to(query.dtype)  # [num_tokens, 1, head_size]
+    sin = sin[positions].unsqueeze(1).to(query.dtype)
+    return query * cos + _rotate_half(query) * sin, key * cos + _rotate_half(key) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:  # [..., head_size]: [-x2 | x1]
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)

@@ -22,4 +22,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("value_caches"), py::arg("block_mapping"));
   m.def("swap_blocks", &pagedserve::swap_blocks, nogil, py::arg("src"), py::arg("dst"),
         py::arg("block_mapping"));
+  m.def("rms_norm", &pagedserve::rms_norm, nogil, py::arg("out"), py::arg("x"),
+        py::arg("weight"), py::arg("eps"));
+  m.def("fused_add_rms_norm", &pagedserve::fused_add_rms_norm, nogil, py::arg("x"),
+        py::arg("residual"), py::arg("weight"), py::arg("eps"));
+  m.def("silu_and_mul", &pagedserve::silu_and_mul, nogil, py::arg("out"), py::arg("gate_up"));
+  m.def("rotary_embedding", &pagedserve::rotary_embedding, nogil, py::arg("positions"),
+        py::arg("query"), py::arg("key"), py::arg("cos"), py::arg("sin"));
 }

@@ -37,4 +37,25 @@ void copy_blocks(const std::vector<at::Tensor>& key_caches,
 // src, dst: caches of one block shape, blocks along dim 0; block_mapping: [n, 2] int64.
 void swap_blocks(const at::Tensor& src, const at::Tensor& dst, const at::Tensor& block_mapping);
 
+// The elementwise ops of a Llama decoder layer. Rows: [num_tokens, d] with unit last
+// stride (any row stride); float32 or bfloat16, math in float32, rounded where torch's
+// op chain rounds (see cuda_ext/reference.py).
+
+// out = weight * to_dtype(x * rsqrt(mean(x^2) + eps)); out: like x, may be x;
+// weight: [hidden_size], x's dtype.
+void rms_norm(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps);
+
+// In place: residual = residual + x; x = rms_norm(residual) (x, residual: like each other).
+void fused_add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                        const at::Tensor& weight, double eps);
+
+// out: [num_tokens, d] = silu(gate_up[:, :d]) * gate_up[:, d:]; gate_up: [num_tokens, 2 * d].
+void silu_and_mul(const at::Tensor& out, const at::Tensor& gate_up);
+
+// In place, rotate-half: query [num_tokens, num_heads, head_size], key [num_tokens,
+// num_kv_heads, head_size] (unit last stride); positions: [num_tokens] int64; cos, sin:
+// [max_positions, head_size] float32 or the heads' dtype (the first half of a row is read).
+void rotary_embedding(const at::Tensor& positions, const at::Tensor& query,
+                      const at::Tensor& key, const at::Tensor& cos, const at::Tensor& sin);
+
 }  // namespace pagedserve
