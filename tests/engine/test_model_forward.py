@@ -14,8 +14,11 @@ import pytest
 import torch
 import transformers as hf
 
+from cuda_ext.native_cpu import NativeCpuOps
 from engine.worker.attention import AttentionMetadata, ReferenceBackend, SdpaBackend
+from engine.worker.attention.native import NativeCpuBackend
 from engine.worker.models.gpt2 import GPT2LMHeadModel
+from engine.worker.models.layer_ops import TORCH_LAYER_OPS
 from engine.worker.models.layers import PagedAttention
 from engine.worker.models.llama import (
     LlamaForCausalLM,
@@ -71,7 +74,18 @@ CASES = {
         {**_OPT, "enable_bias": False, "layer_norm_elementwise_affine": False},
     ),
 }
-BACKENDS = {"reference": ReferenceBackend, "sdpa": SdpaBackend}
+
+
+def native_backend() -> NativeCpuBackend:
+    """The native CPU attention backend (Llama models built on it take the fused native
+    layer ops), or a skip with the loader's reason."""
+    ops = NativeCpuOps.load()
+    if ops is None:
+        pytest.skip(f"native CPU kernels unavailable: {NativeCpuOps.available()[1]}")
+    return NativeCpuBackend(ops)
+
+
+BACKENDS = {"reference": ReferenceBackend, "sdpa": SdpaBackend, "native": native_backend}
 
 
 @functools.cache
@@ -233,3 +247,41 @@ def test_unsupported_configs_are_rejected_clearly() -> None:
         GPT2LMHeadModel(hf.GPT2Config(**_GPT2, activation_function="mish"), ReferenceBackend())
     with pytest.raises(ValueError, match="add_cross_attention"):
         GPT2LMHeadModel(hf.GPT2Config(**_GPT2, add_cross_attention=True), ReferenceBackend())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_llama_layer_ops_follow_the_attention_backend(backend: str) -> None:
+    model = our_model("qwen3", backend)
+    expected = "native" if backend == "native" else "torch"
+    layer = model.model.layers[0]
+    assert model.model.norm.ops.name == expected
+    assert layer.mlp.ops.name == layer.self_attn.rotary_emb.ops.name == expected
+    assert layer.self_attn.q_norm.ops.name == "torch"  # per head: not rows the kernel takes
+
+
+def test_native_layer_ops_match_torch_ops_in_bfloat16() -> None:
+    """The fused path (in-place residual stream, rotary in the QKV output) gives the torch
+    path's logits over a mixed paged batch, up to bfloat16 rounding."""
+    backend = native_backend()
+    weights = hf_model("llama").state_dict().items()
+    models = {}
+    for name, ops in (("native", None), ("torch", TORCH_LAYER_OPS)):
+        model = LlamaForCausalLM(hf_model("llama").config, backend, layer_ops=ops)
+        model.load_weights(weights)
+        models[name] = model.to(torch.bfloat16).eval()
+    assert models["native"].model.norm.ops.name == "native"
+    tokens = random_tokens(13, seed=6)
+    blocks = shuffled_blocks(7)
+    steps = [[(blocks[:2], 0, 1), (blocks[2:6], 0, 9)], [(blocks[:2], 1, 1), (blocks[2:6], 9, 4)]]
+    logits = {}
+    for name, model in models.items():
+        caches = [(k.bfloat16(), v.bfloat16()) for k, v in make_kv_caches(model)]
+        outs = []
+        for rows in steps:
+            metadata, positions = make_metadata(rows)
+            ids = torch.tensor([tokens[(start + i) % 13] for _, start, n in rows for i in range(n)])
+            with torch.no_grad():
+                outs.append(model.compute_logits(model(ids, positions, caches, metadata)))
+        logits[name] = torch.cat(outs)
+    scale = logits["torch"].abs().max().item()
+    torch.testing.assert_close(logits["native"], logits["torch"], atol=0.01 * scale, rtol=0)

@@ -11,6 +11,7 @@ from torch import nn
 
 from engine.worker.attention.backend import AttentionBackend
 from engine.worker.attention.metadata import AttentionMetadata
+from engine.worker.models.layer_ops import TORCH_LAYER_OPS, LayerOps
 
 
 class MergedLinear(nn.Linear):
@@ -29,18 +30,25 @@ class MergedLinear(nn.Linear):
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm computed in float32, scaled in the input dtype."""
+    """Root-mean-square norm computed in float32, scaled in the input dtype (HF's), by
+    `ops`; `forward_residual` first adds a sublayer's output into the residual stream."""
 
-    def __init__(self, size: int, eps: float) -> None:
+    def __init__(self, size: int, eps: float, ops: LayerOps = TORCH_LAYER_OPS) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.ops = ops
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., size]
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., size] (native: [T, size])
+        return self.ops.rms_norm(x, self.weight, self.eps)
+
+    def forward_residual(
+        self,
+        x: torch.Tensor,  # [num_tokens, size], a sublayer's output
+        residual: torch.Tensor,  # [num_tokens, size]
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (norm(residual + x), residual + x)
+        """May overwrite x and residual (the native ops do): use what it returns."""
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def rope_parameters(hf_config) -> dict:
@@ -82,27 +90,24 @@ def _llama3_inv_freq(inv: torch.Tensor, p: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotate-half rotary embedding with a precomputed cos/sin table per position."""
+    """Rotate-half rotary embedding with a precomputed cos/sin table per position,
+    applied by `ops` (the native ops rotate q and k in place)."""
 
-    def __init__(self, head_size: int, max_positions: int, params: dict) -> None:
+    def __init__(
+        self, head_size: int, max_positions: int, params: dict, ops: LayerOps = TORCH_LAYER_OPS
+    ) -> None:
         super().__init__()
         inv = _inv_freq(head_size, params)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv)
         emb = torch.cat([freqs, freqs], dim=-1)  # [max_positions, head_size]
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
+        self.ops = ops
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:  # q [T, H, D], k [T, KVH, D]
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return self.ops.rotary(positions, q, k, self.cos, self.sin)
 
 
 class PagedAttention(nn.Module):

@@ -2,16 +2,20 @@
 
 They differ only in small switches read from the HF config: biases on q/k/v (Qwen2),
 per-head RMSNorm on q and k (Qwen3), explicit head_dim, tied embeddings.
+
+Layers pass (hidden, residual) along: each one adds the previous sublayer's output into
+the residual stream inside its pre-norm (`RMSNorm.forward_residual`), which the native
+layer ops (`layer_ops.py`) fuse into one pass.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.worker.attention.backend import AttentionBackend
 from engine.worker.models.base import CausalLM
+from engine.worker.models.layer_ops import LayerOps, layer_ops_for
 from engine.worker.models.layers import (
     MergedLinear,
     PagedAttention,
@@ -24,7 +28,9 @@ from engine.worker.models.layers import (
 class LlamaAttention(nn.Module):
     """Fused q/k/v projection, rotary, paged attention, output projection."""
 
-    def __init__(self, cfg, backend: AttentionBackend, qkv_bias: bool, qk_norm: bool) -> None:
+    def __init__(
+        self, cfg, backend: AttentionBackend, ops: LayerOps, qkv_bias: bool, qk_norm: bool
+    ) -> None:
         super().__init__()
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
@@ -34,12 +40,12 @@ class LlamaAttention(nn.Module):
         bias = qkv_bias or bool(getattr(cfg, "attention_bias", False))
         self.qkv_proj = MergedLinear(hidden, (q_size, kv_size, kv_size), bias=bias)
         self.o_proj = nn.Linear(q_size, hidden, bias=bool(getattr(cfg, "attention_bias", False)))
-        if qk_norm:
+        if qk_norm:  # over [T, heads, head_size]: torch's ops (the native ones take rows)
             self.q_norm = RMSNorm(self.head_size, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_size, cfg.rms_norm_eps)
         self.qk_norm = qk_norm
         self.rotary_emb = RotaryEmbedding(
-            self.head_size, cfg.max_position_embeddings, rope_parameters(cfg)
+            self.head_size, cfg.max_position_embeddings, rope_parameters(cfg), ops
         )
         self.attn = PagedAttention(
             self.num_heads, self.num_kv_heads, self.head_size, self.head_size**-0.5, backend
@@ -60,8 +66,9 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """SwiGLU feed-forward: down(silu(gate(x)) * up(x)), gate and up in one matmul."""
 
-    def __init__(self, cfg) -> None:
+    def __init__(self, cfg, ops: LayerOps) -> None:
         super().__init__()
+        self.ops = ops
         bias = bool(getattr(cfg, "mlp_bias", False))
         sizes = (cfg.intermediate_size, cfg.intermediate_size)
         self.gate_up_proj = MergedLinear(cfg.hidden_size, sizes, bias=bias)
@@ -69,43 +76,62 @@ class LlamaMLP(nn.Module):
         if getattr(cfg, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (silu)")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden_size] -> same
+        gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate_size]
+        return self.down_proj(self.ops.silu_and_mul(gate_up))
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm residual block: attention then MLP."""
+    """Pre-norm residual block: attention then MLP.
 
-    def __init__(self, cfg, backend, qkv_bias: bool, qk_norm: bool) -> None:
+    Takes the previous layer's output and the residual stream (None before the first
+    layer, where the embedding is the stream) and returns the MLP's output and the
+    stream; the next norm adds the two.
+    """
+
+    def __init__(self, cfg, backend, ops: LayerOps, qkv_bias: bool, qk_norm: bool) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, backend, qkv_bias, qk_norm)
-        self.mlp = LlamaMLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = LlamaAttention(cfg, backend, ops, qkv_bias=qkv_bias, qk_norm=qk_norm)
+        self.mlp = LlamaMLP(cfg, ops)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
-    def forward(self, positions, hidden, kv_cache, metadata) -> torch.Tensor:
-        h = self.self_attn(positions, self.input_layernorm(hidden), kv_cache, metadata)
-        hidden = hidden + h
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(
+        self,
+        positions: torch.Tensor,  # [T]
+        hidden: torch.Tensor,  # [T, hidden_size]
+        residual: torch.Tensor | None,  # [T, hidden_size]
+        kv_cache,
+        metadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (MLP output, residual), [T, hidden_size] each
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm.forward_residual(hidden, residual)
+        hidden = self.self_attn(positions, hidden, kv_cache, metadata)
+        hidden, residual = self.post_attention_layernorm.forward_residual(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
     """Embedding, decoder layers, final norm (HF's `model.` prefix)."""
 
-    def __init__(self, cfg, backend, qkv_bias: bool, qk_norm: bool) -> None:
+    def __init__(self, cfg, backend, ops: LayerOps, qkv_bias: bool, qk_norm: bool) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, backend, qkv_bias, qk_norm) for _ in range(cfg.num_hidden_layers)
+            LlamaDecoderLayer(cfg, backend, ops, qkv_bias=qkv_bias, qk_norm=qk_norm)
+            for _ in range(cfg.num_hidden_layers)
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
     def forward(self, input_ids, positions, kv_caches, metadata) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)  # [T, hidden_size]
+        hidden, residual = self.embed_tokens(input_ids), None  # [T, hidden_size]
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(positions, hidden, kv_cache, metadata)
-        return self.norm(hidden)
+            hidden, residual = layer(positions, hidden, residual, kv_cache, metadata)
+        if residual is None:  # no layers
+            return self.norm(hidden)
+        return self.norm.forward_residual(hidden, residual)[0]
 
 
 class LlamaForCausalLM(CausalLM):
@@ -121,9 +147,12 @@ class LlamaForCausalLM(CausalLM):
         ".up_proj.": (".gate_up_proj.", 1),
     }
 
-    def __init__(self, cfg, backend: AttentionBackend) -> None:
+    def __init__(self, cfg, backend: AttentionBackend, layer_ops: LayerOps | None = None) -> None:
+        """`layer_ops`: the norms', rotary's and MLP's ops; by default the ones that
+        go with `backend` (`layer_ops_for`)."""
         super().__init__()
-        self.model = LlamaModel(cfg, backend, self.qkv_bias, self.qk_norm)
+        ops = layer_ops if layer_ops is not None else layer_ops_for(backend)
+        self.model = LlamaModel(cfg, backend, ops, qkv_bias=self.qkv_bias, qk_norm=self.qk_norm)
         tie = "model.embed_tokens" if getattr(cfg, "tie_word_embeddings", False) else None
         self.init_lm_head(cfg.hidden_size, cfg.vocab_size, tie)
 
