@@ -32,7 +32,6 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from systems import MODEL_SHAPE, write_model  # noqa: E402
 
-
 COMPILE = {"off": (False,), "on": (True,), "both": (False, True)}
 
 

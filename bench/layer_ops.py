@@ -54,7 +54,8 @@ def torch_twin(runner, dtype: torch.dtype):
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        plain = type(fused)(runner.model_config.hf_config, runner.backend, layer_ops=TORCH_LAYER_OPS)
+        config = runner.model_config.hf_config
+        plain = type(fused)(config, runner.backend, layer_ops=TORCH_LAYER_OPS)
     finally:
         torch.set_default_dtype(previous)
     plain.load_state_dict(fused.state_dict())
@@ -96,7 +97,8 @@ def step_times(model_dir: str, dtype: str, batch: int, context: int, steps: int)
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--models", nargs="+", choices=sorted(SHAPES), default=sorted(SHAPES))
-    p.add_argument("--dtypes", nargs="+", choices=["float32", "bfloat16"], default=["float32", "bfloat16"])
+    dtypes = ["float32", "bfloat16"]
+    p.add_argument("--dtypes", nargs="+", choices=dtypes, default=dtypes)
     p.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--steps", type=int, default=40, help="timed steps of each (median)")

@@ -88,10 +88,15 @@ async def rounds(port: int, n: int) -> list[dict]:
         await hostile(http, port)
         beside = await stream
         after = await stream_seconds(ws)
-        rows.append(dict(alone_s=alone, beside_s=beside, after_s=after,
-                         ratio=beside / ((alone + after) / 2)))
-        log(f"round {i + 1}/{n}: beside {beside:.3f} s, alone {alone:.3f}/{after:.3f} s, "
-            f"x{rows[-1]['ratio']:.3f}")
+        rows.append(
+            dict(
+                alone_s=alone, beside_s=beside, after_s=after, ratio=beside / ((alone + after) / 2)
+            )
+        )
+        log(
+            f"round {i + 1}/{n}: beside {beside:.3f} s, alone {alone:.3f}/{after:.3f} s, "
+            f"x{rows[-1]['ratio']:.3f}"
+        )
         alone = after
     return rows
 
@@ -101,8 +106,9 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--out", type=Path, default=None, help="JSON path (a PNG beside it)")
     a = parser.parse_args()
-    server = ServerProcess(["--max-num-seqs", "64", "--kv-cache-memory", str(64 << 20)],
-                           env={"OMP_NUM_THREADS": "1"})
+    server = ServerProcess(
+        ["--max-num-seqs", "64", "--kv-cache-memory", str(64 << 20)], env={"OMP_NUM_THREADS": "1"}
+    )
     log("starting pagedserve serve (built-in model)")
     server.start(timeout=180)
     try:

@@ -67,7 +67,8 @@ async def hostile(server) -> None:
 
 def longest_gap(times: list[float], start: float, end: float) -> float:
     """The longest wait between two tokens that overlaps [start, end]."""
-    return max((b - a for a, b in zip(times, times[1:]) if b >= start and a <= end), default=0.0)
+    gaps = (b - a for a, b in zip(times, times[1:], strict=False) if b >= start and a <= end)
+    return max(gaps, default=0.0)
 
 
 @pytest.mark.timeout(120)
