@@ -61,7 +61,9 @@ async def test_a_frozen_worker_fails_its_requests_and_the_engine_recovers_when_i
 
 @pytest.fixture(scope="module")
 def timed_server():
-    server = start_server(extra=["--request-timeout", "1"])
+    # A quarter second: the built-in model's longest request (LONG) takes about 1.2 s
+    # here, a 2-token one a few milliseconds.
+    server = start_server(extra=["--request-timeout", "0.25"])
     yield server
     stop_server(server)
 
@@ -71,7 +73,7 @@ async def test_the_request_timeout_ends_a_request_that_runs_too_long(timed_serve
     start = time.monotonic()
     plain = httpx.post(f"{server.http}/v1/completions", json={"prompt": "Once", **LONG}, timeout=30)
     assert plain.status_code == 504 and plain.json()["error"]["code"] == "timeout"
-    assert "request timeout of 1 s" in plain.json()["error"]["message"]
+    assert "request timeout of 0.25 s" in plain.json()["error"]["message"]
     assert time.monotonic() - start < 3.0
     async with websockets.connect(f"{server.ws}/v1/stream") as ws:
         message = {"type": "generate", "id": "w", "prompt": "Once", "params": LONG}
