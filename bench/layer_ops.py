@@ -26,6 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(Path(__file__).resolve().parent)]
 
 import torch  # noqa: E402
+from report import write_report  # noqa: E402
 from systems import MODEL_SHAPE, write_model  # noqa: E402
 
 SMOLLM2_SHAPE = dict(
@@ -131,12 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         rows=rows,
         machine=dict(platform=platform.platform(), python=platform.python_version()),
     )
-    text = json.dumps(result, indent=1)
-    if a.out:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(text)
-        plot(result, a.out.with_suffix(".png"))
-    print(text)
+    write_report(result, a.out, lambda path: plot(result, path))
     return 0
 
 

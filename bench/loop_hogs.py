@@ -23,10 +23,11 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path[:0] = [str(REPO), str(Path(__file__).resolve().parent)]
 
 import httpx  # noqa: E402
 import websockets  # noqa: E402
+from report import write_report  # noqa: E402
 
 from web.launch import ServerProcess  # noqa: E402
 
@@ -122,12 +123,7 @@ def main() -> int:
         rows=rows,
         machine=dict(platform=platform.platform(), python=platform.python_version()),
     )
-    text = json.dumps(result, indent=1)
-    if a.out:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(text)
-        plot(result, a.out.with_suffix(".png"))
-    print(text)
+    write_report(result, a.out, lambda path: plot(result, path))
     return 0
 
 
