@@ -34,9 +34,15 @@ class ChoiceTally:
         return "".join(self.texts)
 
 
-def usage(tallies: dict[int, ChoiceTally]) -> dict[str, int]:
-    """Prompt and completion tokens summed over the choices."""
-    prompt = sum(t.num_prompt_tokens for t in tallies.values())
+def usage(tallies: dict[int, ChoiceTally], choices_per_prompt: int) -> dict[str, int]:
+    """Completion tokens summed over the choices; prompt tokens over the prompts, each
+    counted once however many choices it has (choice `i` is of prompt
+    `i // choices_per_prompt`), as OpenAI counts them."""
+    per_prompt: dict[int, int] = {}
+    for index, tally in tallies.items():
+        p = index // choices_per_prompt
+        per_prompt[p] = max(per_prompt.get(p, 0), tally.num_prompt_tokens)
+    prompt = sum(per_prompt.values())
     completion = sum(t.num_output_tokens for t in tallies.values())
     total = prompt + completion
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": total}

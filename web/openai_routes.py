@@ -186,7 +186,7 @@ class OpenAIRoutes:
             "created": int(time.time()),
             "model": self.config.model_name,
             "choices": choices,
-            "usage": usage(tallies),
+            "usage": usage(tallies, job.params.n),
         }
 
     def _aborted(self, tallies: dict[int, ChoiceTally]) -> ApiError:
@@ -239,7 +239,7 @@ class OpenAIRoutes:
                         choice = self._chunk(index, out, chat, job, first_chunk)
                         yield sse({**head, "choices": [choice]})
             if job.include_usage:
-                yield sse({**head, "choices": [], "usage": usage(tallies)})
+                yield sse({**head, "choices": [], "usage": usage(tallies, job.params.n)})
             yield "data: [DONE]\n\n"
         finally:
             await items.aclose()

@@ -57,6 +57,31 @@ async def test_completion_greedy_equals_offline(served) -> None:
     assert usage.completion_tokens == out.usage.completion_tokens
 
 
+async def test_usage_counts_each_prompt_once_whatever_n(builtin_server) -> None:
+    api = client(builtin_server)
+    kwargs = dict(
+        model=builtin_server.model,
+        max_tokens=4,
+        temperature=0.8,
+        seed=1,
+        extra_body={"ignore_eos": True},
+    )
+    one = await api.completions.create(prompt=PROMPT, n=1, **kwargs)
+    three = await api.completions.create(prompt=PROMPT, n=3, **kwargs)
+    assert three.usage.prompt_tokens == one.usage.prompt_tokens > 0
+    assert three.usage.completion_tokens == 3 * 4
+    two_prompts = await api.completions.create(prompt=[PROMPT, PROMPT + " there"], n=2, **kwargs)
+    longer = await api.completions.create(prompt=PROMPT + " there", n=1, **kwargs)
+    prompts = one.usage.prompt_tokens + longer.usage.prompt_tokens
+    assert two_prompts.usage.prompt_tokens == prompts
+    streamed = await api.completions.create(
+        prompt=PROMPT, n=3, stream=True, stream_options={"include_usage": True}, **kwargs
+    )
+    usage = [chunk.usage async for chunk in streamed if chunk.usage]
+    assert [u.prompt_tokens for u in usage] == [one.usage.prompt_tokens]
+    assert usage[0].total_tokens == one.usage.prompt_tokens + 12
+
+
 async def test_chat_greedy_equals_offline(served) -> None:
     api = client(served)
     messages = [{"role": "user", "content": "Tell me a story."}]
