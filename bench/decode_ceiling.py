@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import platform
 import statistics
 import sys
 import tempfile
@@ -30,6 +29,7 @@ sys.path[:0] = [str(REPO), str(Path(__file__).resolve().parent)]
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from report import invocation, machine, write_report  # noqa: E402
 from systems import MODEL_SHAPE, write_model  # noqa: E402
 
 COMPILE = {"off": (False,), "on": (True,), "both": (False, True)}
@@ -193,20 +193,16 @@ def main(argv: list[str] | None = None) -> int:
                     )
                 )
     result = dict(
-        command="python " + " ".join([Path(__file__).relative_to(REPO).as_posix(), *sys.argv[1:]]),
+        command=invocation(__file__),
         model=MODEL_SHAPE,
         context=a.context,
         steps=a.steps,
         dtype=a.dtype,
         threads=a.threads,
         rows=rows,
-        machine=dict(platform=platform.platform(), python=platform.python_version()),
+        machine=machine(),
     )
-    text = json.dumps(result, indent=1)
-    if a.out:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(text)
-    print(text)
+    write_report(result, a.out)
     return 0
 
 

@@ -16,8 +16,6 @@ bandwidth (K/V bytes read / time) beside the device's peak copy bandwidth.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
 import sys
 import time
@@ -28,6 +26,7 @@ sys.path[:0] = [str(REPO)]
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from report import invocation, machine, write_report  # noqa: E402
 
 from engine.worker.huge_pages import zeros_on_huge_pages  # noqa: E402
 
@@ -127,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             rows.append(row)
     result = dict(
-        command="python " + " ".join([Path(__file__).relative_to(REPO).as_posix(), *sys.argv[1:]]),
+        command=invocation(__file__),
         device="cpu",
         threads=a.threads,
         dtype=a.dtype,
@@ -137,14 +136,9 @@ def main(argv: list[str] | None = None) -> int:
         block_size=BLOCK_SIZE,
         kernels=reason,
         rows=rows,
-        machine=dict(platform=platform.platform(), python=platform.python_version()),
+        machine=machine(),
     )
-    text = json.dumps(result, indent=1)
-    if a.out:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(text)
-        plot(result, a.out.with_suffix(".png"))
-    print(text)
+    write_report(result, a.out, lambda path: plot(result, path))
     return 0
 
 

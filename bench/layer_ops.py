@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import tempfile
@@ -26,7 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(Path(__file__).resolve().parent)]
 
 import torch  # noqa: E402
-from report import write_report  # noqa: E402
+from report import invocation, machine, write_report  # noqa: E402
 from systems import MODEL_SHAPE, write_model  # noqa: E402
 
 SMOLLM2_SHAPE = dict(
@@ -125,12 +124,12 @@ def main(argv: list[str] | None = None) -> int:
                     log(json.dumps(row))
                     rows.append(row)
     result = dict(
-        command="python " + " ".join([Path(__file__).relative_to(REPO).as_posix(), *sys.argv[1:]]),
+        command=invocation(__file__),
         context=a.context,
         steps=a.steps,
         threads=a.threads,
         rows=rows,
-        machine=dict(platform=platform.platform(), python=platform.python_version()),
+        machine=machine(),
     )
     write_report(result, a.out, lambda path: plot(result, path))
     return 0

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import platform
 import socket
 import statistics
 import sys
@@ -27,7 +26,7 @@ sys.path[:0] = [str(REPO), str(Path(__file__).resolve().parent)]
 
 import httpx  # noqa: E402
 import websockets  # noqa: E402
-from report import write_report  # noqa: E402
+from report import invocation, machine, write_report  # noqa: E402
 
 from web.launch import ServerProcess  # noqa: E402
 
@@ -117,11 +116,11 @@ def main() -> int:
     finally:
         server.stop()
     result = dict(
-        command="python " + " ".join([Path(__file__).relative_to(REPO).as_posix(), *sys.argv[1:]]),
+        command=invocation(__file__),
         median_ratio=statistics.median(r["ratio"] for r in rows),
         target="below 1.10",
         rows=rows,
-        machine=dict(platform=platform.platform(), python=platform.python_version()),
+        machine=machine(),
     )
     write_report(result, a.out, lambda path: plot(result, path))
     return 0
