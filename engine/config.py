@@ -145,3 +145,4 @@ class EngineConfig:
     device: DeviceConfig
     tokenizer: str | None  # tokenizer directory or hub id (None: the model's own)
     skip_tokenizer_init: bool = False
+    chat_template: str | None = None  # Jinja text replacing the tokenizer's own

@@ -29,11 +29,13 @@ class EngineArgs:
     attention_backend: str = "auto"
     compile_model: bool = False
     skip_tokenizer_init: bool = False
+    chat_template: str | None = None  # a file or the Jinja text itself
     enable_prefix_caching: bool = True
     swap_space: float = 0.0  # GiB
     preemption_mode: str = "recompute"
 
     def build(self) -> EngineConfig:
+        from engine.text.tokenizer import resolve_chat_template
         from engine.worker.model_loader import build_model_config  # loads model code: on demand
 
         device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -58,4 +60,5 @@ class EngineArgs:
             device=DeviceConfig(device, self.attention_backend, self.compile_model),
             tokenizer=self.tokenizer,
             skip_tokenizer_init=self.skip_tokenizer_init,
+            chat_template=resolve_chat_template(self.chat_template),
         )

@@ -52,7 +52,8 @@ def build_engine(
         ready.attention_backend,
     )
     if tokenizer is None and not config.skip_tokenizer_init:
-        tokenizer = Tokenizer(load_tokenizer(config.tokenizer or model.model_dir))
+        hf_tokenizer = load_tokenizer(config.tokenizer or model.model_dir)
+        tokenizer = Tokenizer(hf_tokenizer, chat_template=config.chat_template)
     limits = RequestLimits(
         ready.vocab_size,
         ready.max_model_len,

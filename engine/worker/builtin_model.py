@@ -1,21 +1,23 @@
-"""The built-in tiny model: what `pagedserve serve` runs when no `--model` is given.
+"""The built-in tiny model: `--model builtin:tiny` (tests and offline smoke runs).
 
 A 2-layer Llama with random weights from a fixed seed and a byte-level tokenizer (one
 token per UTF-8 byte, plus `<s>`, `</s>`), written once as an ordinary Hugging Face
 directory (config.json, model.safetensors, tokenizer.json, tokenizer_config.json with
-a chat template) and then loaded like any other model. Nothing is downloaded, so the
-server starts on an offline machine; its replies are random bytes, not language.
+a chat template) and then loaded like any other model. Nothing is downloaded, so it
+starts on an offline machine; its replies are random bytes, not language.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import tempfile
 from pathlib import Path
 
+from cuda_ext.build import cache_root
+
 BUILTIN_MODEL_NAME = "pagedserve-builtin-tiny"
+BUILTIN_MODEL_SPEC = "builtin:tiny"  # what --model / LLM(model=...) call it
 BUILTIN_VERSION = 1  # bump when the files below change: a new cache directory is written
 SEED = 1234
 NUM_BYTES = 256
@@ -34,15 +36,10 @@ SHAPE = dict(
 )
 
 
-def default_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
-    return Path(base) / "pagedserve"
-
-
 def builtin_model_dir(cache_dir: Path | None = None) -> Path:
     """The model's directory, written on first use (atomically: a half-written directory
     is never seen by a concurrent start)."""
-    target = (cache_dir or default_cache_dir()) / f"{BUILTIN_MODEL_NAME}-v{BUILTIN_VERSION}"
+    target = (cache_dir or cache_root()) / f"{BUILTIN_MODEL_NAME}-v{BUILTIN_VERSION}"
     if (target / "model.safetensors").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

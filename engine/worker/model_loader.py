@@ -1,4 +1,4 @@
-"""Finds a checkpoint (local HF directory or hub id), reads its config, loads weights."""
+"""Finds a checkpoint (local HF directory, GGUF file or hub id), reads its config, loads weights."""
 
 from __future__ import annotations
 
@@ -6,12 +6,16 @@ import json
 import logging
 import os
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
+from cuda_ext.build import cache_root
 from engine.config import ModelConfig
 from engine.worker.attention.backend import AttentionBackend
+from engine.worker.builtin_model import BUILTIN_MODEL_SPEC, builtin_model_dir
+from engine.worker.gguf_sidecar import gguf_sidecar_dir, gguf_weights, is_gguf_file
 from engine.worker.models.base import CausalLM
 from engine.worker.models.registry import resolve_model_class
 
@@ -47,9 +51,16 @@ _LENGTH_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length
 
 
 def resolve_model_dir(model: str, load_format: str) -> str:
-    """A local directory as is; otherwise a hub snapshot (needs a network)."""
+    """A local directory as is; a GGUF file's side-car directory (gguf_sidecar.py);
+    `builtin:tiny`, the built-in random model; otherwise a hub snapshot (needs a network)."""
+    if model == BUILTIN_MODEL_SPEC:
+        return str(builtin_model_dir())
     if os.path.isdir(model):
         return model
+    if is_gguf_file(model):
+        return str(gguf_sidecar_dir(model, cache_root()))
+    if model.endswith(".gguf"):
+        raise ValueError(f"model {model!r}: no such GGUF file")
     try:
         from huggingface_hub import snapshot_download
 
@@ -159,12 +170,35 @@ def load_model(config: ModelConfig, backend: AttentionBackend, device: str) -> C
     previous = torch.get_default_dtype()
     torch.set_default_dtype(config.dtype if config.dtype.is_floating_point else previous)
     try:
-        with torch.device(device):
+        with torch.device(device), _without_random_init():
             model = cls(config.hf_config, backend)
     finally:
         torch.set_default_dtype(previous)
+    gguf = gguf_weights(config.model_dir) if config.model_dir else None
     if config.load_format == "dummy":
         init_dummy_weights(model, config.seed)
+    elif gguf is not None:
+        model.load_weights(gguf.tensors(config.dtype))
     else:
         model.load_weights(iter_safetensors(config.model_dir))
     return model.eval()
+
+
+@contextmanager
+def _without_random_init() -> Iterator[None]:
+    """nn.Linear and nn.Embedding skip their random init while the model is built (for
+    SmolLM2 it took 2.4 s): every parameter is then overwritten, by `load_weights`, which
+    fails on any it did not set, or by `init_dummy_weights`."""
+    names = ("kaiming_uniform_", "uniform_", "normal_")
+    saved = {name: getattr(torch.nn.init, name) for name in names}
+    try:
+        for name in names:
+            setattr(torch.nn.init, name, _keep)
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.nn.init, name, fn)
+
+
+def _keep(tensor: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    return tensor
