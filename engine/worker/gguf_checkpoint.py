@@ -89,9 +89,7 @@ def unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     rows = weight.shape[0]
     pairs = rows // num_heads // 2
     return (
-        weight.reshape(num_heads, pairs, 2, *weight.shape[1:])
-        .transpose(1, 2)
-        .reshape(weight.shape)
+        weight.reshape(num_heads, pairs, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
     )
 
 
