@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -11,12 +12,14 @@ from tqdm.auto import tqdm
 from engine.core.stats import EngineStats
 from engine.engine_args import EngineArgs
 from engine.in_process import InProcessEngine, Prompt
+from engine.logging_setup import configure_logging
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.wiring import build_engine
 from engine.worker.worker import build_worker
 
 Messages = list[dict[str, Any]]
+logger = logging.getLogger(__name__)
 
 
 class LLM:
@@ -32,9 +35,26 @@ class LLM:
     """
 
     def __init__(self, model: str, pipeline_depth: int = 1, **kwargs: Any) -> None:
+        configure_logging()
         args = EngineArgs(model=model, **kwargs)
         self.config = args.build()
+        m = self.config.model
+        logger.info(
+            "LLM: %s (%s, %s, max_model_len %d) on %s",
+            m.model,
+            m.architecture,
+            str(m.dtype).removeprefix("torch."),
+            m.max_model_len,
+            self.config.device.device,
+        )
         worker, ready = build_worker(args, config=self.config)
+        logger.info(
+            "LLM ready: %d KV blocks of %d tokens, %d CPU swap blocks, %s attention",
+            ready.num_blocks,
+            ready.block_size,
+            ready.num_cpu_blocks,
+            ready.attention_backend,
+        )
         self.engine = InProcessEngine(build_engine(self.config, ready), worker, pipeline_depth)
         self._ids = itertools.count()
 
