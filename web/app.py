@@ -23,12 +23,14 @@ from starlette.websockets import WebSocket
 from actors.async_engine import AsyncEngine
 from engine.engine_args import EngineArgs
 from web.api_keys import ApiKeys
+from web.error_counter import ErrorAnswerCounter
 from web.errors import ApiError
 from web.generation import Admission, Generator
 from web.metrics import Metrics
 from web.openai_routes import OpenAIRoutes
 from web.server_config import ServerConfig
 from web.sessions import SessionStore
+from web.stats_logger import StatsLogger
 from web.ws_connection import SHUTDOWN_CLOSE, StreamConnection, StreamLimits
 
 logger = logging.getLogger(__name__)
@@ -69,7 +71,16 @@ class Server:
         self.admission = Admission(config.max_queued_requests)
         self.sessions = SessionStore(config.session_ttl_s, config.session_max_chars)
         self.connections: set[StreamConnection] = set()
-        self.metrics = Metrics(engine.stats, engine.watch_stats, self._web_gauges())
+        self.metrics = Metrics(
+            engine.stats,
+            engine.watch_stats,
+            self._web_gauges(),
+            config.model_name,
+            engine.ready.max_model_len,
+        )
+        self.stats_logger = StatsLogger(
+            engine.stats, self.metrics.token_totals, config.log_stats_interval_s
+        )
         self.generator = Generator(engine, self.metrics, self.admission)
         self.openai = OpenAIRoutes(self.generator, config)
         self.limits = StreamLimits(
@@ -184,11 +195,20 @@ def build_app(config: ServerConfig, lifespan=None, server: Server | None = None)
         Route("/", _endpoint("page")),
         WebSocketRoute("/v1/stream", _endpoint("stream")),
     ]
-    middleware = [Middleware(ApiKeyMiddleware, api_keys=config.api_keys)]
+    middleware = [
+        Middleware(ErrorAnswerCounter, count=_count_error_answer),  # outermost: sees all
+        Middleware(ApiKeyMiddleware, api_keys=config.api_keys),
+    ]
     app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan)
     if server is not None:
         app.state.server = server
     return app
+
+
+def _count_error_answer(scope: Scope, code: str) -> None:
+    server = getattr(scope["app"].state, "server", None)
+    if server is not None:
+        server.metrics.refused(code)
 
 
 def create_app(engine_args: EngineArgs, config: ServerConfig) -> Starlette:
@@ -200,12 +220,19 @@ def create_app(engine_args: EngineArgs, config: ServerConfig) -> Starlette:
         engine = await AsyncEngine.start(
             engine_args, pipeline_depth=config.pipeline_depth, supervision=config.supervision
         )
-        app.state.server = Server(engine, config)
+        server = app.state.server = Server(engine, config)
         note = " (built-in random-weight model: replies are noise)" if config.builtin else ""
         logger.info("serving %s%s", config.model_name, note)
+        stats_log = None
+        if not config.disable_log_stats:
+            stats_log = asyncio.create_task(server.stats_logger.run())
         try:
             yield
         finally:
+            if stats_log is not None:
+                stats_log.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await stats_log
             await engine.shutdown()
 
     return build_app(config, lifespan)

@@ -173,6 +173,17 @@ def _add_serve_parser(sub) -> None:
         "aborted (default 5)",
     )
     serve.add_argument(
+        "--disable-log-stats",
+        action="store_true",
+        help="no periodic line of throughput, running/waiting requests and KV cache usage",
+    )
+    serve.add_argument(
+        "--log-stats-interval",
+        type=_positive_seconds,
+        default=5.0,
+        help="seconds between those lines (logged only when something happened; default 5)",
+    )
+    serve.add_argument(
         "--http-header-timeout",
         type=_positive_seconds,
         default=10.0,
@@ -308,6 +319,8 @@ def _serve(args: argparse.Namespace) -> int:
         shutdown_grace_s=args.shutdown_grace,
         supervision=Supervision(args.worker_timeout, args.request_timeout),
         ws_auth_timeout_s=args.ws_auth_timeout,
+        disable_log_stats=args.disable_log_stats,
+        log_stats_interval_s=args.log_stats_interval,
     )
     engine_args = EngineArgs(model=model, **_engine_kwargs(args))
     engine_args.build()  # configuration errors surface here, before the server starts

@@ -11,7 +11,7 @@ from actors.async_engine import AsyncEngine
 from engine.messages import ErrorKind, OutputDelta
 from engine.sampling_params import SamplingParams
 from web.errors import ApiError, invalid
-from web.metrics import Metrics
+from web.metrics import FinishReason, Metrics
 from web.params import field_of
 
 PromptInput = str | list[int] | list[dict]
@@ -89,49 +89,81 @@ class Generator:
         """Yields the engine's deltas; raises ApiError for a refused request (validation,
         overload, an unhealthy engine). A request that fails later ends with an error
         delta (`failure()` turns it into an ApiError). Leaving the loop early aborts the
-        request."""
+        request (its open sequences are counted as aborted)."""
         if self.draining:
             raise ApiError("shutting_down", "the server is shutting down; retry elsewhere")
         if not self.engine.is_healthy:
             raise ApiError("unavailable", f"the engine is not healthy: {self.engine.error}")
-        try:
-            self.admission.admit()
-        except ApiError:
-            self.metrics.rejected.labels("overloaded").inc()
-            raise
+        self.admission.admit()
         queued = True
+        ends = SequenceEnds(params.n)
         self.live.add(request_id)
         try:
             async for out in self.engine.generate(prompt, params, request_id):
                 if out.error_kind is ErrorKind.INVALID:
-                    self.metrics.rejected.labels("invalid_request").inc()
+                    ends.open.clear()  # a refusal: counted where it is answered
                     raise failure(out)  # refused by the tokenizer's validation
                 if queued:
                     queued = False
                     self.admission.leave()
-                self._observe(out, timing)
+                self._observe(out, timing, ends)
                 yield out
         finally:
             self.live.discard(request_id)
             if queued:
                 self.admission.leave()
+            e2e = time.monotonic() - timing.arrival
+            for prompt_tokens, output_tokens in ends.abandon():  # the client left first
+                self.metrics.finished(FinishReason.ABORT, e2e, prompt_tokens, output_tokens)
 
-    def _observe(self, out: OutputDelta, timing: Timing) -> None:
+    def _observe(self, out: OutputDelta, timing: Timing, ends: SequenceEnds) -> None:
         now = time.monotonic()
         m = self.metrics
         if out.token_ids:
+            gap = None if timing.last_token is None else now - timing.last_token
             if timing.first_token is None:
                 timing.first_token = now
-                m.ttft.observe(now - timing.arrival)
-                m.prompt_tokens.inc(out.num_prompt_tokens)
-            elif timing.last_token is not None:
-                m.inter_token.observe((now - timing.last_token) / len(out.token_ids))
+                m.first_token(now - timing.arrival, out.num_prompt_tokens)
             timing.last_token = now
-            m.generation_tokens.inc(len(out.token_ids))
+            m.generated(len(out.token_ids), gap)
         if out.finish_reason is not None:
             timing.finished = now
-            m.e2e.observe(now - timing.arrival)
-            m.requests.labels(out.finish_reason).inc()
+        for prompt_tokens, output_tokens in ends.seen(out):
+            m.finished(FinishReason.of(out), now - timing.arrival, prompt_tokens, output_tokens)
+
+
+class SequenceEnds:
+    """The sequences of one request (indices 0..n-1) still open, with the latest token
+    counts seen: each ends exactly once, by its own final delta, by a request-wide one
+    (index -1: abort, error), or by `abandon()` when the client leaves first."""
+
+    def __init__(self, n: int) -> None:
+        self.open = set(range(n))
+        self.num_prompt_tokens = 0
+        self.num_output_tokens: dict[int, int] = {}
+
+    def seen(self, out: OutputDelta) -> list[tuple[int, int]]:
+        """(prompt tokens, output tokens) of each sequence `out` ends."""
+        self.num_prompt_tokens = out.num_prompt_tokens or self.num_prompt_tokens
+        if out.num_output_tokens:
+            self.num_output_tokens[out.index] = out.num_output_tokens
+        if out.finish_reason is None:
+            return []
+        if out.index < 0:
+            return self.abandon()
+        if out.index not in self.open:
+            return []
+        self.open.discard(out.index)
+        return [self._counts(out.index)]
+
+    def abandon(self) -> list[tuple[int, int]]:
+        """Ends every open sequence: (prompt tokens, output tokens) of each."""
+        ended = [self._counts(index) for index in sorted(self.open)]
+        self.open.clear()
+        return ended
+
+    def _counts(self, index: int) -> tuple[int, int]:
+        return self.num_prompt_tokens, self.num_output_tokens.get(index, 0)
 
 
 def failure(out: OutputDelta) -> ApiError:

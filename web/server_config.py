@@ -30,6 +30,8 @@ class ServerConfig:
     shutdown_grace_s: float = 5.0  # in-flight requests' time to finish on SIGINT/SIGTERM
     supervision: Supervision = field(default_factory=Supervision)  # worker and request timeouts
     ws_auth_timeout_s: float = 5.0  # a WebSocket not authenticated by then is closed
+    disable_log_stats: bool = False  # no periodic throughput / queue / KV usage line
+    log_stats_interval_s: float = 5.0  # seconds between those lines (when something happened)
 
     def __post_init__(self) -> None:
         for name in ("max_queued_requests", "max_requests_per_connection", "max_message_bytes"):
@@ -39,5 +41,10 @@ class ServerConfig:
             raise ValueError(f"shutdown_grace_s must be in [0, 3600], got {self.shutdown_grace_s}")
         if not self.ws_auth_timeout_s > 0:
             raise ValueError(f"ws_auth_timeout_s must be > 0, got {self.ws_auth_timeout_s}")
+        if not 0 < self.log_stats_interval_s < float("inf"):
+            raise ValueError(
+                f"log_stats_interval_s must be a positive number of seconds, "
+                f"got {self.log_stats_interval_s}"
+            )
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")

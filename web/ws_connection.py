@@ -314,6 +314,8 @@ class StreamConnection:
                 return
 
     async def _send(self, event: dict[str, Any]) -> None:
+        if event.get("type") == "error":  # every error event goes out here: count it
+            self.generator.metrics.refused(event["code"])
         try:
             if self.binary:
                 await self.ws.send_bytes(msgpack.packb(event, use_bin_type=True))

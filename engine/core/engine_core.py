@@ -211,6 +211,7 @@ class EngineCore:
             kv_sharing_saving=self.sharing.last,
             mean_kv_sharing_saving=self.sharing.mean,
             attention_backend=self.attention_backend,
+            num_swapped=len(scheduler.swapped),
         )
 
     def check_integrity(self) -> None:

@@ -29,6 +29,12 @@ class EngineStats:
     kv_sharing_saving: float = 0.0  # now: 1 - blocks owned / blocks the tables hold
     mean_kv_sharing_saving: float = 0.0  # the same, summed over all steps
     attention_backend: str = ""  # the workers' attention backend ("native", "sdpa", ...)
+    num_swapped: int = 0  # requests swapped out to CPU now (neither running nor waiting)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Blocks in use / all blocks, in [0, 1] (vLLM's `kv_cache_usage_perc`)."""
+        return self.num_used_blocks / self.num_blocks if self.num_blocks else 0.0
 
     @property
     def prefix_cache_hit_rate(self) -> float:

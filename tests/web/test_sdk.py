@@ -76,14 +76,14 @@ async def test_five_turn_session(builtin_server) -> None:
         chat = client.chat_session(system="You tell short stories.")
         prompt_sizes, replies, hits = [], [], []
         for turn in range(5):
-            before = builtin_server.metric("pagedserve_prefix_cache_hit_tokens")
+            before = builtin_server.metric("pagedserve_prefix_cache_hit_tokens_total")
             stream = chat.send(f"turn {turn}: tell me more", max_tokens=8, temperature=0)
             text = "".join([d.text async for d in stream])
             assert stream.result.finish_reason in ("stop", "length")
             assert stream.result.text == text
             prompt_sizes.append(stream.result.usage.prompt_tokens)
             replies.append(stream.result)
-            hits.append(builtin_server.metric("pagedserve_prefix_cache_hit_tokens") - before)
+            hits.append(builtin_server.metric("pagedserve_prefix_cache_hit_tokens_total") - before)
         # each turn's prompt holds the previous prompt, its reply and the new message; the
         # prefix cache serves all of that but the last partial block (< 16 tokens) and the
         # reply's last token (sampled, never fed back)

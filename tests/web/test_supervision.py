@@ -84,6 +84,6 @@ async def test_the_request_timeout_ends_a_request_that_runs_too_long(timed_serve
     assert event["type"] == "error" and event["code"] == "timeout"
     short = httpx.post(f"{server.http}/v1/completions", json={"prompt": "x", "max_tokens": 2})
     assert short.status_code == 200  # quick requests are untouched
-    assert server.metric("pagedserve_num_timed_out_requests") == 2
+    assert server.metric("pagedserve_num_timed_out_requests_total") == 2
     assert server.metric("pagedserve_num_requests_over_deadline") == 0
     await eventually(lambda: server.metric("pagedserve_kv_blocks_used") == 0, 5)
