@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 
 import httpx
 import msgpack
@@ -70,8 +70,8 @@ def parse(text: str) -> dict[str, object]:
 
 
 class Scrape:
-    """One /metrics answer: `value(sample, **labels)` (0 when absent), `total(sample)`
-    summed over its label sets."""
+    """One /metrics answer: `value(sample, **labels)`, summed over the label sets that
+    match (0 when none does)."""
 
     def __init__(self, text: str) -> None:
         self.families = parse(text)
@@ -83,9 +83,6 @@ class Scrape:
             for s in self.samples
             if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items())
         )
-
-    def total(self, sample: str) -> float:
-        return self.value(sample)
 
 
 def scrape(server) -> Scrape:
@@ -202,7 +199,7 @@ def test_the_middleware_counts_each_error_answer_once_by_code():
         return JSONResponse({"error": {"code": "not an error answer"}})  # a 200
 
     async def stream(request):
-        async def events() -> Iterator[str]:
+        async def events() -> AsyncIterator[str]:
             yield 'data: {"choices": []}\n\n'
             yield 'data: {"error": {"code": "timeout", "message": "late"}}\n\n'
 
@@ -296,7 +293,7 @@ async def test_every_refusal_is_counted_exactly_once_by_reason(server):
 
     after = scrape(server)
     total = "pagedserve_requests_rejected_total"
-    assert after.total(total) - before.total(total) == len(refused) + ws_refused
+    assert after.value(total) - before.value(total) == len(refused) + ws_refused
     for code, n in by_code.items():
         assert after.value(total, reason=code) - before.value(total, reason=code) == n, code
 
@@ -318,7 +315,7 @@ async def test_a_cancelled_stream_counts_as_an_abort(server):
         ("pagedserve_requests_total", {"finish_reason": "abort"}),
     ):
         assert after.value(sample, **label) - before.value(sample, **label) == 1, sample
-    assert after.total("pagedserve_requests_rejected_total") == before.total(
+    assert after.value("pagedserve_requests_rejected_total") == before.value(
         "pagedserve_requests_rejected_total"
     )  # an abort is not an error answer
 
