@@ -107,7 +107,8 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=None, help="JSON path (a PNG beside it)")
     a = parser.parse_args()
     server = ServerProcess(
-        ["--max-num-seqs", "64", "--kv-cache-memory", str(64 << 20)], env={"OMP_NUM_THREADS": "1"}
+        ["--model", "builtin:tiny", "--max-num-seqs", "64", "--kv-cache-memory", str(64 << 20)],
+        env={"OMP_NUM_THREADS": "1"},
     )
     log("starting pagedserve serve (built-in model)")
     server.start(timeout=180)

@@ -305,7 +305,7 @@ class Server:
     """`pagedserve serve` in a subprocess on a free port; its log goes to a file."""
 
     def __init__(self, a: argparse.Namespace, model: ModelInfo) -> None:
-        args = [] if model.path is None else ["--model", model.path]
+        args = ["--model", "builtin:tiny" if model.path is None else model.path]
         limit = str(max(256, a.num_prompts))  # nothing refused: every request must run
         args += ["--max-queued-requests", limit, "--max-requests-per-connection", limit]
         args += ["--max-num-seqs", str(a.max_num_seqs), "--pipeline-depth", str(a.pipeline_depth)]

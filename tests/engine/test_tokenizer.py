@@ -174,3 +174,15 @@ def test_bad_messages_name_index_and_field(messages: object, match: str) -> None
 def test_all_roles_and_extra_keys_are_accepted() -> None:
     roles = ["system", "user", "assistant", "tool"]
     validate_messages([{"role": r, "content": "x", "name": "n"} for r in roles])
+
+
+@pytest.mark.timeout(120)
+def test_chat_template_option_replaces_the_tokenizers_own(tmp_path) -> None:
+    from engine import LLM
+
+    template = "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}"
+    path = tmp_path / "t.jinja"
+    path.write_text(template)
+    for value in (template, str(path)):  # the text itself, or a file holding it
+        llm = LLM("builtin:tiny", chat_template=value, kv_cache_memory=8 << 20)
+        assert llm.get_tokenizer().render_chat([{"role": "user", "content": "hi"}]) == "[user]hi"

@@ -53,7 +53,9 @@ def start_server(
     env: dict[str, str] | None = None,
 ) -> RunningServer:
     args = ["--max-num-seqs", "64", "--kv-cache-memory", str(64 << 20)]
-    if model_dir is not None:
+    if model_dir is None:
+        args += ["--model", "builtin:tiny"]
+    else:
         args += ["--model", model_dir, "--served-model-name", "test-model"]
     if api_key is not None:
         args += ["--api-key", api_key]

@@ -100,7 +100,7 @@ async def load_then_signal(server: ServerProcess, send_signal):
 @pytest.mark.parametrize("how", ["sigterm", "ctrl-c"])
 async def test_graceful_shutdown_under_load(how: str) -> None:
     server = ServerProcess(
-        ["--shutdown-grace", str(GRACE_S), "--max-num-seqs", "16"],
+        ["--model", "builtin:tiny", "--shutdown-grace", str(GRACE_S), "--max-num-seqs", "16"],
         env={"OMP_NUM_THREADS": "1"},
         own_group=True,
     )
@@ -144,7 +144,9 @@ async def test_graceful_shutdown_under_load(how: str) -> None:
 
 
 async def test_worker_exits_when_the_server_process_is_killed() -> None:
-    server = ServerProcess([], env={"OMP_NUM_THREADS": "1"}, own_group=True)
+    server = ServerProcess(
+        ["--model", "builtin:tiny"], env={"OMP_NUM_THREADS": "1"}, own_group=True
+    )
     server.start(timeout=120)
     workers = children_of(server.proc.pid)
     assert workers
@@ -154,7 +156,7 @@ async def test_worker_exits_when_the_server_process_is_killed() -> None:
         server.proc.wait(10)
         await eventually(lambda: not any(map(alive, workers)), 5, "the orphaned worker's exit")
         assert all(d.is_dir() for d in run_dirs)  # the killed server could not remove it
-        following = ServerProcess([], env={"OMP_NUM_THREADS": "1"})
+        following = ServerProcess(["--model", "builtin:tiny"], env={"OMP_NUM_THREADS": "1"})
         following.start(timeout=120)  # the next server removes what the dead one left
         following.stop()
         assert not any(d.exists() for d in run_dirs)
