@@ -42,11 +42,15 @@ from engine.engine_args import EngineArgs
 from engine.messages import (
     INBOXES,
     AbortRequest,
+    DetokenizeRequest,
     ErrorKind,
     GenerateRequest,
     OutputDelta,
     Shutdown,
+    TokenizeRequest,
+    TokenizeResult,
     WorkerReady,
+    chat_of,
 )
 from engine.sampling_params import SamplingParams
 from engine.text.text_checks import check_request_id
@@ -98,6 +102,8 @@ class AsyncEngine:
     """Start with `await AsyncEngine.start(args)`; stream with `async for out in
     engine.generate(prompt_or_messages, params, request_id)`; `await engine.abort(id)`;
     `await engine.shutdown()` (no orphan processes, no stale ipc files).
+    `await engine.tokenize(prompt_or_messages)` / `await engine.detokenize(ids)` answer a
+    TokenizeResult (ValueError naming the field for input refused).
 
     Every stream ends: with its outputs' finish reasons, or with one request-wide
     OutputDelta (index -1) saying "abort" or "error" (`error_kind` says whose fault)."""
@@ -105,6 +111,7 @@ class AsyncEngine:
     def __init__(self, supervision: Supervision) -> None:
         self.supervision = supervision
         self._streams: dict[str, _OpenStream] = {}
+        self._calls: dict[str, asyncio.Future[TokenizeResult]] = {}  # tokenize, detokenize
         self._ids = itertools.count()
         self.error: str | None = None  # set while the engine is unhealthy
         self.num_timed_out = 0
@@ -203,9 +210,12 @@ class AsyncEngine:
         prompt: str | list[int] | list[dict],
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        *,
+        strict_max_tokens: bool = False,
     ) -> AsyncIterator[OutputDelta]:
         """Yields incremental outputs until every sequence (`params.n`, each under its
-        `index`) has a finish reason, or a request-wide one (index -1) arrives."""
+        `index`) has a finish reason, or a request-wide one (index -1) arrives.
+        `strict_max_tokens`: see GenerateRequest."""
         request_id = request_id or f"req-{next(self._ids)}"
         check_request_id(request_id)
         if self.error is not None:
@@ -213,7 +223,9 @@ class AsyncEngine:
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in flight")
         params = params or SamplingParams()
-        request = GenerateRequest.of(request_id, CLIENT_ID, prompt, params)
+        request = GenerateRequest.of(
+            request_id, CLIENT_ID, prompt, params, strict_max_tokens=strict_max_tokens
+        )
         stream = self._streams[request_id] = _OpenStream()
         finished, open_sequences = False, params.n
         try:
@@ -228,6 +240,48 @@ class AsyncEngine:
             del self._streams[request_id]
             if not finished:
                 await self.abort(request_id)  # the caller stopped reading early
+
+    async def tokenize(
+        self,
+        prompt: str | list[dict],
+        *,
+        add_special_tokens: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> TokenizeResult:
+        """A text's token ids (`add_special_tokens`: BOS and the like), or a chat's
+        ({"role", "content"} dicts, through the chat template), as `generate` would
+        tokenize them, with each token's text."""
+        rid = f"tokenize-{next(self._ids)}"
+        if isinstance(prompt, str):
+            message = TokenizeRequest(rid, CLIENT_ID, prompt, None, add_special_tokens)
+        else:
+            chat = chat_of(prompt)
+            message = TokenizeRequest(rid, CLIENT_ID, None, chat, True, add_generation_prompt)
+        return await self._call(message)
+
+    async def detokenize(
+        self, token_ids: list[int], *, skip_special_tokens: bool = False
+    ) -> TokenizeResult:
+        """The text of `token_ids` (special tokens kept unless skipped), with each
+        token's text."""
+        rid = f"detokenize-{next(self._ids)}"
+        ids = tuple(token_ids)
+        return await self._call(DetokenizeRequest(rid, CLIENT_ID, ids, skip_special_tokens))
+
+    async def _call(self, message: TokenizeRequest | DetokenizeRequest) -> TokenizeResult:
+        """Sends `message` to the tokenizer actor and waits for its answer; ValueError
+        for input it refused, RuntimeError when the engine fails or stops meanwhile."""
+        if self.error is not None:
+            raise RuntimeError(f"the engine is not healthy: {self.error}")
+        answer = self._calls[message.request_id] = asyncio.get_running_loop().create_future()
+        try:
+            await send_message(self._to_tokenizer, message)
+            result = await answer
+        finally:
+            del self._calls[message.request_id]
+        if result.error is not None:
+            raise ValueError(result.error)
+        return result
 
     async def abort(self, request_id: str) -> None:
         """Stops a request; its stream (if still read) ends with finish_reason "abort"."""
@@ -259,6 +313,7 @@ class AsyncEngine:
     async def shutdown(self, timeout: float = 10.0) -> None:
         """Stops the actors and the worker process; idempotent."""
         self._closing = True
+        self._fail_calls("the engine shut down")
         with contextlib.suppress(Exception):
             await send_message(self._to_worker, Shutdown("engine shutdown"))
         await self.tokenizer.stop()
@@ -333,6 +388,12 @@ class AsyncEngine:
     async def _fail_all(self, error: str) -> None:
         for request_id in list(self._streams):
             await self._end(request_id, OutputDelta.failed(request_id, error))
+        self._fail_calls(error)
+
+    def _fail_calls(self, error: str) -> None:
+        for answer in self._calls.values():
+            if not answer.done():
+                answer.set_exception(RuntimeError(error))
 
     async def _read_outputs(self) -> None:
         decoder = InboxDecoder(INBOXES["client"])
@@ -345,6 +406,15 @@ class AsyncEngine:
                 if exc.request_id in self._streams:
                     error = f"an output could not be decoded: {exc}"
                     await self._end(exc.request_id, OutputDelta.failed(exc.request_id, error))
+                continue
+            if isinstance(out, TokenizeResult) or out.request_id in self._calls:
+                answer = self._calls.get(out.request_id)
+                if answer is None or answer.done():
+                    continue  # its caller left
+                if isinstance(out, TokenizeResult):
+                    answer.set_result(out)
+                else:  # the tokenizer actor failed it (the failure rule)
+                    answer.set_exception(RuntimeError(out.error or "tokenizing failed"))
                 continue
             stream = self._streams.get(out.request_id)
             if stream is not None:

@@ -26,11 +26,14 @@ from actors.transport import Inbox, Outbox
 from engine.errors import describe
 from engine.messages import (
     AbortRequest,
+    DetokenizeRequest,
     ErrorKind,
     GenerateRequest,
     OutputDelta,
     RequestFailed,
     TokenDeltas,
+    TokenizeRequest,
+    TokenizeResult,
 )
 from engine.text.text_processor import TextProcessor
 
@@ -58,6 +61,9 @@ class TokenizerActor(Actor):
     scheduler reports failed (`RequestFailed`). A request aborted while it is being
     admitted never reaches the scheduler. Deltas for a client without an outbox are
     logged and dropped.
+
+    A TokenizeRequest or DetokenizeRequest is answered with a TokenizeResult, its work
+    done on the admission thread (it touches no request state).
     """
 
     def __init__(
@@ -72,12 +78,15 @@ class TokenizerActor(Actor):
             AbortRequest: self.on_abort,
             TokenDeltas: self.on_token_deltas,
             RequestFailed: self.on_request_failed,
+            TokenizeRequest: self.on_tokenize,
+            DetokenizeRequest: self.on_tokenize,
         }
         super().__init__("tokenizer", inbox, handlers, [scheduler, *clients.values()])
         self.processor = processor
         self.scheduler = scheduler
         self.clients = clients
         self.admitting: dict[str, asyncio.Task[None]] = {}
+        self.tokenizing: set[asyncio.Task[None]] = set()
         self._admission = ThreadPoolExecutor(1, thread_name_prefix="admission")
         self._text = ThreadPoolExecutor(1, thread_name_prefix="text")
 
@@ -110,6 +119,19 @@ class TokenizerActor(Actor):
         finally:
             if self.admitting.get(rid) is asyncio.current_task():  # not a later namesake
                 del self.admitting[rid]
+
+    async def on_tokenize(self, request: TokenizeRequest | DetokenizeRequest) -> None:
+        task = asyncio.create_task(self._tokenize(request), name=f"tokenize:{request.request_id}")
+        self.tokenizing.add(task)
+        task.add_done_callback(self.tokenizing.discard)
+
+    async def _tokenize(self, request: TokenizeRequest | DetokenizeRequest) -> None:
+        try:
+            result = await self._run(self._admission, self.processor.tokenize, request)
+        except Exception as exc:  # noqa: BLE001 - a bug, answered rather than left hanging
+            logger.exception("tokenizing %s failed", request.request_id)
+            result = TokenizeResult(request.request_id, (), (), "", f"internal error: {exc!r}")
+        await self._to_client(request.client_id, result)
 
     async def on_abort(self, abort: AbortRequest) -> None:
         admitting = self.admitting.pop(abort.request_id, None)
@@ -177,15 +199,15 @@ class TokenizerActor(Actor):
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(thread, functools.partial(fn, *args))
 
-    async def _to_client(self, client_id: str, delta: OutputDelta) -> None:
+    async def _to_client(self, client_id: str, message: OutputDelta | TokenizeResult) -> None:
         outbox = self.clients.get(client_id)
         if outbox is None:
-            logger.warning("no outbox for client %r; dropping %s", client_id, delta.request_id)
+            logger.warning("no outbox for client %r; dropping %s", client_id, message.request_id)
             return
-        await send_message(outbox, delta)
+        await send_message(outbox, message)
 
     def _close_transports(self) -> None:
-        for task in self.admitting.values():
+        for task in [*self.admitting.values(), *self.tokenizing]:
             task.cancel()
         super()._close_transports()
         self._admission.shutdown(wait=False, cancel_futures=True)

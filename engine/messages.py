@@ -78,7 +78,9 @@ class Shutdown:
 @dataclass(frozen=True)
 class GenerateRequest:
     """A client's request. Exactly one of prompt, prompt_token_ids, messages is set;
-    outputs go back to the client named `client_id`."""
+    outputs go back to the client named `client_id`. `strict_max_tokens`: the client
+    chose `params.max_tokens` itself, so a prompt plus max_tokens beyond the context is
+    refused (vLLM's OpenAI server) instead of generating until the context is full."""
 
     request_id: str
     client_id: str
@@ -86,22 +88,62 @@ class GenerateRequest:
     prompt_token_ids: tuple[int, ...] | None
     messages: tuple[ChatMessage, ...] | None
     params: SamplingParams
+    strict_max_tokens: bool = False
 
     @classmethod
     def of(
-        cls, request_id: str, client_id: str, prompt: object, params: SamplingParams
+        cls,
+        request_id: str,
+        client_id: str,
+        prompt: object,
+        params: SamplingParams,
+        *,
+        strict_max_tokens: bool = False,
     ) -> GenerateRequest:
         """From what a caller passes as a prompt: text, token ids, or a chat (a list of
         {"role", "content"} dicts). ValueError for anything else."""
+        strict = strict_max_tokens
         if isinstance(prompt, str):
-            return cls(request_id, client_id, prompt, None, None, params)
+            return cls(request_id, client_id, prompt, None, None, params, strict)
         items = list(prompt) if isinstance(prompt, list | tuple) else None
         if items and all(isinstance(m, dict) for m in items):
-            chat = tuple(ChatMessage(str(m.get("role")), str(m.get("content"))) for m in items)
-            return cls(request_id, client_id, None, None, chat, params)
+            chat = chat_of(items)
+            return cls(request_id, client_id, None, None, chat, params, strict)
         if items is not None and all(type(t) is int for t in items):
-            return cls(request_id, client_id, None, tuple(items), None, params)
+            return cls(request_id, client_id, None, tuple(items), None, params, strict)
         raise ValueError("prompt must be a string, a list of token ids (ints) or chat messages")
+
+
+def chat_of(messages: list[dict]) -> tuple[ChatMessage, ...]:
+    """Chat messages as {"role", "content"} dicts -> ChatMessages."""
+    return tuple(ChatMessage(str(m.get("role")), str(m.get("content"))) for m in messages)
+
+
+@dataclass(frozen=True)
+class TokenizeRequest:
+    """Text or a chat -> token ids, exactly as a GenerateRequest's would be tokenized
+    (client -> tokenizer; no request state is kept, nothing reaches the scheduler).
+    Exactly one of prompt, messages is set; `add_special_tokens` applies to a prompt
+    (BOS and the like), `add_generation_prompt` to a chat. Answered with a
+    TokenizeResult under `request_id` to the client named `client_id`."""
+
+    request_id: str
+    client_id: str
+    prompt: str | None
+    messages: tuple[ChatMessage, ...] | None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+@dataclass(frozen=True)
+class DetokenizeRequest:
+    """Token ids -> text, special tokens kept unless `skip_special_tokens` (client ->
+    tokenizer); answered with a TokenizeResult whose `text` is set."""
+
+    request_id: str
+    client_id: str
+    token_ids: tuple[int, ...]
+    skip_special_tokens: bool = False
 
 
 @dataclass(frozen=True)
@@ -439,12 +481,34 @@ class OutputDelta:
         return cls(request_id, "", (), "abort", None, 0, 0, None, index=-1)
 
 
+@dataclass(frozen=True)
+class TokenizeResult:
+    """The answer to a TokenizeRequest or a DetokenizeRequest: the token ids, each one's
+    text as it reads after other text (`token_strs`, so plain text's join back into
+    it), and the whole text (a TokenizeRequest's: ""). `error`, when the input was
+    refused, says why and names the field (the other fields are then empty)."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    token_strs: tuple[str, ...]
+    text: str
+    error: str | None = None
+
+
 INBOXES: dict[str, tuple[type, ...]] = {
-    "tokenizer": (GenerateRequest, AbortRequest, TokenDeltas, RequestFailed, Shutdown),
+    "tokenizer": (
+        GenerateRequest,
+        AbortRequest,
+        TokenDeltas,
+        RequestFailed,
+        Shutdown,
+        TokenizeRequest,
+        DetokenizeRequest,
+    ),
     "scheduler": (AddRequest, AbortRequest, StepResult, WorkerReady, Shutdown),
     "block_replies": (BlockOpsApplied,),
     "block_manager": (ApplyBlockOps, Shutdown),
     "worker": (StepPlan, Shutdown),
     "heartbeat": (WorkerHeartbeat,),
-    "client": (OutputDelta,),
+    "client": (OutputDelta, TokenizeResult),
 }

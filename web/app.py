@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response
@@ -31,6 +32,7 @@ from web.openai_routes import OpenAIRoutes
 from web.server_config import ServerConfig
 from web.sessions import SessionStore
 from web.stats_logger import StatsLogger
+from web.tokenize_routes import TokenizeRoutes
 from web.ws_connection import SHUTDOWN_CLOSE, StreamConnection, StreamLimits
 
 logger = logging.getLogger(__name__)
@@ -83,6 +85,7 @@ class Server:
         )
         self.generator = Generator(engine, self.metrics, self.admission)
         self.openai = OpenAIRoutes(self.generator, config)
+        self.tokenizing = TokenizeRoutes(self.generator, config, engine.ready.max_model_len)
         self.limits = StreamLimits(
             config.max_requests_per_connection,
             config.default_max_tokens,
@@ -157,6 +160,15 @@ class Server:
     async def chat_completions(self, request: Request) -> Response:
         return await self.openai.chat_completions(request)
 
+    async def tokenize(self, request: Request) -> Response:
+        return await self.tokenizing.tokenize(request)
+
+    async def detokenize(self, request: Request) -> Response:
+        return await self.tokenizing.detokenize(request)
+
+    async def version(self, request: Request) -> Response:
+        return await self.tokenizing.version(request)
+
     async def page(self, request: Request) -> Response:
         return FileResponse(STATIC / "index.html")
 
@@ -192,6 +204,9 @@ def build_app(config: ServerConfig, lifespan=None, server: Server | None = None)
         Route("/metrics", _endpoint("metrics_route")),
         Route("/v1/completions", _endpoint("completions"), methods=["POST"]),
         Route("/v1/chat/completions", _endpoint("chat_completions"), methods=["POST"]),
+        Route("/tokenize", _endpoint("tokenize"), methods=["POST"]),
+        Route("/detokenize", _endpoint("detokenize"), methods=["POST"]),
+        Route("/version", _endpoint("version")),
         Route("/", _endpoint("page")),
         WebSocketRoute("/v1/stream", _endpoint("stream")),
     ]
@@ -199,7 +214,10 @@ def build_app(config: ServerConfig, lifespan=None, server: Server | None = None)
         Middleware(ErrorAnswerCounter, count=_count_error_answer),  # outermost: sees all
         Middleware(ApiKeyMiddleware, api_keys=config.api_keys),
     ]
-    app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan)
+    errors = {404: _route_error, 405: _route_error}
+    app = Starlette(
+        routes=routes, middleware=middleware, lifespan=lifespan, exception_handlers=errors
+    )
     if server is not None:
         app.state.server = server
     return app
@@ -209,6 +227,21 @@ def _count_error_answer(scope: Scope, code: str) -> None:
     server = getattr(scope["app"].state, "server", None)
     if server is not None:
         server.metrics.refused(code)
+
+
+async def _route_error(request: Request, exc: HTTPException) -> Response:
+    """An unknown path (404) or a method a route does not take (405), in OpenAI's error
+    shape like every other error (Starlette's default is plain text)."""
+    path = request.url.path.encode("utf-8", "backslashreplace").decode("utf-8")[:200]
+    where = f"{request.method} {path}"
+    if exc.status_code == 404:
+        message, kind = f"no route {where!r}: unknown path (see docs/serving.md)", "NotFoundError"
+    else:
+        allowed = exc.headers.get("Allow", "") if exc.headers else ""
+        message = f"method not allowed: {where!r}; this path takes {allowed or 'another method'}"
+        kind = "invalid_request_error"
+    body = {"error": {"message": message, "type": kind, "param": None, "code": exc.status_code}}
+    return JSONResponse(body, exc.status_code, headers=exc.headers)
 
 
 def create_app(engine_args: EngineArgs, config: ServerConfig) -> Starlette:

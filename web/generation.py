@@ -84,12 +84,19 @@ class Generator:
         return len(aborted)
 
     async def stream(
-        self, prompt: PromptInput, params: SamplingParams, request_id: str, timing: Timing
+        self,
+        prompt: PromptInput,
+        params: SamplingParams,
+        request_id: str,
+        timing: Timing,
+        *,
+        strict_max_tokens: bool = False,
     ) -> AsyncIterator[OutputDelta]:
         """Yields the engine's deltas; raises ApiError for a refused request (validation,
         overload, an unhealthy engine). A request that fails later ends with an error
         delta (`failure()` turns it into an ApiError). Leaving the loop early aborts the
-        request (its open sequences are counted as aborted)."""
+        request (its open sequences are counted as aborted). `strict_max_tokens`: see
+        GenerateRequest."""
         if self.draining:
             raise ApiError("shutting_down", "the server is shutting down; retry elsewhere")
         if not self.engine.is_healthy:
@@ -99,7 +106,10 @@ class Generator:
         ends = SequenceEnds(params.n)
         self.live.add(request_id)
         try:
-            async for out in self.engine.generate(prompt, params, request_id):
+            outs = self.engine.generate(
+                prompt, params, request_id, strict_max_tokens=strict_max_tokens
+            )
+            async for out in outs:
                 if out.error_kind is ErrorKind.INVALID:
                     ends.open.clear()  # a refusal: counted where it is answered
                     raise failure(out)  # refused by the tokenizer's validation

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,13 +17,16 @@ class ChoiceTally:
 
     texts: list[str] = field(default_factory=list)
     rows: list[LogprobRow] = field(default_factory=list)
+    prompt_rows: list[LogprobRow] = field(default_factory=list)  # when this choice got them
     final: OutputDelta | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    text_offset: int = 0  # a stream's: where its next logprob token starts in the text
 
     def add(self, out: OutputDelta) -> None:
         self.texts.append(out.text)
         self.rows.extend(out.logprobs or ())
+        self.prompt_rows.extend(out.prompt_logprobs or ())
         if out.num_prompt_tokens or out.num_output_tokens:
             self.num_prompt_tokens = out.num_prompt_tokens
             self.num_output_tokens = out.num_output_tokens
@@ -48,15 +52,45 @@ def usage(tallies: dict[int, ChoiceTally], choices_per_prompt: int) -> dict[str,
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": total}
 
 
-def logprobs_json(rows: list[LogprobRow] | tuple[LogprobRow, ...], chat: bool, k: int) -> dict:
-    if chat:
-        return {"content": [_chat_logprob(row, _top(row, k)) for row in rows]}
+# One completions logprob entry: the token's text, its logprob, its top alternatives
+# (logprob and top are None for an echoed prompt's first token, which nothing predicts).
+Entry = tuple[str, float | None, dict[str, float] | None]
+
+
+def chat_logprobs(rows: Sequence[LogprobRow], k: int) -> dict:
+    return {"content": [_chat_logprob(row, _top(row, k)) for row in rows]}
+
+
+def completion_logprobs(entries: Sequence[Entry], start: int = 0) -> dict:
+    """Completions logprobs: each token's text (the text it adds, so they join into the
+    choice's text), logprob, top alternatives, and where it starts in the choice's text
+    (`text_offset`, counted from `start`, as OpenAI does: the running length of the
+    tokens before it)."""
+    offsets, at = [], start
+    for token, _, _ in entries:
+        offsets.append(at)
+        at += len(token)
     return {
-        "tokens": [row[0].decoded_token for row in rows],
-        "token_logprobs": [row[0].logprob for row in rows],
-        "top_logprobs": [{c.decoded_token: c.logprob for c in _top(row, k)} for row in rows],
-        "text_offset": None,
+        "tokens": [token for token, _, _ in entries],
+        "token_logprobs": [logprob for _, logprob, _ in entries],
+        "top_logprobs": [top for _, _, top in entries],
+        "text_offset": offsets,
     }
+
+
+def entries(rows: Sequence[LogprobRow], k: int) -> list[Entry]:
+    """Completions entries of logprob rows (the chosen token first in each row)."""
+    return [(row[0].decoded_token or "", row[0].logprob, _top_map(row, k)) for row in rows]
+
+
+def _top_map(row: LogprobRow, k: int) -> dict[str, float]:
+    return {c.decoded_token: c.logprob for c in _top(row, k)}
+
+
+def echo_entries(first_token: str, prompt_rows: Sequence[LogprobRow], k: int) -> list[Entry]:
+    """An echoed prompt's entries: its first token (null logprob, as OpenAI gives it),
+    then one per scored prompt position."""
+    return [(first_token, None, None), *entries(prompt_rows, k)]
 
 
 def _top(row: LogprobRow, k: int) -> list:

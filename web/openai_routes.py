@@ -3,7 +3,9 @@
 `n` choices of a prompt run as one engine request sampling n (or `best_of`) sequences on
 the prompt's shared blocks (a seeded request gives sequence i the seed `seed + i`).
 vLLM's `use_beam_search` (with `length_penalty`, `early_stopping`; width `best_of`, else
-`n`) returns the n best beams, each choice whole when the search ends.
+`n`) returns the n best beams, each choice whole when the search ends. Which fields each
+route takes, with which values, is web/openai_fields.py's table: nothing sent is
+ignored.
 
 Every request gets an answer that says what happened: a result; a 4xx naming the field
 at fault; a 5xx when the engine failed it (504 past the request timeout, 503 when the
@@ -20,7 +22,7 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,26 +31,33 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from engine.messages import OutputDelta
 from engine.sampling_params import SamplingParams
+from web.completion_echo import EchoGate, PromptEcho, prompt_echoes
 from web.errors import ApiError, invalid
 from web.frames import read_json_body
 from web.generation import Generator, PromptInput, Timing, failure
-from web.openai_format import ChoiceTally, logprobs_json, sse, usage
+from web.openai_fields import CHAT_RULES, COMPLETION_RULES, accepted, check_fields
+from web.openai_format import (
+    ChoiceTally,
+    chat_logprobs,
+    completion_logprobs,
+    echo_entries,
+    entries,
+    sse,
+    usage,
+)
 from web.params import (
-    BEAM_FIELDS,
-    SAMPLING_FIELDS,
     best_of,
     chat_messages,
     num_choices,
-    only_keys,
     sampling_params,
+    stream_options,
+    user_of,
 )
 from web.server_config import ServerConfig
 
 logger = logging.getLogger(__name__)
-_COMMON = {"model", "n", "stream", "stream_options", "max_tokens", "logit_bias", "user"}
-_COMMON |= {*SAMPLING_FIELDS, *BEAM_FIELDS}
-COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix"}
-CHAT_FIELDS = _COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}
+COMPLETION_FIELDS = accepted(COMPLETION_RULES)  # some with some values only (the table)
+CHAT_FIELDS = accepted(CHAT_RULES)
 CLIENT_GONE = 499  # the status logged for a request whose client hung up (nginx's)
 
 
@@ -62,6 +71,12 @@ class Job:
     stream: bool
     include_usage: bool
     top_logprobs: int | None
+    echo: bool = False  # completions: the prompt before each choice
+    strict_max_tokens: bool = False  # the client chose max_tokens: refused past the context
+
+    @property
+    def echo_logprobs(self) -> bool:
+        return self.echo and self.top_logprobs is not None
 
 
 class OpenAIRoutes:
@@ -78,14 +93,23 @@ class OpenAIRoutes:
         return await self._serve(request, chat=True)
 
     async def _serve(self, request: Request, chat: bool) -> Response:
+        body = None
         try:
             body = await read_json_body(request, self.config.max_message_bytes)
             job = self._parse(body, chat)
+            echoes = None
+            if job.echo:
+                skip = job.params.skip_special_tokens
+                engine = self.generator.engine
+                echoes = await prompt_echoes(engine, job.prompts, job.echo_logprobs, skip)
             if job.stream:
-                return await self._stream(job, chat)
-            result = await _unless_disconnected(request, self._complete(job, chat))
+                return await self._stream(job, chat, echoes)
+            work = self._complete(job, chat, echoes)
+            result = await _unless_disconnected(request, work)
             return JSONResponse(result) if result is not None else Response(status_code=CLIENT_GONE)
         except ApiError as err:
+            if chat and err.param == "max_tokens" and _given(body, "max_completion_tokens"):
+                err.param = "max_completion_tokens"  # the field this client sent
             headers = {"Retry-After": "1"} if err.status == 503 else {}
             headers |= {"Connection": "close"} if err.close else {}
             return JSONResponse(err.openai_body(), err.status, headers=headers)
@@ -96,7 +120,7 @@ class OpenAIRoutes:
 
     # -- parsing -------------------------------------------------------------------
     def _parse(self, body: dict[str, Any], chat: bool) -> Job:
-        only_keys(body, CHAT_FIELDS if chat else COMPLETION_FIELDS, "the request")
+        check_fields(body, CHAT_RULES if chat else COMPLETION_RULES)
         model = body.get("model")
         if model is not None and model != self.config.model_name:
             raise ApiError(
@@ -105,32 +129,33 @@ class OpenAIRoutes:
                 f"serves {self.config.model_name!r}",
                 "model",
             )
-        for name in ("echo", "suffix"):
-            if body.get(name):
-                raise invalid(f"{name} is not supported", name)
         n = num_choices(body)
         stream = body.get("stream", False)
+        if stream is None:
+            stream = False
         if not isinstance(stream, bool):
             raise invalid(f"stream must be a bool, got {str(stream)[:40]!r}", "stream")
+        include_usage = stream_options(body, stream)
         ranked = best_of(body, n, stream)
-        options = body.get("stream_options") or {}
-        if not isinstance(options, dict):
-            raise invalid("stream_options must be an object", "stream_options")
+        echo = False if chat else body.get("echo", False)  # chat: only false (the table)
+        if echo is None:
+            echo = False
+        if not isinstance(echo, bool):
+            raise invalid(f"echo must be a bool, got {str(echo)[:40]!r}", "echo")
+        user = user_of(body)
         base = sampling_params(body, chat=chat, default_max_tokens=self.config.default_max_tokens)
         params = dataclasses.replace(base, n=n, best_of=ranked)
         prompts = [chat_messages(body.get("messages"))] if chat else _prompts(body.get("prompt"))
         top = body.get("top_logprobs") if chat else body.get("logprobs")
         if chat and not body.get("logprobs"):
             top = None
-        prefix = "chatcmpl-" if chat else "cmpl-"
-        return Job(
-            prefix + uuid.uuid4().hex,
-            prompts,
-            params,
-            stream,
-            bool(options.get("include_usage")),
-            top,
-        )
+        if echo and top is not None:  # the prompt's tokens, scored, before each choice's
+            params = dataclasses.replace(params, prompt_logprobs=top)
+        request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        if user is not None:
+            logger.info("%s is from user %r", request_id, user)
+        strict = _given(body, "max_tokens") or _given(body, "max_completion_tokens")
+        return Job(request_id, prompts, params, stream, include_usage, top, echo, strict)
 
     # -- running -------------------------------------------------------------------
     async def _choices(self, job: Job) -> AsyncIterator[tuple[list[int], OutputDelta]]:
@@ -144,7 +169,10 @@ class OpenAIRoutes:
             try:
                 rid = f"{job.request_id}-{p}"
                 timing = Timing(time.monotonic())
-                async for out in self.generator.stream(prompt, job.params, rid, timing):
+                outs = self.generator.stream(
+                    prompt, job.params, rid, timing, strict_max_tokens=job.strict_max_tokens
+                )
+                async for out in outs:
                     which = [p * n + i for i in range(n)] if out.index < 0 else [p * n + out.index]
                     await queue.put((which, out))
             except BaseException as exc:  # noqa: BLE001 - handed to the consumer
@@ -168,7 +196,9 @@ class OpenAIRoutes:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _complete(self, job: Job, chat: bool) -> dict[str, Any]:
+    async def _complete(
+        self, job: Job, chat: bool, echoes: list[PromptEcho] | None
+    ) -> dict[str, Any]:
         tallies: dict[int, ChoiceTally] = {}
         async for which, out in self._choices(job):
             if out.finish_reason == "error":
@@ -179,7 +209,15 @@ class OpenAIRoutes:
                     tally.add(out)
             if out.finish_reason == "abort":
                 raise self._aborted(tallies)
-        choices = [self._choice(index, tallies[index], chat, job) for index in sorted(tallies)]
+        prompt_rows: dict[int, list] = {}  # per prompt: whichever choice got them
+        for index in sorted(tallies):
+            if tallies[index].prompt_rows:
+                prompt_rows.setdefault(index // job.params.n, tallies[index].prompt_rows)
+        choices = []
+        for index in sorted(tallies):
+            p = index // job.params.n
+            echo = None if echoes is None else (echoes[p], prompt_rows.get(p, ()))
+            choices.append(self._choice(index, tallies[index], chat, job, echo))
         return {
             "id": job.request_id,
             "object": "chat.completion" if chat else "text_completion",
@@ -195,29 +233,40 @@ class OpenAIRoutes:
         code = "shutting_down" if self.generator.draining else "engine_error"
         return ApiError(code, f"{what} before it finished ({done} tokens were generated)")
 
-    def _choice(self, index: int, tally: ChoiceTally, chat: bool, job: Job) -> dict[str, Any]:
+    def _choice(
+        self, index: int, tally: ChoiceTally, chat: bool, job: Job, echo: tuple | None
+    ) -> dict[str, Any]:
+        """One choice of a whole reply; `echo`: its prompt's PromptEcho and logprob rows."""
+        top = job.top_logprobs
+        logprobs = None
         if chat:
             choice = {"index": index, "message": {"role": "assistant", "content": tally.text}}
+            logprobs = None if top is None else chat_logprobs(tally.rows, top)
         else:
-            choice = {"index": index, "text": tally.text}
-        top = job.top_logprobs
+            text, head = tally.text, []
+            if echo is not None:
+                text = echo[0].text + text
+                head = echo_entries(echo[0].first_token, echo[1], top) if job.echo_logprobs else []
+            choice = {"index": index, "text": text}
+            if top is not None:
+                logprobs = completion_logprobs([*head, *entries(tally.rows, top)])
         return choice | {
-            "logprobs": logprobs_json(tally.rows, chat, top) if top is not None else None,
+            "logprobs": logprobs,
             "finish_reason": tally.final.finish_reason,
             "stop_reason": tally.final.stop_reason,
         }
 
-    async def _stream(self, job: Job, chat: bool) -> Response:
+    async def _stream(self, job: Job, chat: bool, echoes: list[PromptEcho] | None) -> Response:
         stream = self._choices(job)
         first = await anext(stream, None)  # refusals become an HTTP error, not a stream
         if first is not None and first[1].finish_reason == "error":
             await stream.aclose()
             raise failure(first[1])
         return StreamingResponse(
-            self._sse(job, chat, first, stream), media_type="text/event-stream"
+            self._sse(job, chat, echoes, first, stream), media_type="text/event-stream"
         )
 
-    async def _sse(self, job: Job, chat: bool, first, stream) -> AsyncIterator[str]:
+    async def _sse(self, job: Job, chat: bool, echoes, first, stream) -> AsyncIterator[str]:
         head = {
             "id": job.request_id,
             "object": "chat.completion.chunk" if chat else "text_completion",
@@ -225,6 +274,7 @@ class OpenAIRoutes:
             "model": self.config.model_name,
         }
         tallies: dict[int, ChoiceTally] = {}
+        chunks = _Chunks(job, chat, echoes, tallies)
         items = _prepend(first, stream)
         try:
             async for which, out in items:
@@ -235,31 +285,69 @@ class OpenAIRoutes:
                     tally = tallies.setdefault(index, ChoiceTally())
                     if tally.final is None:
                         tally.add(out)
-                        first_chunk = len(tally.texts) == 1
-                        choice = self._chunk(index, out, chat, job, first_chunk)
-                        yield sse({**head, "choices": [choice]})
+                        for choice in chunks.ready(index, out):
+                            yield sse({**head, "choices": [choice]})
+            for choice in chunks.drain():
+                yield sse({**head, "choices": [choice]})
             if job.include_usage:
                 yield sse({**head, "choices": [], "usage": usage(tallies, job.params.n)})
             yield "data: [DONE]\n\n"
         finally:
             await items.aclose()
 
-    def _chunk(
-        self, index: int, out: OutputDelta, chat: bool, job: Job, first: bool
-    ) -> dict[str, Any]:
+
+class _Chunks:
+    """A stream's choice chunks, in order: the first of each choice opens the assistant
+    turn (chat) or carries the echoed prompt (completions; with logprobs, once its
+    prompt's logprob rows have come: EchoGate); completions' text offsets run on from
+    chunk to chunk."""
+
+    def __init__(self, job: Job, chat: bool, echoes, tallies: dict[int, ChoiceTally]) -> None:
+        self.job, self.chat, self.echoes, self.tallies = job, chat, echoes, tallies
+        self.gate = EchoGate(job.params.n) if job.echo_logprobs else None
+        self.started: set[int] = set()
+
+    def ready(self, index: int, out: OutputDelta) -> Iterator[dict[str, Any]]:
+        pairs = [(index, out)] if self.gate is None else self.gate.admit(index, out)
+        for i, delta in pairs:
+            yield self._chunk(i, delta)
+
+    def drain(self) -> Iterator[dict[str, Any]]:
+        for i, delta in self.gate.drain() if self.gate is not None else ():
+            yield self._chunk(i, delta)
+
+    def _chunk(self, index: int, out: OutputDelta) -> dict[str, Any]:
+        first = index not in self.started
+        self.started.add(index)
         choice: dict[str, Any] = {"index": index}
-        if chat:
-            choice["delta"] = (
-                {"role": "assistant", "content": out.text} if first else {"content": out.text}
-            )
+        rows, top = out.logprobs or (), self.job.top_logprobs
+        if self.chat:
+            content = {"content": out.text}
+            choice["delta"] = {"role": "assistant", **content} if first else content
+            choice["logprobs"] = chat_logprobs(rows, top) if top is not None and rows else None
         else:
-            choice["text"] = out.text
-        rows, top = out.logprobs or (), job.top_logprobs
-        choice["logprobs"] = logprobs_json(rows, chat, top) if top is not None and rows else None
+            text, head = out.text, []
+            if first and self.echoes is not None:
+                p = index // self.job.params.n
+                text = self.echoes[p].text + text
+                if self.gate is not None:
+                    head = echo_entries(self.echoes[p].first_token, self.gate.rows_of(p), top)
+            choice["text"] = text
+            choice["logprobs"] = None
+            if top is not None and (rows or head):
+                tally = self.tallies[index]
+                lp = completion_logprobs([*head, *entries(rows, top)], tally.text_offset)
+                tally.text_offset += sum(map(len, lp["tokens"]))
+                choice["logprobs"] = lp
         choice["finish_reason"] = out.finish_reason
         if out.finish_reason is not None:
             choice["stop_reason"] = out.stop_reason
         return choice
+
+
+def _given(body: Any, name: str) -> bool:
+    """Whether the body sets `name` (null is not set)."""
+    return isinstance(body, dict) and body.get(name) is not None
 
 
 def _prompts(prompt: Any) -> list[PromptInput]:

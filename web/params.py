@@ -112,21 +112,101 @@ def field_of(message: str) -> str | None:
     return head.group() if head and head.group() in KNOWN_FIELDS else None
 
 
+# Content part types of OpenAI's and vLLM's chat messages that carry media, not text.
+MEDIA_PART_TYPES = frozenset(
+    {"image_url", "input_image", "image", "image_embeds", "input_audio", "audio_url"}
+    | {"audio", "file", "input_file", "video_url", "video"}
+)
+
+
 def chat_messages(value: Any) -> list[dict[str, str]]:
-    """OpenAI chat messages -> [{role, content}] (text content parts joined)."""
+    """OpenAI chat messages -> [{role, content}] (text content parts joined). A message
+    field other than role and content, and a content part that is not text (an image,
+    audio, a file), is refused by its path: the model reads text only, and nothing
+    sent is dropped."""
     if not isinstance(value, list) or not value:
         raise invalid("messages must be a non-empty list of {role, content}", "messages")
     out = []
     for i, m in enumerate(value):
         if not (isinstance(m, dict) and isinstance(m.get("role"), str)):
             raise invalid(f"messages[{i}] must be an object with a role", "messages")
+        extra = sorted(set(m) - {"role", "content"}, key=repr)
+        if extra:
+            where = f"messages[{i}].{extra[0]}"
+            raise invalid(
+                f"{where} is not supported: a message reaches the chat template as its role "
+                "and content only (this server has no tool calling or participant names)",
+                where,
+            )
         content = m.get("content")
         if isinstance(content, list):  # OpenAI content parts: text only
-            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+            parts = enumerate(content)
+            content = "".join(_text_part(part, f"messages[{i}].content[{j}]") for j, part in parts)
         if not isinstance(content, str):
-            raise invalid(f"messages[{i}].content must be a string", "messages")
+            raise invalid(
+                f"messages[{i}].content must be a string or a list of text parts",
+                f"messages[{i}].content",
+            )
         out.append({"role": m["role"], "content": content})
     return out
+
+
+def _text_part(part: Any, where: str) -> str:
+    """The text of one content part `{"type": "text", "text": ...}`; 400 for any other."""
+    if not isinstance(part, dict):
+        raise invalid(f"{where} must be a content part object", where)
+    kind = part.get("type")
+    if kind in MEDIA_PART_TYPES:
+        raise invalid(
+            f"{where}.type {kind!r} is not supported: this server serves a text-only model",
+            f"{where}.type",
+        )
+    if kind != "text":
+        raise invalid(f"{where}.type must be 'text', got {_short(kind)}", f"{where}.type")
+    extra = sorted(set(part) - {"type", "text"}, key=repr)
+    if extra:
+        raise invalid(f"{where}.{extra[0]} is not supported in a text part", f"{where}.{extra[0]}")
+    if not isinstance(part.get("text"), str):
+        raise invalid(f"{where}.text must be a string", f"{where}.text")
+    return part["text"]
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else f"{text[:57]}..."
+
+
+def stream_options(body: dict[str, Any], stream: bool) -> bool:
+    """Whether the stream ends with a usage chunk. stream_options needs stream: true
+    (as vLLM says) and takes include_usage only."""
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not isinstance(options, dict):
+        raise invalid("stream_options must be an object", "stream_options")
+    if not stream:
+        raise invalid("stream_options is only allowed with stream: true", "stream_options")
+    for key in options:
+        if key != "include_usage":
+            raise invalid(
+                f"stream_options.{_short(key)} is not supported; stream_options takes "
+                "include_usage only",
+                "stream_options",
+            )
+    include = options.get("include_usage")
+    if include is not None and not isinstance(include, bool):
+        shown = _short(include)
+        raise invalid(f"stream_options.include_usage must be a bool, got {shown}", "stream_options")
+    return bool(include)
+
+
+def user_of(body: dict[str, Any]) -> str | None:
+    """OpenAI's `user`: a string of at most 256 characters that identifies the caller."""
+    user = body.get("user")
+    if user is not None and not (isinstance(user, str) and len(user) <= 256):
+        shown = _short(user)
+        raise invalid(f"user must be a string of at most 256 characters, got {shown}", "user")
+    return None if user is None else valid_text("user", user)
 
 
 def valid_text(name: str, text: str) -> str:

@@ -26,10 +26,18 @@ class RequestLimits:
 
 
 def validate_request(
-    token_ids: list[int], params: SamplingParams, limits: RequestLimits, field: str = "prompt"
+    token_ids: list[int],
+    params: SamplingParams,
+    limits: RequestLimits,
+    field: str = "prompt",
+    *,
+    strict_max_tokens: bool = False,
 ) -> None:
     """Raises ValueError naming the field and the allowed range (`field`: what the
-    prompt's tokens came from: "prompt", text or token ids, or "messages")."""
+    prompt's tokens came from: "prompt", text or token ids, or "messages").
+    `strict_max_tokens`: the client chose max_tokens, so a prompt plus max_tokens past
+    the context is refused (vLLM's OpenAI server); otherwise the request generates until
+    the context is full (vLLM's offline LLM)."""
     vocab_size, max_model_len = limits.vocab_size, limits.max_model_len
     if params.stop and not limits.has_tokenizer:
         raise ValueError("stop strings need a tokenizer; this engine has none (use stop_token_ids)")
@@ -45,8 +53,27 @@ def validate_request(
             f"{max_model_len:,}, leaving no room to generate; shorten it to at most "
             f"{max_model_len - 1:,} tokens"
         )
+    if strict_max_tokens:
+        _check_max_tokens(len(token_ids), params, max_model_len, field)
     if params.use_beam_search:
         _check_beam_search(token_ids, params, limits)
+
+
+def _check_max_tokens(
+    num_prompt_tokens: int, params: SamplingParams, max_model_len: int, field: str
+) -> None:
+    """vLLM's answer, word for word after the field's name, to a prompt plus max_tokens
+    past the context."""
+    wanted = params.max_tokens
+    if wanted is None or num_prompt_tokens + wanted <= max_model_len:
+        return
+    raise ValueError(
+        f"max_tokens ({wanted}) is too large: This model's maximum context length is "
+        f"{max_model_len} tokens. However, you requested {num_prompt_tokens + wanted} tokens "
+        f"({num_prompt_tokens} in the {field}, {wanted} in the completion). Please reduce "
+        f"the length of the {field} or completion (max_tokens can be at most "
+        f"{max_model_len - num_prompt_tokens} here)."
+    )
 
 
 def _check_beam_search(token_ids: list[int], params: SamplingParams, limits: RequestLimits) -> None:

@@ -8,17 +8,22 @@ from engine.core.sequence_group import best_n, sequence_id
 from engine.messages import (
     AbortRequest,
     AddRequest,
+    ChatMessage,
+    DetokenizeRequest,
     GenerateRequest,
     LogprobRow,
     OutputDelta,
     RankedSequence,
     RequestLogprobs,
     TokenDelta,
+    TokenizeRequest,
+    TokenizeResult,
 )
 from engine.text.detokenizer import IncrementalDetokenizer
 from engine.text.request_validation import RequestLimits, validate_request
 from engine.text.stop_strings import find_stop, hold_back
 from engine.text.text_checks import check_text
+from engine.text.token_text import TokenTexts
 from engine.text.tokenizer import Tokenizer
 
 
@@ -79,7 +84,7 @@ class TextProcessor:
         self.sequences: dict[str, list[str]] = {}  # request id -> its sequence ids
         self.clients: dict[str, str] = {}  # request id -> its client id
         self.ranked: dict[str, list[tuple[float, OutputDelta]]] = {}  # ended, held back
-        self._token_texts: dict[int, str] = {}  # one token's text, for logprobs
+        self.token_texts = None if tokenizer is None else TokenTexts(tokenizer)  # logprobs
 
     def admit(self, request: GenerateRequest, arrival_time: float) -> AddRequest:
         """`prepare` then `register`."""
@@ -91,8 +96,48 @@ class TextProcessor:
         beside the other methods (the slow part of admission: tokenizing)."""
         token_ids = self._token_ids(request)
         field = "messages" if request.messages is not None else "prompt"
-        validate_request(token_ids, request.params, self.limits, field)
+        strict = request.strict_max_tokens
+        validate_request(token_ids, request.params, self.limits, field, strict_max_tokens=strict)
         return token_ids
+
+    def tokenize(self, request: TokenizeRequest | DetokenizeRequest) -> TokenizeResult:
+        """The answer to a tokenize or detokenize request (`error` set, naming the field,
+        for input refused). Reads no state and keeps none, like `prepare`: the input is
+        bounded by the caller's message size, not by the context (it is often sent to
+        learn whether a text fits)."""
+        rid = request.request_id
+        try:
+            if self.tokenizer is None:
+                raise ValueError("this engine has no tokenizer (skip_tokenizer_init)")
+            if isinstance(request, DetokenizeRequest):
+                ids = self._known_ids(request.token_ids)
+                text = self.tokenizer.decode(ids, request.skip_special_tokens)
+            else:
+                ids, text = self._encode(request), ""
+        except ValueError as exc:
+            return TokenizeResult(rid, (), (), "", str(exc))
+        return TokenizeResult(rid, tuple(ids), tuple(map(self.token_texts, ids)), text)
+
+    def _encode(self, request: TokenizeRequest) -> list[int]:
+        if (request.prompt is None) == (request.messages is None):
+            raise ValueError("set exactly one of prompt, messages")
+        if request.prompt is not None:
+            check_text("prompt", request.prompt)
+            return self.tokenizer.encode(request.prompt, request.add_special_tokens)
+        return self.tokenizer.apply_chat_template(
+            _chat_dicts(request.messages), request.add_generation_prompt
+        )
+
+    def _known_ids(self, token_ids: tuple[int, ...]) -> list[int]:
+        """`token_ids` if the tokenizer has every one, else ValueError naming `tokens`."""
+        size = self.tokenizer.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < size]
+        if bad:
+            raise ValueError(
+                f"tokens: token ids must be in [0, {size}) (this tokenizer's vocabulary); "
+                f"got {bad[:5]}"
+            )
+        return list(token_ids)
 
     def register(
         self, request: GenerateRequest, token_ids: list[int], arrival_time: float
@@ -180,8 +225,9 @@ class TextProcessor:
         if request.prompt_token_ids is not None:
             return list(request.prompt_token_ids)
         self._check_length("messages", sum(len(m.content) for m in request.messages))
-        messages = [{"role": m.role, "content": m.content} for m in request.messages]
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return self.tokenizer.apply_chat_template(
+            _chat_dicts(request.messages), add_generation_prompt=True
+        )
 
     def _check_length(self, name: str, num_chars: int) -> None:
         """Refuses text too long for the context whatever its tokens, before the work
@@ -271,8 +317,14 @@ class TextProcessor:
         del self.states[delta.request_id]
         if not self._forget_if_done(request.request_id):
             return []
-        best = best_n(self.ranked.pop(request.request_id), lambda r: r[0], request.params.n)
-        return [replace(d, index=i) for i, (_, d) in enumerate(best)]
+        ended = self.ranked.pop(request.request_id)
+        prompt_rows = next((d.prompt_logprobs for _, d in ended if d.prompt_logprobs), None)
+        best = best_n(ended, lambda r: r[0], request.params.n)
+        # the prompt's rows (scored by one sequence) ride on output 0, whichever is best
+        return [
+            replace(d, index=i, prompt_logprobs=prompt_rows if i == 0 else None)
+            for i, (_, d) in enumerate(best)
+        ]
 
     def _forget_if_done(self, request_id: str) -> bool:
         """Drops the request once none of its sequences is open; True if it did."""
@@ -283,7 +335,7 @@ class TextProcessor:
         return True
 
     def _decode_rows(self, rows: tuple[LogprobRow, ...] | None) -> tuple[LogprobRow, ...] | None:
-        """Fills in each candidate's text (decoded alone, special tokens kept)."""
+        """Fills in each candidate's text: what it adds after the text before it."""
         if rows is None:
             return None
         return tuple(
@@ -292,12 +344,9 @@ class TextProcessor:
         )
 
     def _token_text(self, token_id: int) -> str | None:
-        if self.tokenizer is None:
-            return None
-        text = self._token_texts.get(token_id)
-        if text is None:
-            text = self._token_texts[token_id] = self.tokenizer.decode([token_id], False)
-        return text
+        """The text the token adds to the text before it (special tokens kept), so a
+        sequence's logprob tokens join into its text."""
+        return None if self.token_texts is None else self.token_texts(token_id)
 
     def drop(self, request_id: str) -> None:
         """Forget a request (client abort), every sequence of it."""
@@ -305,3 +354,7 @@ class TextProcessor:
         for seq_id in self.sequences.pop(request_id, [request_id]):
             self.states.pop(seq_id, None)
         self.ranked.pop(request_id, None)
+
+
+def _chat_dicts(messages: tuple[ChatMessage, ...]) -> list[dict]:
+    return [{"role": m.role, "content": m.content} for m in messages]

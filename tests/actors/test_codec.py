@@ -83,6 +83,13 @@ SAMPLES = [
     m.RequestFailed("r1", "TypeError: cannot encode"),
     m.StepResult(6, 0, ("r2",), (5,), (), (), None, 0.1, (m.RequestFailed("r1", "boom"),)),
     m.WorkerHeartbeat(0, 12345.5),
+    m.GenerateRequest("r4", "c1", "hello", None, None, PARAMS, True),
+    m.TokenizeRequest("t1", "c1", "hello", None, False),
+    m.TokenizeRequest("t2", "c1", None, (m.ChatMessage("user", "hi"),), True, False),
+    m.DetokenizeRequest("t3", "c1", (1, 2, 3)),
+    m.DetokenizeRequest("t4", "c1", (1, 2, 3), True),
+    m.TokenizeResult("t1", (1, 2), ("he", "llo"), ""),
+    m.TokenizeResult("t3", (), (), "", "tokens: token ids must be in [0, 512)"),
 ]
 
 # The wire format: field names in order. Changing this table means a protocol change.
@@ -97,7 +104,18 @@ FIELD_ORDER = {
         "prompt_token_ids",
         "messages",
         "params",
+        "strict_max_tokens",
     ],
+    "TokenizeRequest": [
+        "request_id",
+        "client_id",
+        "prompt",
+        "messages",
+        "add_special_tokens",
+        "add_generation_prompt",
+    ],
+    "DetokenizeRequest": ["request_id", "client_id", "token_ids", "skip_special_tokens"],
+    "TokenizeResult": ["request_id", "token_ids", "token_strs", "text", "error"],
     "TokenLogprob": ["token_id", "logprob", "rank", "decoded_token"],
     "TokenDelta": [
         "request_id",

@@ -36,6 +36,7 @@ from hypothesis import strategies as st
 from hypothesis.strategies import SearchStrategy
 
 from engine.worker.builtin_model import BUILTIN_MODEL_NAME
+from web.openai_fields import CHAT_RULES, COMPLETION_RULES, Support
 from web.openai_routes import CHAT_FIELDS, COMPLETION_FIELDS
 from web.params import SAMPLING_FIELDS
 from web.ws_connection import GENERATE_KEYS
@@ -386,8 +387,17 @@ _COMMON_VALID: dict[str, SearchStrategy] = {
     "length_penalty": st.floats(-2, 2),
     "early_stopping": st.sampled_from([False, True, "never"]),
 }
+
+
+def _some_values(rules) -> dict[str, SearchStrategy]:
+    """Fields taken with some values only: a value the table says is honoured."""
+    some = Support.SOME_VALUES
+    return {n: st.just(r.accepted_example) for n, r in rules.items() if r.support is some}
+
+
 COMPLETION_VALID: dict[str, SearchStrategy] = {
     **_COMMON_VALID,
+    **_some_values(COMPLETION_RULES),
     "prompt": weighted(
         (4, NONEMPTY_TEXT),
         (2, TOKEN_IDS),
@@ -401,6 +411,7 @@ COMPLETION_VALID: dict[str, SearchStrategy] = {
 }
 CHAT_VALID: dict[str, SearchStrategy] = {
     **_COMMON_VALID,
+    **_some_values(CHAT_RULES),
     "messages": MESSAGES,
     "logprobs": st.booleans(),
     "top_logprobs": st.integers(0, 5),
