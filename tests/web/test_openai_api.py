@@ -4,6 +4,7 @@ offline `LLM` on the same weights (the built-in model anywhere, stories260K with
 
 from __future__ import annotations
 
+import httpx
 import pytest
 from openai import AsyncOpenAI, BadRequestError
 
@@ -224,3 +225,186 @@ async def test_beam_search_refusals_name_the_field(builtin_server) -> None:
         await api.completions.create(extra_body={**beams, "early_stopping": "soon"}, **kwargs)
     out = await api.completions.create(n=1, extra_body=beams, **kwargs)  # still serving
     assert out.choices[0].finish_reason in ("stop", "length")
+
+
+def _post(server, path: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{server.http}{path}", json=body, timeout=60)
+
+
+async def test_logprob_tokens_join_into_the_text(served) -> None:
+    """Each logprob token is the text it adds (SentencePiece's ' there', not 'there'),
+    so plain text's tokens join into it; text_offset is where each starts."""
+    api = client(served)
+    kwargs = dict(model=served.model, prompt=PROMPT, max_tokens=12, temperature=0)
+    out = (await api.completions.create(logprobs=2, **kwargs)).choices[0]
+    assert out.finish_reason == "length"
+    lp = out.logprobs
+    assert "".join(lp.tokens) == out.text
+    assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(len(lp.tokens))]
+    assert all(out.text[at:].startswith(t) for at, t in zip(lp.text_offset, lp.tokens, strict=True))
+    streamed = await api.completions.create(logprobs=2, stream=True, **kwargs)
+    tokens, offsets = [], []
+    async for chunk in streamed:
+        for c in chunk.choices:
+            tokens += c.logprobs.tokens if c.logprobs else []
+            offsets += c.logprobs.text_offset if c.logprobs else []
+    assert (tokens, offsets) == (lp.tokens, lp.text_offset)
+    chat = await api.chat.completions.create(
+        model=served.model,
+        messages=[{"role": "user", "content": "Tell me a story."}],
+        max_tokens=12,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    content = chat.choices[0].logprobs.content
+    assert "".join(t.token for t in content) == chat.choices[0].message.content
+    assert all(bytes(t.bytes) == t.token.encode() for t in content)
+
+
+async def test_echo_puts_the_prompt_first(served) -> None:
+    api = client(served)
+    kwargs = dict(model=served.model, prompt=PROMPT, max_tokens=6, temperature=0)
+    plain = await api.completions.create(logprobs=1, **kwargs)
+    echoed = await api.completions.create(echo=True, logprobs=1, **kwargs)
+    text, lp = echoed.choices[0].text, echoed.choices[0].logprobs
+    assert text == PROMPT + plain.choices[0].text
+    num_prompt = echoed.usage.prompt_tokens
+    assert len(lp.tokens) == num_prompt + 6
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # as OpenAI
+    assert all(v <= 0 for v in lp.token_logprobs[1:])
+    assert "".join(lp.tokens[:num_prompt]).endswith(PROMPT)  # after BOS's text, if any
+    assert lp.tokens[num_prompt:] == plain.choices[0].logprobs.tokens
+    assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(len(lp.tokens))]
+    streamed = await api.completions.create(echo=True, logprobs=1, stream=True, **kwargs)
+    parts, tokens = [], []
+    async for chunk in streamed:
+        for c in chunk.choices:
+            parts.append(c.text)
+            tokens += c.logprobs.tokens if c.logprobs else []
+    assert ("".join(parts), tokens) == (text, lp.tokens)
+    no_logprobs = await api.completions.create(echo=True, **kwargs)
+    assert no_logprobs.choices[0].text == text
+
+
+async def test_echo_with_n_best_of_and_token_prompts(served) -> None:
+    """Every choice gets its prompt's entries, whichever sequence scored the prompt
+    (best_of > n used to lose them); a token-id prompt echoes its decoded text."""
+    api = client(served)
+    kwargs = dict(model=served.model, max_tokens=4, temperature=1.0, seed=2, echo=True)
+    kwargs["extra_body"] = {"ignore_eos": True}
+    for extra in ({"n": 2}, {"n": 2, "best_of": 3}):
+        out = await api.completions.create(prompt=PROMPT, logprobs=0, **extra, **kwargs)
+        for choice in out.choices:
+            assert choice.text.startswith(PROMPT)
+            assert len(choice.logprobs.tokens) == out.usage.prompt_tokens + 4
+            assert choice.logprobs.token_logprobs[0] is None
+            assert all(v is not None for v in choice.logprobs.token_logprobs[1:])
+    ids = _post(served, "/tokenize", {"prompt": PROMPT, "add_special_tokens": False}).json()
+    by_ids = await api.completions.create(prompt=ids["tokens"], **kwargs)
+    assert by_ids.choices[0].text.startswith(PROMPT)
+
+
+async def test_max_tokens_past_the_context_is_a_400_with_both_numbers(builtin_server) -> None:
+    api = client(builtin_server)
+    tokenized = _post(builtin_server, "/tokenize", {"prompt": PROMPT}).json()
+    context, num_prompt = tokenized["max_model_len"], tokenized["count"]
+    room = context - num_prompt
+    with pytest.raises(BadRequestError) as refused:
+        await api.completions.create(model=builtin_server.model, prompt=PROMPT, max_tokens=room + 1)
+    error = refused.value.body
+    assert error["param"] == "max_tokens"
+    assert f"maximum context length is {context} tokens" in error["message"]
+    assert f"({num_prompt} in the prompt, {room + 1} in the completion)" in error["message"]
+    fits = await api.completions.create(
+        model=builtin_server.model, prompt=PROMPT, max_tokens=room, temperature=0, stop=["e"]
+    )
+    assert fits.choices[0].finish_reason in ("stop", "length")
+    messages = [{"role": "user", "content": "hi"}]
+    with pytest.raises(BadRequestError) as refused:
+        await api.chat.completions.create(
+            model=builtin_server.model, messages=messages, max_completion_tokens=context
+        )
+    assert refused.value.body["param"] == "max_completion_tokens"
+    assert "in the messages" in refused.value.body["message"]
+
+
+async def test_unset_max_tokens_is_cut_to_the_context(builtin_server) -> None:
+    """No max_tokens: the server's default, cut to what the context leaves (vLLM)."""
+    probe = _post(builtin_server, "/tokenize", {"prompt": "a"}).json()
+    prompt = "a" * (probe["max_model_len"] - 24)
+    num_prompt = _post(builtin_server, "/tokenize", {"prompt": prompt}).json()["count"]
+    reply = _post(builtin_server, "/v1/completions", {"prompt": prompt, "ignore_eos": True})
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"]["completion_tokens"] == probe["max_model_len"] - num_prompt
+
+
+@pytest.mark.parametrize("kind", ["image_url", "input_audio", "file"])
+def test_media_content_parts_are_refused(builtin_server, kind: str) -> None:
+    part = {"type": kind, kind: {"url": "data:,x"}}
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, part]}]}
+    reply = _post(builtin_server, "/v1/chat/completions", body)
+    assert reply.status_code == 400
+    error = reply.json()["error"]
+    assert error["param"] == "messages[0].content[1].type"
+    assert error["message"] == (
+        f"messages[0].content[1].type {kind!r} is not supported: this server serves a "
+        "text-only model"
+    )
+
+
+async def test_text_parts_still_work(builtin_server) -> None:
+    api = client(builtin_server)
+    kwargs = dict(model=builtin_server.model, max_tokens=8, temperature=0)
+    parts = [{"type": "text", "text": "Tell me "}, {"type": "text", "text": "a story."}]
+    by_parts = await api.chat.completions.create(
+        messages=[{"role": "user", "content": parts}], **kwargs
+    )
+    whole = await api.chat.completions.create(
+        messages=[{"role": "user", "content": "Tell me a story."}], **kwargs
+    )
+    assert by_parts.choices[0].message.content == whole.choices[0].message.content
+    named = {"role": "user", "content": "hi", "name": "bob"}
+    reply = _post(builtin_server, "/v1/chat/completions", {"messages": [named]})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "messages[0].name"
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"stream_options": {"include_usage": True}},
+        {"stream": False, "stream_options": {"include_usage": True}},
+        {"stream": True, "stream_options": {"continuous_usage_stats": True}},
+        {"stream": True, "stream_options": {"include_usage": "yes"}},
+    ],
+)
+def test_stream_options_are_refused_unless_streaming_usage(builtin_server, options) -> None:
+    reply = _post(builtin_server, "/v1/completions", {"prompt": PROMPT, **options})
+    assert reply.status_code == 400
+    assert reply.json()["error"]["param"] == "stream_options"
+
+
+def test_user_identifies_the_caller(builtin_server) -> None:
+    body = {"prompt": PROMPT, "max_tokens": 2}
+    assert _post(builtin_server, "/v1/completions", {**body, "user": "alice"}).status_code == 200
+    reply = _post(builtin_server, "/v1/completions", {**body, "user": 5})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "user"
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "status", "kind"),
+    [
+        ("GET", "/v1/nope", 404, "NotFoundError"),
+        ("POST", "/v1/chat", 404, "NotFoundError"),
+        ("GET", "/v1/completions", 405, "invalid_request_error"),
+        ("PUT", "/v1/chat/completions", 405, "invalid_request_error"),
+    ],
+)
+def test_unknown_paths_and_methods_answer_openai_errors(builtin_server, method, path, status, kind):
+    reply = httpx.request(method, f"{builtin_server.http}{path}", timeout=30)
+    assert reply.status_code == status
+    error = reply.json()["error"]
+    assert (error["type"], error["code"], error["param"]) == (kind, status, None)
+    assert path in error["message"]
