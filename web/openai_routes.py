@@ -22,7 +22,7 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Iterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +31,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from engine.messages import OutputDelta
 from engine.sampling_params import SamplingParams
-from web.completion_echo import EchoGate, PromptEcho, prompt_echoes
+from web.choice_chunks import ChoiceChunks, ChunkShape
+from web.completion_echo import PromptEcho, prompt_echoes
 from web.errors import ApiError, invalid
 from web.frames import read_json_body
 from web.generation import Generator, PromptInput, Timing, failure
@@ -48,6 +49,7 @@ from web.openai_format import (
 from web.params import (
     best_of,
     chat_messages,
+    flag,
     num_choices,
     sampling_params,
     stream_options,
@@ -130,18 +132,10 @@ class OpenAIRoutes:
                 "model",
             )
         n = num_choices(body)
-        stream = body.get("stream", False)
-        if stream is None:
-            stream = False
-        if not isinstance(stream, bool):
-            raise invalid(f"stream must be a bool, got {str(stream)[:40]!r}", "stream")
+        stream = flag(body, "stream", False)
         include_usage = stream_options(body, stream)
         ranked = best_of(body, n, stream)
-        echo = False if chat else body.get("echo", False)  # chat: only false (the table)
-        if echo is None:
-            echo = False
-        if not isinstance(echo, bool):
-            raise invalid(f"echo must be a bool, got {str(echo)[:40]!r}", "echo")
+        echo = not chat and flag(body, "echo", False)  # chat: only false (the table)
         user = user_of(body)
         base = sampling_params(body, chat=chat, default_max_tokens=self.config.default_max_tokens)
         params = dataclasses.replace(base, n=n, best_of=ranked)
@@ -274,7 +268,9 @@ class OpenAIRoutes:
             "model": self.config.model_name,
         }
         tallies: dict[int, ChoiceTally] = {}
-        chunks = _Chunks(job, chat, echoes, tallies)
+        chunks = ChoiceChunks(
+            ChunkShape(chat, job.params.n, job.top_logprobs, job.echo_logprobs), echoes, tallies
+        )
         items = _prepend(first, stream)
         try:
             async for which, out in items:
@@ -294,55 +290,6 @@ class OpenAIRoutes:
             yield "data: [DONE]\n\n"
         finally:
             await items.aclose()
-
-
-class _Chunks:
-    """A stream's choice chunks, in order: the first of each choice opens the assistant
-    turn (chat) or carries the echoed prompt (completions; with logprobs, once its
-    prompt's logprob rows have come: EchoGate); completions' text offsets run on from
-    chunk to chunk."""
-
-    def __init__(self, job: Job, chat: bool, echoes, tallies: dict[int, ChoiceTally]) -> None:
-        self.job, self.chat, self.echoes, self.tallies = job, chat, echoes, tallies
-        self.gate = EchoGate(job.params.n) if job.echo_logprobs else None
-        self.started: set[int] = set()
-
-    def ready(self, index: int, out: OutputDelta) -> Iterator[dict[str, Any]]:
-        pairs = [(index, out)] if self.gate is None else self.gate.admit(index, out)
-        for i, delta in pairs:
-            yield self._chunk(i, delta)
-
-    def drain(self) -> Iterator[dict[str, Any]]:
-        for i, delta in self.gate.drain() if self.gate is not None else ():
-            yield self._chunk(i, delta)
-
-    def _chunk(self, index: int, out: OutputDelta) -> dict[str, Any]:
-        first = index not in self.started
-        self.started.add(index)
-        choice: dict[str, Any] = {"index": index}
-        rows, top = out.logprobs or (), self.job.top_logprobs
-        if self.chat:
-            content = {"content": out.text}
-            choice["delta"] = {"role": "assistant", **content} if first else content
-            choice["logprobs"] = chat_logprobs(rows, top) if top is not None and rows else None
-        else:
-            text, head = out.text, []
-            if first and self.echoes is not None:
-                p = index // self.job.params.n
-                text = self.echoes[p].text + text
-                if self.gate is not None:
-                    head = echo_entries(self.echoes[p].first_token, self.gate.rows_of(p), top)
-            choice["text"] = text
-            choice["logprobs"] = None
-            if top is not None and (rows or head):
-                tally = self.tallies[index]
-                lp = completion_logprobs([*head, *entries(rows, top)], tally.text_offset)
-                tally.text_offset += sum(map(len, lp["tokens"]))
-                choice["logprobs"] = lp
-        choice["finish_reason"] = out.finish_reason
-        if out.finish_reason is not None:
-            choice["stop_reason"] = out.stop_reason
-        return choice
 
 
 def _given(body: Any, name: str) -> bool:

@@ -200,6 +200,16 @@ def stream_options(body: dict[str, Any], stream: bool) -> bool:
     return bool(include)
 
 
+def flag(body: dict[str, Any], name: str, default: bool) -> bool:
+    """A bool field (null or absent: `default`)."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise invalid(f"{name} must be a bool, got {_short(value)}", name)
+    return value
+
+
 def user_of(body: dict[str, Any]) -> str | None:
     """OpenAI's `user`: a string of at most 256 characters that identifies the caller."""
     user = body.get("user")

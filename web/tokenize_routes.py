@@ -29,7 +29,7 @@ from engine.messages import TokenizeResult
 from web.errors import ApiError, invalid
 from web.frames import read_json_body
 from web.generation import Generator
-from web.params import chat_messages, only_keys, valid_text
+from web.params import chat_messages, flag, only_keys, valid_text
 from web.server_config import ServerConfig
 
 logger = logging.getLogger(__name__)
@@ -86,13 +86,13 @@ class TokenizeRoutes:
         if "messages" in body:
             only_keys(body, CHAT_FIELDS, "a chat /tokenize request")
             messages = chat_messages(body["messages"])
-            if _flag(body, "continue_final_message", False):
+            if flag(body, "continue_final_message", False):
                 raise invalid(
                     "continue_final_message=true is not supported: a chat's tokens always "
                     "open a new assistant turn (with add_generation_prompt)",
                     "continue_final_message",
                 )
-            opening = _flag(body, "add_generation_prompt", True)
+            opening = flag(body, "add_generation_prompt", True)
             result = await self._call(
                 self.generator.engine.tokenize(messages, add_generation_prompt=opening)
             )
@@ -101,13 +101,13 @@ class TokenizeRoutes:
             prompt = body.get("prompt")
             if not isinstance(prompt, str):
                 raise invalid("prompt must be a string (or send messages instead)", "prompt")
-            special = _flag(body, "add_special_tokens", True)
+            special = flag(body, "add_special_tokens", True)
             result = await self._call(
                 self.generator.engine.tokenize(
                     valid_text("prompt", prompt), add_special_tokens=special
                 )
             )
-        strs = list(result.token_strs) if _flag(body, "return_token_strs", False) else None
+        strs = list(result.token_strs) if flag(body, "return_token_strs", False) else None
         return {
             "count": len(result.token_ids),
             "max_model_len": self.max_model_len,
@@ -147,12 +147,3 @@ class TokenizeRoutes:
             raise invalid(message, param) from None
         except RuntimeError as exc:
             raise ApiError("unavailable", f"the engine cannot answer: {exc}") from None
-
-
-def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise invalid(f"{name} must be a bool, got {str(value)[:40]!r}", name)
-    return value
