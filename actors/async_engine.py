@@ -283,6 +283,11 @@ class AsyncEngine:
             raise ValueError(result.error)
         return result
 
+    async def count_prompt_tokens(self, messages: list[dict[str, str]]) -> int:
+        """How many prompt tokens chat `messages` would take (the chat template applied);
+        ValueError when they cannot be rendered (no tokenizer, a template error)."""
+        return await self.tokenizer.count_prompt_tokens(messages)
+
     async def abort(self, request_id: str) -> None:
         """Stops a request; its stream (if still read) ends with finish_reason "abort"."""
         await self._end(request_id, OutputDelta.aborted(request_id))

@@ -133,6 +133,10 @@ class TokenizerActor(Actor):
             result = TokenizeResult(request.request_id, (), (), "", f"internal error: {exc!r}")
         await self._to_client(request.client_id, result)
 
+    async def count_prompt_tokens(self, messages: list[dict[str, str]]) -> int:
+        """`TextProcessor.count_prompt_tokens` on the admission thread (read-only)."""
+        return await self._run(self._admission, self.processor.count_prompt_tokens, messages)
+
     async def on_abort(self, abort: AbortRequest) -> None:
         admitting = self.admitting.pop(abort.request_id, None)
         if admitting is not None:

@@ -3,14 +3,18 @@
 A session belongs to whoever opened it: the API key (by fingerprint) when the server
 has keys, else the WebSocket connection, whose sessions close with it. Another owner
 asking for it by id is told it does not exist. Sessions are bounded in number (per
-owner and in all) and in characters (the system text counts too).
+owner and in all) and in characters (the system text counts too): a memory bound.
+
+What fits the model is counted in tokens (`fit_history`): before each turn the history
+is rendered and counted, and the oldest turns are left out until the prompt leaves
+room for the reply; the system prompt always stays.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -124,6 +128,12 @@ class SessionStore:
         session.messages += [message, {"role": "assistant", "content": reply}]
         self._trim(session)
 
+    def forget_oldest(self, session: Session, count: int) -> None:
+        """Drops the `count` oldest messages after the system prompt (`fit_history`
+        left them out of a turn: they no longer fit the model's context)."""
+        first = _num_system(session.messages)
+        del session.messages[first : first + count]
+
     def _trim(self, session: Session) -> None:
         while session.num_chars > self.max_history_chars:
             first = 1 if session.messages and session.messages[0]["role"] == "system" else 0
@@ -166,3 +176,62 @@ def _check_id(session_id: Any, none_ok: bool = False) -> None:
             "session_id",
         )
     valid_text("session_id", session_id)
+
+
+TokenCount = Callable[[list[dict[str, str]]], Awaitable[int]]
+
+
+def reply_room(max_model_len: int, max_tokens: int | None) -> int:
+    """Tokens of the context kept for the reply: max_tokens, but at most half the
+    context (a server default of max_tokens >= the context would leave no room)."""
+    half = max(1, max_model_len // 2)
+    return half if max_tokens is None else min(max_tokens, half)
+
+
+async def fit_history(
+    messages: list[dict[str, str]],
+    count: TokenCount,
+    max_model_len: int,
+    max_tokens: int | None,
+    field: str,
+) -> tuple[list[dict[str, str]], int]:
+    """`messages` less their oldest turns, so that its prompt (`count` renders and
+    counts it) leaves `reply_room` tokens of the context free; and how many messages
+    were left out. The leading system messages and the last message always stay, and
+    what remains starts at a user message (templates that want turns to alternate).
+    Bounded: a few counts (the common cases: 1 or 2), a binary search at worst.
+    Raises invalid_request naming `field` when even the last message alone is too long."""
+    room = max_model_len - reply_room(max_model_len, max_tokens)
+    head, body = messages[: _num_system(messages)], messages[_num_system(messages) :]
+    starts = [0, *(i for i, m in enumerate(body) if i and m["role"] == "user")]
+    if len(body) > 1 and starts[-1] != len(body) - 1:
+        starts.append(len(body) - 1)
+    sizes: dict[int, int] = {}
+
+    async def fits(k: int) -> bool:
+        sizes[k] = await count(head + body[starts[k] :])
+        return sizes[k] <= room
+
+    if await fits(0):
+        return messages, 0
+    last = len(starts) - 1
+    if last == 0 or not await fits(last):
+        raise invalid(
+            f"{field}: the system prompt and this message alone take {sizes[last]:,} tokens; "
+            f"this model's context (max_model_len) is {max_model_len:,}, of which "
+            f"{max_model_len - room:,} are kept for the reply (max_tokens, at most half the "
+            f"context), so at most {room:,} fit; shorten the message or lower max_tokens",
+            field,
+        )
+    lo, hi = 0, last  # lo does not fit, hi fits
+    if hi > 1:  # the common case first: one turn more than fits
+        lo, hi = (lo, 1) if await fits(1) else (1, hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if await fits(mid) else (mid, hi)
+    return head + body[starts[hi] :], starts[hi]
+
+
+def _num_system(messages: list[dict[str, str]]) -> int:
+    """How many messages at the start are system messages (the system prompt)."""
+    return next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))

@@ -3,17 +3,24 @@
 Client -> server (JSON text frames, or msgpack binary frames):
   {"type": "auth", "token": KEY}                      first message, when no header
   {"type": "generate", "id": ID, "prompt" | "messages" | "prompt_token_ids": ...,
-   "params": {...sampling fields...}}
+   "fit_history"?: bool, "params": {...sampling fields...}}
   {"type": "generate", "id": ID, "session_id": SID, "message": TEXT, "params": {...}}
   {"type": "cancel", "id": ID}
-  {"type": "session.open", "session_id"?: SID, "system"?: TEXT}
-  {"type": "session.close", "session_id": SID}
-  {"type": "ping"}
+  {"type": "session.open", "id"?: ID, "session_id"?: SID, "system"?: TEXT}
+  {"type": "session.close", "id"?: ID, "session_id": SID}
+  {"type": "ping", "id"?: ID}
 Server -> client (msgpack binary frames when the URL says `?encoding=msgpack`):
   {"type": "delta", "id", "text", "token_ids", "logprobs"?}
-  {"type": "done", "id", "finish_reason", "stop_reason", "usage", "timing", "session_id"?}
+  {"type": "done", "id", "finish_reason", "stop_reason", "usage", "timing", "session_id"?,
+   "dropped_messages"?}
   {"type": "error", "id", "code", "message", "param"?}
-  {"type": "session", "session_id", "messages"}    {"type": "pong"}
+  {"type": "session", "id"?, "session_id", "messages"}    {"type": "pong", "id"?}
+
+A control message's optional `id` (a call id the client chooses) comes back on its
+answer (`pong`, `session`) and on its `error`, so a client can have several in flight.
+A session turn, and `messages` with `fit_history`, leave out the oldest turns (never
+the system prompt) that would not fit the model's context with room for the reply
+(see web/sessions.py); `dropped_messages` says how many messages were left out.
 
 Connection rule: nothing a client sends closes the socket abnormally or touches its
 other requests. A frame that cannot be served gets an `error` event (with its `id` when
@@ -46,7 +53,7 @@ from web.event_buffer import MAX_CONTROL_EVENTS, EventBuffer
 from web.frames import as_object, load_json, load_msgpack
 from web.generation import Generator, Timing, failure
 from web.params import SAMPLING_FIELDS, chat_messages, only_keys, sampling_params, valid_text
-from web.sessions import SessionStore
+from web.sessions import SessionStore, fit_history
 
 logger = logging.getLogger(__name__)
 _conn_ids = itertools.count()
@@ -55,7 +62,7 @@ POLICY_CLOSE = 1008  # close code: bad or missing API key
 SLOW_READER_CLOSE = 4008  # close code: the client left MAX_CONTROL_EVENTS events unread
 SHUTDOWN_CLOSE = 1001  # close code ("going away"): the server is shutting down
 GENERATE_KEYS = {"type", "id", "prompt", "messages", "prompt_token_ids", "session_id"}
-GENERATE_KEYS |= {"message", "params"}
+GENERATE_KEYS |= {"message", "params", "fit_history"}
 
 
 @dataclass(frozen=True)
@@ -185,17 +192,18 @@ class StreamConnection:
             if task is not None:
                 task.cancel()
         elif kind == "ping":
-            self._emit({"type": "pong"})
+            self._emit({"type": "pong"} | _call_id(message))
         elif kind == "session.open":
-            only_keys(message, {"type", "session_id", "system"}, "session.open")
+            only_keys(message, {"type", "id", "session_id", "system"}, "session.open")
+            call = _call_id(message)
             session = self.sessions.open(
                 self.owner, message.get("session_id"), message.get("system")
             )
-            self._emit(
-                {"type": "session", "session_id": session.session_id, "messages": session.messages}
-            )
+            sid, history = session.session_id, session.messages
+            self._emit({"type": "session", **call, "session_id": sid, "messages": history})
         elif kind == "session.close":
-            only_keys(message, {"type", "session_id"}, "session.close")
+            only_keys(message, {"type", "id", "session_id"}, "session.close")
+            _call_id(message)
             self.sessions.close(self.owner, message.get("session_id"))
         elif kind == "auth":
             pass  # already authorized (or no key configured)
@@ -222,8 +230,10 @@ class StreamConnection:
         params = sampling_params(
             _check_params(body), chat=False, default_max_tokens=self.limits.default_max_tokens
         )
-        prompt, turn = self._prompt(message)
-        self.tasks[rid] = asyncio.create_task(self._run(rid, prompt, params, turn))
+        fit = _fit_field(message)
+        prompt, turn = self._prompt(message)  # a session turn holds its session from here
+        fit = "message" if turn is not None else fit
+        self.tasks[rid] = asyncio.create_task(self._run(rid, prompt, params, turn, fit))
 
     def _prompt(self, message: dict[str, Any]):
         sid = message.get("session_id")
@@ -255,12 +265,18 @@ class StreamConnection:
             value = chat_messages(value)
         return value, None
 
-    async def _run(self, rid: str, prompt, params, turn) -> None:
+    async def _run(self, rid: str, prompt, params, turn, fit: str | None) -> None:
+        """Streams one request's events; `fit`: the field whose chat history is cut to
+        the model's context first (None: the prompt goes as it is)."""
         timing = Timing(time.monotonic())
         reply: str | None = None
         text: list[str] = []
         counted = None  # the latest delta with token counts (an abort carries none)
+        ended = _session_of(turn)  # what the `done` event adds
         try:
+            if fit is not None:
+                prompt, dropped = await self._fit(prompt, params, fit, turn)
+                ended |= {"dropped_messages": dropped} if dropped else {}
             async for out in self.generator.stream(prompt, params, self.prefix + rid, timing):
                 if out.finish_reason == "error":
                     raise failure(out)
@@ -272,9 +288,9 @@ class StreamConnection:
                 if out.finish_reason is not None:
                     reply = "".join(text) if out.finish_reason in ("stop", "length") else None
                     done = self._done(rid, out.finish_reason, out.stop_reason, counted, timing)
-                    self._emit(done | _session_of(turn))
+                    self._emit(done | ended)
         except asyncio.CancelledError:
-            self._emit(self._done(rid, "abort", None, counted, timing) | _session_of(turn))
+            self._emit(self._done(rid, "abort", None, counted, timing) | ended)
         except ApiError as err:
             self._emit(err.event(rid))
         except Exception as exc:  # noqa: BLE001 - one request's failure stays its own
@@ -284,6 +300,24 @@ class StreamConnection:
             self.tasks.pop(rid, None)
             if turn is not None:
                 self.sessions.end_turn(turn[0], turn[1], reply)
+
+    async def _fit(self, messages, params, field: str, turn) -> tuple[list, int]:
+        """The chat `messages` cut to the model's context (a session forgets what was
+        cut), and how many messages were left out."""
+        engine = self.generator.engine
+
+        async def count(candidate: list[dict[str, str]]) -> int:
+            try:
+                return await engine.count_prompt_tokens(candidate)
+            except ValueError as exc:
+                raise invalid(str(exc), field) from None
+
+        fitted, dropped = await fit_history(
+            messages, count, engine.ready.max_model_len, params.max_tokens, field
+        )
+        if turn is not None and dropped:
+            self.sessions.forget_oldest(turn[0], dropped)
+        return fitted, dropped
 
     @staticmethod
     def _done(rid: str, reason: str, stop_reason, counted, timing: Timing) -> dict[str, Any]:
@@ -327,6 +361,22 @@ class StreamConnection:
                 rid = event.get("id")
                 error = ApiError("engine_error", "an event could not be encoded")
                 await self._send(error.event(rid if isinstance(rid, str) else None))
+
+
+def _fit_field(message: dict[str, Any]) -> str | None:
+    """The field to cut to the context: "messages" for a stateless chat that asks
+    (`fit_history`), else None."""
+    fit = message.get("fit_history", False)
+    if not isinstance(fit, bool):
+        raise invalid(f"fit_history must be a bool, got {repr(fit)[:40]}", "fit_history")
+    if fit and message.get("messages") is None and message.get("session_id") is None:
+        raise invalid("fit_history cuts chat history: it needs messages", "fit_history")
+    return "messages" if fit else None
+
+
+def _call_id(message: dict[str, Any]) -> dict[str, str]:
+    """A control message's call id as its answer carries it ({} when it has none)."""
+    return {} if message.get("id") is None else {"id": _request_id(message)}
 
 
 def _session_of(turn) -> dict[str, Any]:

@@ -139,6 +139,19 @@ class TextProcessor:
             )
         return list(token_ids)
 
+    def count_prompt_tokens(self, messages: list[dict[str, str]]) -> int:
+        """How many prompt tokens chat `messages` render to (template and generation
+        prompt), as a request with them would count; a text too long for the context
+        whatever its tokens gets a lower bound (already over the context) and is not
+        tokenized. Read-only, like `prepare`."""
+        if self.tokenizer is None:
+            raise ValueError("messages need a tokenizer; this engine has none")
+        per_token = self.tokenizer.max_token_chars
+        num_chars = sum(len(m["content"]) for m in messages)
+        if num_chars >= self.limits.max_model_len * per_token:
+            return num_chars // per_token
+        return len(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+
     def register(
         self, request: GenerateRequest, token_ids: list[int], arrival_time: float
     ) -> AddRequest:

@@ -1,4 +1,5 @@
-"""The async SDK against a real server: streaming, cancel, multiplexing, sessions."""
+"""The async SDK against a real server: streaming, cancel (explicit, by `break`, by
+timeout), multiplexing requests, pings and sessions on one connection, typed errors."""
 
 from __future__ import annotations
 
@@ -9,7 +10,14 @@ from contextlib import asynccontextmanager
 import pytest
 
 from tests.eventually import eventually
-from web.client import AsyncClient, ConnectionLostError, InvalidRequestError
+from web.client import (
+    AsyncClient,
+    ConnectionLostError,
+    InvalidRequestError,
+    NotFoundError,
+    PagedServeError,
+    RequestTimeout,
+)
 
 pytestmark = pytest.mark.asyncio(loop_scope="function")
 
@@ -57,6 +65,64 @@ async def test_cancel_mid_stream_frees_blocks(builtin_server) -> None:
         await wait_blocks_free(builtin_server)
 
 
+async def wait_none_running(server) -> None:
+    await eventually(
+        lambda: server.metric("pagedserve_num_requests_running") == 0, 5, "no request running"
+    )
+
+
+LONG = dict(max_tokens=2000, ignore_eos=True)  # about 2,000 tokens: a second or more
+
+
+async def test_break_out_of_a_stream_cancels_it_on_the_server(builtin_server) -> None:
+    async with bounded_client(builtin_server.ws) as client:
+        before = builtin_server.metric("pagedserve_generation_tokens_total")
+        async for _ in client.stream("Hello", **LONG):
+            break  # no `async with`, no aclose(): the dropped stream cancels itself
+        await wait_none_running(builtin_server)
+        streamed = builtin_server.metric("pagedserve_generation_tokens_total") - before
+        assert 0 < streamed < 1000, f"{streamed} tokens: the request ran on after the break"
+        await wait_blocks_free(builtin_server)
+        assert len((await client.complete("Hello", max_tokens=4)).token_ids) == 4
+
+
+async def test_a_timeout_cancels_the_request_on_the_server(builtin_server) -> None:
+    async with bounded_client(builtin_server.ws) as client:
+        before = builtin_server.metric("pagedserve_generation_tokens_total")
+        with pytest.raises(RequestTimeout, match="cancelled on the server") as raised:
+            async for _ in client.stream("Hello", timeout=0.3, **LONG):
+                pass
+        assert isinstance(raised.value, PagedServeError) and raised.value.request_id
+        await wait_none_running(builtin_server)
+        streamed = builtin_server.metric("pagedserve_generation_tokens_total") - before
+        assert streamed < 2000
+    async with bounded_client(builtin_server.ws, timeout=0.3) as client:  # client-wide
+        with pytest.raises(RequestTimeout):
+            await client.complete("Hello", **LONG)
+        result = await client.complete("Hello", max_tokens=4, timeout=None)  # per call: none
+        assert result.finish_reason == "length"
+        await wait_none_running(builtin_server)
+
+
+async def test_pings_and_sessions_run_concurrently_on_one_client(builtin_server) -> None:
+    async with bounded_client(builtin_server.ws) as client:
+        await asyncio.gather(*(client.ping() for _ in range(8)))
+        chats = [client.chat_session(system=f"You are bot {i}.") for i in range(2)]
+        for turn in range(2):  # the first turns open both sessions at once
+            sends = [chat.send(f"turn {turn}", max_tokens=4).collect() for chat in chats]
+            results = await asyncio.gather(*sends, client.ping())
+            assert all(r.finish_reason in ("stop", "length") for r in results[:2])
+        assert chats[0].session_id != chats[1].session_id
+        histories = await asyncio.gather(*(chat.history() for chat in chats))
+        for i, history in enumerate(histories):
+            assert history[0] == {"role": "system", "content": f"You are bot {i}."}
+            assert [m["role"] for m in history[1:]] == ["user", "assistant"] * 2
+        await asyncio.gather(*(chat.close() for chat in chats))
+        with pytest.raises(NotFoundError, match="closed or expired") as raised:
+            await chats[0].send("are you there?", max_tokens=2).collect()
+        assert raised.value.param == "session_id"
+
+
 async def test_32_concurrent_requests_equal_running_alone(builtin_server) -> None:
     prompts = [f"story number {i}:" for i in range(32)]
     kinds = [dict(temperature=0), dict(temperature=1.0, seed=7)]
@@ -98,8 +164,9 @@ async def test_five_turn_session(builtin_server) -> None:
 
 async def test_validation_error_is_typed_and_connection_survives(builtin_server) -> None:
     async with bounded_client(builtin_server.ws) as client:
-        with pytest.raises(InvalidRequestError, match="temperature"):
+        with pytest.raises(InvalidRequestError, match="temperature") as raised:
             await client.complete("hi", temperature=-1)
+        assert raised.value.param == "temperature"
         result = await client.complete("hi", max_tokens=3)
         assert len(result.token_ids) == 3
 
