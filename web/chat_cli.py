@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import queue
 import signal
 import sys
@@ -22,11 +23,15 @@ INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a program stopped by
 class LineReader:
     """Reads stdin lines on a daemon thread, one per `read()`: a read still pending
     when the chat quits never holds up the process's exit (a thread of the default
-    executor would, until Enter)."""
+    executor would, until Enter). A terminal gets `input()` (line editing; it holds no
+    lock of sys.stdin while it waits); a pipe is read from its file descriptor, as a
+    daemon thread blocked inside sys.stdin would abort the interpreter's exit."""
 
     def __init__(self) -> None:
         self._asks: queue.SimpleQueue[tuple[str, asyncio.Future[str | None]]] = queue.SimpleQueue()
         self._loop = asyncio.get_running_loop()
+        self._pending = b""  # what a pipe gave past the last line
+        self._tty = sys.stdin.isatty() and sys.stdout.isatty()
         threading.Thread(target=self._serve, name="stdin", daemon=True).start()
 
     async def read(self, prompt: str) -> str | None:
@@ -39,10 +44,21 @@ class LineReader:
         while True:
             prompt, answer = self._asks.get()
             try:
-                line: str | None = input(prompt)
+                line = input(prompt) if self._tty else self._pipe_line(prompt)
             except (EOFError, OSError, ValueError):
                 line = None
             self._loop.call_soon_threadsafe(_settle, answer, line)
+
+    def _pipe_line(self, prompt: str) -> str | None:
+        print(prompt, end="", flush=True)
+        while b"\n" not in self._pending:
+            chunk = os.read(sys.stdin.fileno(), 4096)
+            if not chunk:
+                line, self._pending = self._pending, b""
+                return line.decode(errors="replace") if line else None
+            self._pending += chunk
+        line, self._pending = self._pending.split(b"\n", 1)
+        return line.decode(errors="replace")
 
 
 class TerminalChat:

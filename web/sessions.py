@@ -217,10 +217,11 @@ async def fit_history(
     last = len(starts) - 1
     if last == 0 or not await fits(last):
         raise invalid(
-            f"{field}: the system prompt and this message alone take {sizes[last]:,} tokens; "
-            f"this model's context (max_model_len) is {max_model_len:,}, of which "
-            f"{max_model_len - room:,} are kept for the reply (max_tokens, at most half the "
-            f"context), so at most {room:,} fit; shorten the message or lower max_tokens",
+            f"{field} cannot fit this model's context even without earlier turns: the "
+            f"system prompt and the new message take {sizes[last]:,} tokens, and at most "
+            f"{room:,} fit (max_model_len {max_model_len:,} less {max_model_len - room:,} kept "
+            "for the reply: max_tokens, at most half the context); shorten the message or "
+            "lower max_tokens",
             field,
         )
     lo, hi = 0, last  # lo does not fit, hi fits

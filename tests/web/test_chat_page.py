@@ -1,6 +1,7 @@
 """The chat page at `/` in headless Chromium, driven over the DevTools protocol.
 
-Streams a reply, stops it (the server frees its KV blocks), then runs a second turn.
+Streams a reply, stops it (the server frees its KV blocks), then runs a second turn;
+a long chat on a small context forgets its oldest turns and keeps working.
 Needs a Chromium binary (Debian: `apt-get install chromium`); skipped without one.
 """
 
@@ -23,6 +24,7 @@ import pytest
 from websockets.asyncio.client import connect
 
 from tests.eventually import eventually
+from tests.web.conftest import start_server, stop_server
 
 BROWSER = next(
     (p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None
@@ -189,3 +191,36 @@ async def test_chat_page_streams_stops_and_continues(builtin_server, browser: Br
         assert await page.eval("document.getElementById('error').hidden")
         roles = await page.eval("transcript.map((m) => m.role)")
         assert roles == ["user", "assistant", "user", "assistant"]
+
+
+@pytest.fixture(scope="module")
+def small_context():
+    """The built-in model with a 256-token context: a chat outgrows it in a few turns."""
+    server = start_server(extra=["--max-model-len", "256"])
+    yield server
+    stop_server(server)
+
+
+async def test_a_long_chat_on_a_small_context_forgets_its_oldest_turns(
+    small_context, browser: Browser
+) -> None:
+    async with connect(browser.devtools_url(), max_size=None, proxy=None) as ws:
+        page = await Page.open(ws)
+        await page.call("Page.navigate", url=small_context.http + "/")
+        await page.wait_for("document.readyState === 'complete'")
+        await page.fill("#system", "You tell short stories.")
+        await page.fill("#temperature", "0")
+        await page.fill("#max-tokens", "16")
+        for turn in range(1, 11):
+            await page.fill("#prompt", f"turn {turn}: tell me more")
+            await page.click("#send")
+            await page.wait_for(f"{ASSISTANT}.length === {turn} && !({STREAMING})", timeout=30)
+            assert await page.eval("document.getElementById('error').hidden"), await page.eval(
+                "document.getElementById('error').textContent"
+            )
+        kept = await page.eval("transcript.length")
+        dropped = await page.eval("document.querySelectorAll('#messages .msg.dropped').length")
+        assert kept + dropped == 20 and dropped > 0 and kept >= 2
+        assert await page.eval("transcript.at(-2).content") == "turn 10: tell me more"
+        failed = await page.eval("document.querySelectorAll('#messages .msg.failed').length")
+        assert failed == 0

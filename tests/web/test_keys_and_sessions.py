@@ -17,6 +17,7 @@ import websockets
 from tests.eventually import eventually
 from tests.web.conftest import start_server, stop_server
 from web.api_keys import ApiKeys
+from web.client import AsyncClient, AuthenticationError
 
 FILE_KEY, ENV_KEY = "key-from-a-file", "key-from-the-environment"
 MAX_CHARS = 200
@@ -143,3 +144,11 @@ async def test_without_keys_sessions_close_with_their_connection_and_are_bounded
     await ws.close()
     await other.close()
     await eventually(lambda: builtin_server.metric("pagedserve_num_sessions") == 0, 5)
+
+
+async def test_the_sdk_raises_authentication_error_for_a_wrong_key(keyed):
+    with pytest.raises(AuthenticationError, match="invalid or missing API key"):
+        async with AsyncClient(keyed.ws, api_key="wrong"):
+            pass
+    async with AsyncClient(keyed.ws, api_key=ENV_KEY) as client:
+        assert len((await client.complete("hi", max_tokens=2)).token_ids) == 2
