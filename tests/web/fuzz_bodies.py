@@ -46,9 +46,10 @@ WS_PARAM_FIELDS = frozenset({*SAMPLING_FIELDS, "max_tokens", "logprobs", "logit_
 # The keys generate_frames() sets (kept in step with GENERATE_KEYS by a test).
 GENERATE_FRAME_KEYS = frozenset(
     {"type", "id", "prompt", "prompt_token_ids", "messages", "session_id", "message", "params"}
+    | {"fit_history"}
 )
 WS_CONTROL_TYPES = ("ping", "cancel", "session.close", "auth")
-SESSION_OPEN_FIELDS = frozenset({"type", "session_id", "system"})
+SESSION_OPEN_FIELDS = frozenset({"type", "id", "session_id", "system"})
 # Every field a generate frame may name (its keys and its params' keys).
 WS_GENERATE_FIELDS = frozenset(GENERATE_KEYS | WS_PARAM_FIELDS)
 VOCAB = 258  # the built-in model: 256 bytes, <s>, </s>
@@ -557,6 +558,8 @@ def generate_frames(draw, binary: bool = False):
     )
     if params is not ...:
         frame["params"] = params
+    if draw(sometimes(1, 9)):
+        frame["fit_history"] = draw(weighted((3, st.booleans()), (1, anything)))
     if draw(sometimes(1, 9)):
         names = field_names_not_in(frozenset(GENERATE_KEYS), binary)
         frame.update(draw(st.dictionaries(names, anything, min_size=1, max_size=2)))
