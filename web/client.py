@@ -328,5 +328,6 @@ def _fresh(error: PagedServeError) -> PagedServeError:
 
 def _check_timeout(timeout: float | None) -> float | None:
     if timeout is not None and not (isinstance(timeout, int | float) and timeout > 0):
-        raise ValueError(f"timeout must be a number of seconds > 0 or None, got {timeout!r}")
+        message = f"timeout must be a number of seconds > 0 or None, got {timeout!r}"
+        raise InvalidRequestError(message, param="timeout")
     return timeout

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from web.client_errors import (
     RETRYABLE_CODES,
+    InvalidRequestError,
     PagedServeError,
     RequestTimeout,
     ServerError,
@@ -66,7 +67,7 @@ class RetryPolicy:
 
     def __post_init__(self) -> None:
         if self.max_retries < 0 or self.base_delay_s < 0 or self.max_delay_s < 0:
-            raise ValueError(f"retry settings must be >= 0, got {self}")
+            raise InvalidRequestError(f"retry settings must be >= 0, got {self}", param="retry")
 
     def delay(self, attempt: int) -> float:
         """Seconds to wait before retry number `attempt` (0 for the first)."""
@@ -134,6 +135,9 @@ class Stream:
         except asyncio.CancelledError:
             await self.aclose()
             raise
+        except PagedServeError:  # the stream has ended with it
+            self._finished = True
+            raise
 
     async def _send(self) -> None:
         body = await self._within_deadline(self._body())
@@ -177,16 +181,16 @@ class Stream:
     def _on_done(self, event: dict[str, Any]) -> None:
         self._close()
         self._finished = True
-        usage = event.get("usage")
-        if isinstance(usage, dict):
+        counts, usage = event.get("usage"), None
+        if isinstance(counts, dict):
             keys = ("prompt_tokens", "completion_tokens", "total_tokens")
-            usage = Usage(*(int(usage.get(k) or 0) for k in keys))
+            usage = Usage(*(int(counts.get(k) or 0) for k in keys))
         self.result = Completion(
             "".join(self._text),
             self._tokens,
             event.get("finish_reason") or "stop",
             event.get("stop_reason"),
-            usage or None,
+            usage,
             event.get("timing") or {},
             event.get("dropped_messages") or 0,
         )

@@ -113,8 +113,11 @@ def test_backoff_is_capped_exponential_with_jitter() -> None:
         delays = [policy.delay(attempt) for _ in range(50)]
         assert all(0.75 * full <= d <= full for d in delays), (attempt, delays)
         assert len(set(delays)) > 1  # jittered
-    with pytest.raises(ValueError):
+    with pytest.raises(InvalidRequestError):
         RetryPolicy(max_retries=-1)
+    with pytest.raises(InvalidRequestError) as raised:
+        AsyncClient(timeout=0)
+    assert raised.value.param == "timeout"
 
 
 @pytest.mark.parametrize(
@@ -220,3 +223,32 @@ async def test_a_server_without_call_ids_still_answers() -> None:
             chat = client.chat_session()
             assert (await chat.send("hi").collect()).text == "ok"
             assert chat.session_id == "old"
+
+
+async def test_sends_racing_on_a_new_session_open_it_once_and_a_failed_open_ends_the_turn() -> None:
+    async def script(stub, ws, frame):
+        if frame["type"] == "session.open" and frame.get("system") == "refuse me":
+            await send(
+                ws,
+                type="error",
+                id=frame["id"],
+                code="invalid_request",
+                message="system is too long",
+                param="system",
+            )
+        elif not await answer_control(ws, frame) and frame["type"] == "generate":
+            await finish(ws, frame["id"])
+
+    async with StubServer(script) as stub:
+        async with AsyncClient(stub.url) as client:
+            chat = client.chat_session(system="hi")
+            results = await asyncio.gather(*(chat.send(f"m{i}").collect() for i in range(3)))
+            assert [r.text for r in results] == ["ok"] * 3
+            assert len(stub.of_type("session.open")) == 1
+            assert {f["session_id"] for f in stub.of_type("generate")} == {"s1"}
+            stream = client.chat_session(system="refuse me").send("hello")
+            with pytest.raises(InvalidRequestError) as raised:
+                await anext(stream)
+            assert raised.value.param == "system"
+            with pytest.raises(StopAsyncIteration):  # it has ended
+                await anext(stream)
