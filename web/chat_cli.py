@@ -17,6 +17,11 @@ import threading
 
 from web.client import AsyncClient, ChatSession, PagedServeError
 
+try:
+    import termios
+except ImportError:  # not a POSIX system
+    termios = None
+
 INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a program stopped by Ctrl-C
 
 
@@ -32,6 +37,9 @@ class LineReader:
         self._loop = asyncio.get_running_loop()
         self._pending = b""  # what a pipe gave past the last line
         self._tty = sys.stdin.isatty() and sys.stdout.isatty()
+        if self._tty:
+            with contextlib.suppress(ImportError):
+                import readline  # noqa: F401 - input() then edits lines and keeps history
         threading.Thread(target=self._serve, name="stdin", daemon=True).start()
 
     async def read(self, prompt: str) -> str | None:
@@ -74,6 +82,7 @@ class TerminalChat:
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
         self.main = asyncio.current_task()
+        terminal = _terminal_settings()
         loop.add_signal_handler(signal.SIGINT, self._on_interrupt)
         try:
             return await self._chat()
@@ -85,6 +94,9 @@ class TerminalChat:
             return INTERRUPTED
         finally:
             loop.remove_signal_handler(signal.SIGINT)
+            if terminal is not None:  # input() may have left it mid-line (no echo)
+                with contextlib.suppress(termios.error):
+                    termios.tcsetattr(sys.stdin.fileno(), termios.TCSADRAIN, terminal)
 
     def _on_interrupt(self) -> None:
         if self.reply is not None and not self.reply.done():
@@ -128,6 +140,16 @@ async def _stream_reply(chat: ChatSession, line: str, sampling: dict) -> None:
         print()
     except PagedServeError as exc:
         print(f"\n[error: {exc}]", file=sys.stderr)
+
+
+def _terminal_settings() -> list | None:
+    """stdin's terminal settings, to put back on exit; None when it is not a terminal."""
+    if termios is None or not sys.stdin.isatty():
+        return None
+    try:
+        return termios.tcgetattr(sys.stdin.fileno())
+    except termios.error:
+        return None
 
 
 def _settle(answer: asyncio.Future, line: str | None) -> None:

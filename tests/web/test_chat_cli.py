@@ -1,13 +1,16 @@
 """`pagedserve chat` and Ctrl-C (SIGINT): at the prompt it quits with status 130, while
 a reply streams it stops that reply only (cancelled on the server); never a
-traceback. Each step waits for what the chat prints, never for a fixed time."""
+traceback, and on a terminal the terminal's settings are put back. Each step waits for
+what the chat prints, never for a fixed time."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import pty
 import signal
 import sys
+import termios
 from collections.abc import Callable
 
 import pytest
@@ -110,3 +113,48 @@ async def test_ctrl_c_while_a_reply_streams_stops_that_reply_only(builtin_server
         assert b"Traceback" not in chat.err and b"error" not in chat.err, chat
     finally:
         chat.kill()
+
+
+async def test_ctrl_c_at_a_terminal_prompt_quits_and_gives_the_terminal_back(
+    builtin_server,
+) -> None:
+    """On a terminal the prompt is readline's (echo off while it edits the line); quitting
+    mid-line puts the terminal's settings back."""
+    master, slave = pty.openpty()
+    proc = await asyncio.create_subprocess_exec(
+        *(sys.executable, "-m", "web.cli", "chat", "--url", builtin_server.ws),
+        cwd=REPO,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        stdin=slave,
+        stdout=slave,
+        stderr=slave,
+        start_new_session=True,  # the pty becomes its controlling terminal
+    )
+    os.close(slave)
+    seen, changed = bytearray(), asyncio.Event()
+
+    def on_output() -> None:
+        try:
+            seen.extend(os.read(master, 4096))
+        except OSError:  # EIO: every process holding the terminal has exited
+            asyncio.get_running_loop().remove_reader(master)
+        changed.set()
+
+    loop = asyncio.get_running_loop()
+    loop.add_reader(master, on_output)
+    try:
+        async with asyncio.timeout(30):
+            while not seen.endswith(PROMPT):
+                changed.clear()
+                await changed.wait()
+        assert not termios.tcgetattr(master)[3] & termios.ECHO  # readline has the line
+        proc.send_signal(signal.SIGINT)
+        async with asyncio.timeout(30):
+            assert await proc.wait() == 130, bytes(seen)
+        assert termios.tcgetattr(master)[3] & termios.ECHO, "the terminal was left without echo"
+        assert b"Traceback" not in seen, bytes(seen)
+    finally:
+        loop.remove_reader(master)
+        os.close(master)
+        if proc.returncode is None:
+            proc.kill()
