@@ -151,4 +151,4 @@ async def test_the_sdk_raises_authentication_error_for_a_wrong_key(keyed):
         async with AsyncClient(keyed.ws, api_key="wrong"):
             pass
     async with AsyncClient(keyed.ws, api_key=ENV_KEY) as client:
-        assert len((await client.complete("hi", max_tokens=2)).token_ids) == 2
+        assert len((await client.complete("hi", max_tokens=2, ignore_eos=True)).token_ids) == 2
