@@ -155,21 +155,22 @@ async def test_chat_page_streams_stops_and_continues(builtin_server, browser: Br
         assert await page.eval("document.getElementById('error').hidden")
 
         # Greedy decoding from this prompt runs the builtin model to max_tokens (no EOS),
-        # a few seconds of streaming on a CPU.
+        # a few seconds of streaming on a CPU: stopped as soon as it is seen to grow (the
+        # fused kernels made it fast enough to finish while a busy machine polled on).
         await page.fill("#temperature", "0")
-        await page.fill("#max-tokens", "1500")
+        await page.fill("#max-tokens", "1900")
         await page.fill("#prompt", "hello there")
         await page.click("#send")
         lengths: list[int] = []
 
-        async def grew_twice() -> bool:
+        async def grew() -> bool:
             assert await page.eval(STREAMING), f"reply ended before it streamed: {lengths}"
             length = await page.eval(f"({LAST_REPLY}?.textContent ?? '').length")
             assert not lengths or length >= lengths[-1]
             lengths.append(length)
-            return len(set(lengths)) >= 3
+            return len(set(lengths)) >= 2
 
-        await eventually(grew_twice, 10, lambda: f"reply did not stream: lengths {lengths}")
+        await eventually(grew, 10, lambda: f"reply did not stream: lengths {lengths}")
         assert lengths[-1] > 0
 
         await page.click("#stop")
