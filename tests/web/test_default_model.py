@@ -121,3 +121,19 @@ def test_configuration_errors_are_one_line(argv, message, capsys) -> None:
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_the_hub_is_tried_first_when_it_answers(tmp_path, monkeypatch) -> None:
+    import huggingface_hub
+
+    def snapshot(repo_id, local_dir, **kwargs):
+        assert repo_id == SMOLLM2.hub_id
+        Path(local_dir).mkdir(parents=True)
+        (Path(local_dir) / "config.json").write_text("{}")
+        (Path(local_dir) / "model.safetensors").write_bytes(b"")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot)
+    monkeypatch.setattr(default_model.subprocess, "run", None)  # PyPI is not needed
+    path = resolve_default_model(tmp_path, log=lambda m: None)
+    assert path == model_home(tmp_path) / "hf" == cached_default_model(tmp_path)
+    assert not (model_home(tmp_path) / "hf.partial").exists()
