@@ -23,8 +23,9 @@ import logging
 import shutil
 import subprocess
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import zmq
 import zmq.asyncio
@@ -34,9 +35,10 @@ from actors.block_manager_actor import BlockManagerActor
 from actors.codec import DecodeError, InboxDecoder
 from actors.scheduler_actor import SchedulerActor
 from actors.tokenizer_actor import TokenizerActor
-from actors.transport import inproc_pair, ipc_address, new_run_dir, zmq_inbox, zmq_outbox
-from actors.worker_actor import spawn_worker
+from actors.transport import inproc_pair, zmq_inbox, zmq_outbox
+from actors.worker_launch import WorkerLaunch
 from actors.worker_monitor import WorkerMonitor
+from engine.config import EngineConfig
 from engine.core.stats import EngineStats
 from engine.engine_args import EngineArgs
 from engine.messages import (
@@ -54,10 +56,12 @@ from engine.messages import (
 )
 from engine.sampling_params import SamplingParams
 from engine.text.text_checks import check_request_id
-from engine.wiring import build_engine
+from engine.text.tokenizer import Tokenizer
+from engine.wiring import build_engine, load_engine_tokenizer
 
 logger = logging.getLogger(__name__)
 CLIENT_ID = "async-engine"
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -129,36 +133,44 @@ class AsyncEngine:
         pipeline_depth: int = 2,
         ready_timeout: float = 300.0,
         supervision: Supervision | None = None,
+        config: EngineConfig | None = None,
+        launch: WorkerLaunch | None = None,
     ) -> AsyncEngine:
+        """Starts the engine for `args`. `config`: `args.build()`, when the caller has
+        built it already. `launch`: the worker, when the caller launched it already
+        (`WorkerLaunch.start(args)`, so that the model loads while the caller starts);
+        the engine owns it from here on, whether the start succeeds or not.
+
+        Start-up overlaps the two processes: while the worker loads the model and sizes
+        its KV cache, this process builds the config and loads the tokenizer (a thread),
+        and the first failure of either fails the start at once."""
         self = cls(supervision or Supervision())
-        self._run_dir = new_run_dir()
+        launch = launch or WorkerLaunch.start(args)
+        self._launch, self._worker, self._run_dir = launch, launch.process, launch.run_dir
         self._ctx = zmq.asyncio.Context()
-        sched_address = ipc_address(self._run_dir, "scheduler")
-        worker_address = ipc_address(self._run_dir, "worker-0")
-        heartbeat_address = ipc_address(self._run_dir, "heartbeat-0")
-        sched_inbox = zmq_inbox(self._ctx, sched_address)
-        self._worker = spawn_worker(
-            args, worker_address, sched_address, heartbeat=heartbeat_address
-        )
-        self._monitor = WorkerMonitor(self._worker, heartbeat_address)
+        sched_inbox = self._monitor = None
         try:
-            ready = await self._worker_ready(sched_inbox, ready_timeout)
-        except BaseException:  # no worker: leave no process, socket or run dir behind
-            self._worker.kill()
-            self._worker.wait()
-            self._monitor.close()
-            sched_inbox.close()
+            if launch.args != args:
+                raise ValueError("the worker was launched for other engine arguments")
+            sched_inbox = zmq_inbox(self._ctx, launch.scheduler_address)
+            self._monitor = WorkerMonitor(self._worker, launch.heartbeat_address)
+            ready, (config, tokenizer) = await self._start_up(
+                args, config, sched_inbox, ready_timeout
+            )
+        except BaseException:  # no engine: leave no process, socket or run dir behind
+            launch.abandon()
+            for closable in (self._monitor, sched_inbox):
+                if closable is not None:
+                    closable.close()
             self._ctx.term()
-            shutil.rmtree(self._run_dir, ignore_errors=True)
             raise
-        config = args.build()  # reads config.json only; the worker holds the weights
-        parts = build_engine(config, ready, with_block_manager=True)
+        parts = build_engine(config, ready, with_block_manager=True, tokenizer=tokenizer)
         self.ready = ready  # what the worker found at start-up (blocks, attention backend)
         to_tokenizer, tokenizer_inbox = inproc_pair()
         to_client, self._client_inbox = inproc_pair()
         to_blocks, blocks_inbox = inproc_pair()
         to_replies, replies_inbox = inproc_pair()
-        self._to_worker = zmq_outbox(self._ctx, worker_address)
+        self._to_worker = zmq_outbox(self._ctx, launch.worker_address)
         self.block_manager = BlockManagerActor(parts.block_manager, blocks_inbox, to_replies)
         self.scheduler = SchedulerActor(
             parts.core,
@@ -172,7 +184,7 @@ class AsyncEngine:
         self.tokenizer = TokenizerActor(
             parts.processor,
             tokenizer_inbox,
-            zmq_outbox(self._ctx, sched_address),
+            zmq_outbox(self._ctx, launch.scheduler_address),
             {CLIENT_ID: to_client},
         )
         self._to_tokenizer = to_tokenizer
@@ -182,6 +194,41 @@ class AsyncEngine:
         self._reader = asyncio.create_task(self._read_outputs())
         self._watchdog = asyncio.create_task(self._watch())
         return self
+
+    async def _start_up(
+        self, args: EngineArgs, config: EngineConfig | None, inbox, timeout: float
+    ) -> tuple[WorkerReady, tuple[EngineConfig, Tokenizer | None]]:
+        """The worker's ready message, and this process's config and tokenizer (loaded
+        on a thread meanwhile: they need no `WorkerReady`). A failure here is raised at
+        once; so is the worker's exit, unless this process's failure follows (a config
+        that cannot load says why better than the worker's exit code)."""
+
+        def prepare() -> tuple[EngineConfig, Tokenizer | None]:
+            built = config or args.build()  # config.json only; the worker holds the weights
+            return built, load_engine_tokenizer(built)
+
+        ready = asyncio.ensure_future(self._since_launch(self._worker_ready(inbox, timeout)))
+        prepared = asyncio.ensure_future(self._since_launch(asyncio.to_thread(prepare)))
+        try:
+            await asyncio.wait({ready, prepared}, return_when=asyncio.FIRST_EXCEPTION)
+            if ready.done() and ready.exception() is not None:
+                await asyncio.wait({prepared})
+            parent, parent_s = await prepared
+            worker, worker_s = await ready
+        finally:
+            ready.cancel()
+            prepared.cancel()
+        logger.info(
+            "worker 0 ready %.2f s after its launch; config and tokenizer here after %.2f s",
+            worker_s,
+            parent_s,
+        )
+        return worker, parent
+
+    async def _since_launch(self, step: Awaitable[T]) -> tuple[T, float]:
+        """`step`'s result, and the seconds from the worker's launch until it came."""
+        result = await step
+        return result, time.monotonic() - self._launch.launched_at
 
     async def _worker_ready(self, inbox, timeout: float) -> WorkerReady:
         """The worker's ready message, or an error as soon as its process exits (a model

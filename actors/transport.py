@@ -10,6 +10,9 @@ Three kinds of channel, one interface:
   up first; ZeroMQ reconnects. High-water marks are 0 (unbounded): a frame is never
   dropped and a send never waits on a slow receiver. LINGER is 0, so closing never hangs
   and frames still queued at close are discarded (the peer is shutting down anyway).
+  A sender that connects before its inbox is bound (a worker launched before its
+  engine) queues its frames and retries every `RECONNECT_IVL_MS` (ZeroMQ's default,
+  100 ms, would add up to that to the start-up).
   An ipc inbox removes a stale socket file before it binds and unlinks its file on close.
 - In-process (`inproc_pair`): an `asyncio.Queue` for two actors that share a process and
   an event loop. It carries bytes frames like the others, and also the message objects
@@ -36,6 +39,7 @@ import zmq.asyncio
 
 # Linux's sockaddr_un.sun_path holds 108 bytes including the trailing NUL.
 MAX_IPC_PATH = 107
+RECONNECT_IVL_MS = 10
 
 
 class TransportClosed(RuntimeError):
@@ -120,6 +124,7 @@ class ZmqOutbox(Outbox):
         self._socket = ctx.socket(zmq.PUSH)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.SNDHWM, 0)
+        self._socket.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
         self._socket.connect(address)
         self._closed = False
 

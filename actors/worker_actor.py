@@ -10,10 +10,11 @@ Liveness: a `Heartbeat` thread sends a `WorkerHeartbeat` every interval on a soc
 its own, whatever the main thread is doing, so the engine tells a frozen or dead worker
 (silence) from one running a long step (heartbeats go on).
 
-Run as a process: `python -m actors.worker_actor --engine-args JSON --inbox ADDR
---scheduler ADDR [--heartbeat ADDR] [--worker-id N] [--null-worker]` (JSON of
-`EngineArgs` fields; no pickle). Each StepResult carries the seconds the step took to
-execute (`busy_seconds`).
+Run as a process (`actors.worker_launch` spawns it): `python -m actors.worker_actor
+--engine-args JSON --inbox ADDR --scheduler ADDR [--heartbeat ADDR] [--worker-id N]
+[--null-worker]` (JSON of `EngineArgs` fields; no pickle). Each StepResult carries the
+seconds the step took to execute (`busy_seconds`). Start-up logs a line as each phase
+ends (imports done, engine config built, ready; bench/startup.py times them).
 
 The engine process owns the worker's lifetime: the worker ignores SIGINT (a terminal's
 Ctrl-C reaches the whole process group; the engine's graceful shutdown stops the worker
@@ -30,7 +31,6 @@ import json
 import logging
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -42,7 +42,7 @@ from actors.actor import Actor, send_message
 from actors.codec import encode
 from actors.transport import Inbox, Outbox, zmq_inbox, zmq_outbox
 from engine.engine_args import EngineArgs
-from engine.messages import StepPlan, WorkerHeartbeat
+from engine.messages import StepPlan, WorkerHeartbeat, WorkerReady
 from engine.worker.worker import Worker, build_null_worker, build_worker
 
 logger = logging.getLogger(__name__)
@@ -95,43 +95,6 @@ class Heartbeat:
             ctx.term()
 
 
-def engine_args_json(args: EngineArgs) -> str:
-    return json.dumps(dataclasses.asdict(args))
-
-
-def spawn_worker(
-    args: EngineArgs,
-    inbox: str,
-    scheduler: str,
-    worker_id: int = 0,
-    extra_env: dict[str, str] | None = None,
-    null_worker: bool = False,
-    heartbeat: str | None = None,
-) -> subprocess.Popen:
-    """Starts `python -m actors.worker_actor` with this repository importable
-    (`null_worker`: a NullWorker, no model, for control-plane benchmarks; `heartbeat`:
-    where its heartbeats go, none when None)."""
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    path = os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))
-    env = dict(os.environ, PYTHONPATH=path, **(extra_env or {}))
-    cmd = [
-        sys.executable,
-        "-m",
-        "actors.worker_actor",
-        "--engine-args",
-        engine_args_json(args),
-        "--inbox",
-        inbox,
-        "--scheduler",
-        scheduler,
-        "--worker-id",
-        str(worker_id),
-        *(["--null-worker"] if null_worker else []),
-        *(["--heartbeat", heartbeat] if heartbeat else []),
-    ]
-    return subprocess.Popen(cmd, env=env)
-
-
 async def serve(
     args: EngineArgs,
     inbox_address: str,
@@ -146,8 +109,7 @@ async def serve(
     inbox = zmq_inbox(ctx, inbox_address)
     heartbeat = None
     try:
-        build = build_null_worker if null_worker else build_worker
-        worker, ready = build(args, worker_id)
+        worker, ready = _build(args, worker_id, null_worker)
         actor = WorkerActor(worker, inbox, scheduler)
         if heartbeat_address is not None:
             heartbeat = Heartbeat(worker_id, heartbeat_address, HEARTBEAT_INTERVAL_S)
@@ -161,6 +123,17 @@ async def serve(
         inbox.close()
         scheduler.close()
         ctx.term()
+
+
+def _build(args: EngineArgs, worker_id: int, null_worker: bool) -> tuple[Worker, WorkerReady]:
+    """The worker and its ready message, each start-up phase logged as it ends."""
+    if null_worker:
+        return build_null_worker(args, worker_id)
+    config = args.build()
+    logger.info("engine config built")
+    worker, ready = build_worker(args, worker_id, config)
+    logger.info("ready: %d KV cache blocks of %d tokens", ready.num_blocks, ready.block_size)
+    return worker, ready
 
 
 async def _run_while_parent_lives(run, parent: int, interval: float = 0.5) -> None:
@@ -191,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO, format=f"worker-{ns.worker_id} %(levelname)s %(message)s"
     )
+    logger.info("started (pid %d), imports done", os.getpid())
     args = EngineArgs(**json.loads(ns.engine_args))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine process stops us
     ok = asyncio.run(

@@ -56,7 +56,7 @@ from actors.transport import (  # noqa: E402
     zmq_inbox,
     zmq_outbox,
 )
-from actors.worker_actor import spawn_worker  # noqa: E402
+from actors.worker_launch import spawn_worker  # noqa: E402
 from engine.engine_args import EngineArgs  # noqa: E402
 from engine.messages import INBOXES, AbortRequest, AddRequest, Shutdown, WorkerReady  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402

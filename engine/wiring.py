@@ -39,7 +39,7 @@ def build_engine(
     tokenizer: Tokenizer | None = None,
 ) -> EngineParts:
     """The engine for `config` on a worker that announced `ready`. The tokenizer is
-    loaded from the config unless given (none with `skip_tokenizer_init`)."""
+    `load_engine_tokenizer(config)` unless given."""
     cache, model = config.cache, config.model
     tables = (ready.num_blocks, ready.block_size, cache.enable_prefix_caching, 0)
     tables += (ready.num_cpu_blocks,)
@@ -51,9 +51,8 @@ def build_engine(
         cache.preemption_mode,
         ready.attention_backend,
     )
-    if tokenizer is None and not config.skip_tokenizer_init:
-        hf_tokenizer = load_tokenizer(config.tokenizer or model.model_dir)
-        tokenizer = Tokenizer(hf_tokenizer, chat_template=config.chat_template)
+    if tokenizer is None:
+        tokenizer = load_engine_tokenizer(config)
     limits = RequestLimits(
         ready.vocab_size,
         ready.max_model_len,
@@ -65,3 +64,13 @@ def build_engine(
     )
     manager = BlockManager(*tables) if with_block_manager else None
     return EngineParts(core, TextProcessor(tokenizer, limits), manager)
+
+
+def load_engine_tokenizer(config: EngineConfig) -> Tokenizer | None:
+    """The tokenizer `config` names (its own path, else the model's directory); None
+    with `skip_tokenizer_init`. Callers that can load it while the worker starts (it
+    needs no `WorkerReady`) pass it to `build_engine`."""
+    if config.skip_tokenizer_init:
+        return None
+    hf_tokenizer = load_tokenizer(config.tokenizer or config.model.model_dir)
+    return Tokenizer(hf_tokenizer, chat_template=config.chat_template)

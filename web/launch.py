@@ -69,7 +69,7 @@ class ServerProcess:
                     if r.status == 200:
                         return
             except OSError:
-                time.sleep(0.2)
+                time.sleep(0.02)
         self.stop()
         raise RuntimeError(f"server not healthy after {timeout:.0f} s{self._tail()}")
 

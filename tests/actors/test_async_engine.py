@@ -275,15 +275,61 @@ async def test_n_sequences_stream_by_index_like_the_offline_engine(served):
 
 
 async def test_a_worker_that_cannot_load_fails_the_start_at_once(tmp_path):
-    """The worker process exits (a model it cannot load): start() says so at once
-    instead of waiting out its ready timeout, and leaves no process or run dir."""
-    import json
+    """The worker process exits (a model whose config loads but whose weights are
+    missing): start() says so at once instead of waiting out its ready timeout, and
+    leaves no process or run dir."""
     import time
 
     from actors.actor import ActorStartupError
+    from actors.worker_launch import WorkerLaunch
+    from tests.engine.tiny_models import save_hf_model
 
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["NopeForCausalLM"]}))
+    save_hf_model("llama", tmp_path)
+    for weights in tmp_path.glob("*.safetensors"):
+        weights.unlink()
+    args = EngineArgs(model=str(tmp_path), skip_tokenizer_init=True)
+    launch = WorkerLaunch.start(args)
     started = time.monotonic()
     with pytest.raises(ActorStartupError, match="exited with code"):
-        await AsyncEngine.start(EngineArgs(model=str(tmp_path)), ready_timeout=120)
+        await AsyncEngine.start(args, ready_timeout=120, launch=launch)
     assert time.monotonic() - started < 60
+    assert launch.process.poll() is not None and not os.path.exists(launch.run_dir)
+
+
+@pytest.mark.timeout(120)
+async def test_a_config_that_cannot_load_fails_the_start_with_its_error(tmp_path):
+    """Both processes read the config; this one's error, which names the problem, is
+    the one raised (not the worker's exit), and nothing is left behind."""
+    import json
+
+    from actors.worker_launch import WorkerLaunch
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["NopeForCausalLM"]}))
+    args = EngineArgs(model=str(tmp_path))
+    launch = WorkerLaunch.start(args)
+    with pytest.raises(ValueError, match="model_type"):
+        await AsyncEngine.start(args, ready_timeout=120, launch=launch)
+    assert launch.process.poll() is not None and not os.path.exists(launch.run_dir)
+
+
+@pytest.mark.timeout(240)
+async def test_an_engine_adopts_a_worker_launched_before_it(served):
+    """A worker launched first (its model loading while the caller starts up) is adopted
+    with the config the caller built: the engine serves, and shutdown leaves nothing. A
+    launch for other arguments is refused and cleaned up."""
+    from actors.worker_launch import WorkerLaunch
+
+    args = EngineArgs(model=served.path, **served.kwargs)
+    launch = WorkerLaunch.start(args)
+    engine = await AsyncEngine.start(args, config=args.build(), launch=launch)
+    try:
+        params = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0)
+        got = await asyncio.wait_for(_run(engine, "Once upon", params, "early"), timeout=60)
+        assert len(got.tokens) == 4 and got.last.finish_reason == "length"
+    finally:
+        await engine.shutdown()
+    assert launch.process.poll() == 0 and not os.path.exists(launch.run_dir)
+    other = WorkerLaunch.start(EngineArgs(model=served.path, **served.kwargs, seed=7))
+    with pytest.raises(ValueError, match="other engine arguments"):
+        await AsyncEngine.start(args, launch=other)
+    assert other.process.poll() is not None and not os.path.exists(other.run_dir)
