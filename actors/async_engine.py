@@ -142,8 +142,8 @@ class AsyncEngine:
         the engine owns it from here on, whether the start succeeds or not.
 
         Start-up overlaps the two processes: while the worker loads the model and sizes
-        its KV cache, this process builds the config and loads the tokenizer (a thread),
-        and the first failure of either fails the start at once."""
+        its KV cache, this process builds the config and loads the tokenizer (a thread);
+        a failure of either fails the start at once (see `_start_up`)."""
         self = cls(supervision or Supervision())
         launch = launch or WorkerLaunch.start(args)
         self._launch, self._worker, self._run_dir = launch, launch.process, launch.run_dir

@@ -6,7 +6,9 @@ thing and let the model load while the server itself is still importing and star
 `AsyncEngine.start(args, launch=launch)` later binds the sockets the worker sends to and
 adopts it. The worker may connect before they are bound: ZeroMQ queues what it sends
 (its ready message) and connects once they are (see `actors.transport`). A launch that
-is never adopted must be `abandon()`ed: its process is killed, its run directory removed.
+is never adopted must be `abandon()`ed: its process is killed, its run directory removed
+(idempotent, and harmless after the engine's own shutdown: a caller may always call it
+last). A failed `AsyncEngine.start` abandons the launch it was given.
 """
 
 from __future__ import annotations
@@ -95,7 +97,7 @@ class WorkerLaunch:
         return cls(args, process, run_dir, worker, scheduler, heartbeat, time.monotonic())
 
     def abandon(self) -> None:
-        """Kills the process (if it still runs) and removes the run directory."""
+        """Kills the process (if it still runs) and removes the run directory; idempotent."""
         if self.process.poll() is None:
             self.process.kill()
         self.process.wait()

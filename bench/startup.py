@@ -16,9 +16,12 @@ Each run launches `python -m web.cli serve --port P` (the built-in tiny model un
 
 `--checkout NAME=PATH` (repeatable) measures other checkouts too, alternating run by run
 so that noise from a shared machine hits all alike (a baseline: `git archive REV | tar
--x -C DIR`). `--runs` runs per checkout; the report keeps every run and the median of
-each figure. Floors for reference: a bare interpreter (`python -c pass`) and `import
-torch`, each timed `--runs` times.
+-x -C DIR`); `--runs` rounds (default 3); the report keeps every run and each figure's
+median. On a shared machine, `--wait-idle PCT` starts each round only once the CPUs
+were at least PCT% idle over 2 s (waiting at most `--idle-timeout` s; each run records
+the idle share its round started at): the server and its worker start in parallel, so
+a machine with no free core hides what overlapping them gains. Floors for reference: a
+bare interpreter (`python -c pass`) and `import torch`, each timed `--runs` times.
 
     python bench/startup.py --out bench/results/startup.json
     python bench/startup.py --checkout before=/tmp/base --checkout after=. --runs 5 \\
@@ -104,6 +107,7 @@ HEALTH_POLL_S = 0.01
 @dataclass
 class Run:
     checkout: str
+    idle_pct: float | None  # the CPUs' idle share over 2 s before the round started
     healthy_s: float
     first_token_s: float
     first_request_s: float
@@ -132,7 +136,9 @@ class LogReader:
         self._thread.join(timeout=30)
 
 
-def launch(name: str, checkout: Path, model: str | None, extra: list[str]) -> Run:
+def launch(
+    name: str, checkout: Path, model: str | None, extra: list[str], idle: float | None
+) -> Run:
     port = free_port()
     cmd = [sys.executable, "-m", "web.cli", "serve", "--port", str(port)]
     cmd += (["--model", model] if model else []) + extra
@@ -156,6 +162,7 @@ def launch(name: str, checkout: Path, model: str | None, extra: list[str]) -> Ru
     marks = find_marks(reader.lines)
     return Run(
         name,
+        idle,
         round(healthy, 3),
         round(first_token, 3),
         round(first_token - healthy, 3),
@@ -228,6 +235,33 @@ def phases_of(marks: dict[str, float], healthy: float, first_token: float) -> di
     return out
 
 
+def idle_pct(seconds: float = 2.0) -> float | None:
+    """The share of CPU time spent idle over the next `seconds` (None off Linux)."""
+
+    def sample() -> tuple[int, int]:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        return fields[3] + fields[4], sum(fields[:8])  # idle + iowait, total
+
+    try:
+        idle0, total0 = sample()
+        time.sleep(seconds)
+        idle1, total1 = sample()
+    except OSError:
+        return None
+    return round(100 * (idle1 - idle0) / max(1, total1 - total0), 1)
+
+
+def wait_idle(threshold: float | None, timeout: float) -> float | None:
+    """Waits until the CPUs are `threshold`% idle (or `timeout` passes); the last share."""
+    if threshold is None:
+        return None
+    deadline = time.monotonic() + timeout
+    while True:
+        idle = idle_pct()
+        if idle is None or idle >= threshold or time.monotonic() > deadline:
+            return idle
+
+
 def floor_s(code: str) -> float:
     start = time.perf_counter()
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -266,15 +300,21 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--model", default=None, help="--model for serve (default: built-in)")
     p.add_argument("--serve-arg", action="append", default=[], help="an extra serve argument")
+    p.add_argument("--wait-idle", type=float, default=None, metavar="PCT")
+    p.add_argument("--idle-timeout", type=float, default=300.0)
     p.add_argument("--out", type=Path)
     a = p.parse_args(argv)
     checkouts = dict(c.split("=", 1) for c in a.checkout) or {"this": str(REPO)}
     checkouts = {name: Path(path).resolve() for name, path in checkouts.items()}
     runs: dict[str, list[Run]] = {name: [] for name in checkouts}
     for i in range(a.runs):
+        idle = wait_idle(a.wait_idle, a.idle_timeout)
         for name, path in checkouts.items():
-            run = launch(name, path, a.model, a.serve_arg)
-            log(f"run {i} {name}: healthy {run.healthy_s} s, first token {run.first_token_s} s")
+            run = launch(name, path, a.model, a.serve_arg, idle)
+            log(
+                f"run {i} {name}: healthy {run.healthy_s} s, first token {run.first_token_s} s"
+                f" (CPUs {idle}% idle before the round)"
+            )
             runs[name].append(run)
     floors = {
         "python -c pass": [floor_s("pass") for _ in range(a.runs)],

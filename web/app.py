@@ -22,6 +22,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from starlette.websockets import WebSocket
 
 from actors.async_engine import AsyncEngine
+from actors.worker_launch import WorkerLaunch
+from engine.config import EngineConfig
 from engine.engine_args import EngineArgs
 from web.api_keys import ApiKeys
 from web.error_counter import ErrorAnswerCounter
@@ -244,14 +246,25 @@ async def _route_error(request: Request, exc: HTTPException) -> Response:
     return JSONResponse(body, exc.status_code, headers=exc.headers)
 
 
-def create_app(engine_args: EngineArgs, config: ServerConfig) -> Starlette:
+def create_app(
+    engine_args: EngineArgs,
+    config: ServerConfig,
+    engine_config: EngineConfig | None = None,
+    launch: WorkerLaunch | None = None,
+) -> Starlette:
     """The app with the engine's lifetime tied to the server's: started in the lifespan,
-    shut down (open requests aborted, worker stopped) when the server stops."""
+    shut down (open requests aborted, worker stopped) when the server stops.
+    `engine_config` (`engine_args.build()`) and `launch` (a worker launched early, so the
+    model loads while the server starts): see `AsyncEngine.start`."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         engine = await AsyncEngine.start(
-            engine_args, pipeline_depth=config.pipeline_depth, supervision=config.supervision
+            engine_args,
+            pipeline_depth=config.pipeline_depth,
+            supervision=config.supervision,
+            config=engine_config,
+            launch=launch,
         )
         server = app.state.server = Server(engine, config)
         note = " (built-in random-weight model: replies are noise)" if config.builtin else ""
