@@ -23,6 +23,10 @@ the idle share its round started at): the server and its worker start in paralle
 a machine with no free core hides what overlapping them gains. Floors for reference: a
 bare interpreter (`python -c pass`) and `import torch`, each timed `--runs` times.
 
+`--async-engine` also times, per checkout and round, `await AsyncEngine.start(...)` on
+the built-in model in a fresh interpreter (what the SDK's in-process users, the tests
+and the benches pay; from the call to its return, imports excluded).
+
     python bench/startup.py --out bench/results/startup.json
     python bench/startup.py --checkout before=/tmp/base --checkout after=. --runs 5 \\
         --out bench/results/startup.json
@@ -262,6 +266,36 @@ def wait_idle(threshold: float | None, timeout: float) -> float | None:
             return idle
 
 
+ASYNC_ENGINE_START = """
+import asyncio, time
+from actors.async_engine import AsyncEngine
+from engine.engine_args import EngineArgs
+from engine.worker.builtin_model import builtin_model_dir
+
+async def main():
+    start = time.perf_counter()
+    engine = await AsyncEngine.start(EngineArgs(model=str(builtin_model_dir())))
+    print("async-engine-start", time.perf_counter() - start)
+    await engine.shutdown()
+
+asyncio.run(main())
+"""
+
+
+def async_engine_start_s(checkout: Path) -> float:
+    """Seconds `AsyncEngine.start` takes in a fresh interpreter of `checkout`."""
+    env = dict(os.environ, PYTHONPATH=str(checkout))
+    out = subprocess.run(
+        [sys.executable, "-c", ASYNC_ENGINE_START],
+        cwd=checkout,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return round(float(out.split("async-engine-start", 1)[1].split()[0]), 3)
+
+
 def floor_s(code: str) -> float:
     start = time.perf_counter()
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -300,6 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--model", default=None, help="--model for serve (default: built-in)")
     p.add_argument("--serve-arg", action="append", default=[], help="an extra serve argument")
+    p.add_argument("--async-engine", action="store_true", help="also time AsyncEngine.start")
     p.add_argument("--wait-idle", type=float, default=None, metavar="PCT")
     p.add_argument("--idle-timeout", type=float, default=300.0)
     p.add_argument("--out", type=Path)
@@ -307,6 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     checkouts = dict(c.split("=", 1) for c in a.checkout) or {"this": str(REPO)}
     checkouts = {name: Path(path).resolve() for name, path in checkouts.items()}
     runs: dict[str, list[Run]] = {name: [] for name in checkouts}
+    engine_starts: dict[str, list[float]] = {name: [] for name in checkouts}
     for i in range(a.runs):
         idle = wait_idle(a.wait_idle, a.idle_timeout)
         for name, path in checkouts.items():
@@ -315,6 +351,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"run {i} {name}: healthy {run.healthy_s} s, first token {run.first_token_s} s"
                 f" (CPUs {idle}% idle before the round)"
             )
+            if a.async_engine:
+                engine_starts[name].append(async_engine_start_s(path))
+                log(f"run {i} {name}: AsyncEngine.start {engine_starts[name][-1]} s")
             runs[name].append(run)
     floors = {
         "python -c pass": [floor_s("pass") for _ in range(a.runs)],
@@ -326,6 +365,10 @@ def main(argv: list[str] | None = None) -> int:
         serve_args=a.serve_arg,
         phases={ph.name: ph.what for ph in PHASES},
         summary={name: summarize(rs) for name, rs in runs.items()},
+        async_engine_start_median_s={
+            name: round(statistics.median(t), 3) for name, t in engine_starts.items() if t
+        },
+        async_engine_start_s={name: t for name, t in engine_starts.items() if t},
         floors_median_s={k: round(statistics.median(v), 3) for k, v in floors.items()},
         checkouts={name: str(path) for name, path in checkouts.items()},
         runs=[vars(r) for rs in runs.values() for r in rs],
