@@ -1,7 +1,7 @@
 """Server start-up time: launch to a healthy /health and to the first streamed token.
 
-Each run launches `python -m web.cli serve --port P` (the built-in tiny model unless
-`--model`) as a subprocess of a checkout, and records, in seconds from the launch:
+Each run launches `python -m web.cli serve --port P` (`--model`, default the built-in
+tiny model) as a subprocess of a checkout, and records, in seconds from the launch:
 - `healthy_s`: the first 200 from GET /health (polled every 10 ms);
 - `first_token_s`: the first streamed token of a 1-token completion sent right then
   (`first_request_s` = first_token_s - healthy_s: what the first request costs);
@@ -145,7 +145,7 @@ def launch(
 ) -> Run:
     port = free_port()
     cmd = [sys.executable, "-m", "web.cli", "serve", "--port", str(port)]
-    cmd += (["--model", model] if model else []) + extra
+    cmd += ["--model", model] + extra
     env = dict(os.environ, PYTHONPATH=str(checkout))
     start = time.perf_counter()
     proc = subprocess.Popen(
@@ -332,7 +332,11 @@ def main(argv: list[str] | None = None) -> int:
         metavar="NAME=PATH",
         help="a checkout to measure (repeatable; default: this one, as 'this')",
     )
-    p.add_argument("--model", default=None, help="--model for serve (default: built-in)")
+    p.add_argument(
+        "--model",
+        default="builtin:tiny",
+        help="--model for serve (default builtin:tiny; SmolLM2-135M-Instruct: the default model)",
+    )
     p.add_argument("--serve-arg", action="append", default=[], help="an extra serve argument")
     p.add_argument("--async-engine", action="store_true", help="also time AsyncEngine.start")
     p.add_argument("--wait-idle", type=float, default=None, metavar="PCT")
@@ -361,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     result = dict(
         command=invocation(__file__),
-        model=a.model or "built-in tiny (pagedserve-builtin-tiny)",
+        model=a.model,
         serve_args=a.serve_arg,
         phases={ph.name: ph.what for ph in PHASES},
         summary={name: summarize(rs) for name, rs in runs.items()},

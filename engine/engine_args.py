@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from engine.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
 
 
@@ -35,6 +33,8 @@ class EngineArgs:
     preemption_mode: str = "recompute"
 
     def build(self) -> EngineConfig:
+        import torch  # here, not at import: the server's CLI imports this module first
+
         from engine.text.tokenizer import resolve_chat_template
         from engine.worker.model_loader import build_model_config  # loads model code: on demand
 

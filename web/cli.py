@@ -287,22 +287,33 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from actors.worker_launch import WorkerLaunch
+    from engine.engine_args import EngineArgs
+    from engine.worker.builtin_model import BUILTIN_MODEL_SPEC
+
+    model, default_name = _resolve_model(args)
+    builtin = model == BUILTIN_MODEL_SPEC
+    if builtin:
+        _say("serving the built-in random model (byte-level tokenizer: its replies are noise)")
+    engine_args = EngineArgs(model=model, **_engine_kwargs(args))
+    launch = WorkerLaunch.start(engine_args)  # the model loads while the server starts
+    try:
+        return _run_server(args, engine_args, launch, default_name, builtin)
+    finally:
+        launch.abandon()  # a no-op after the engine's own shutdown
+
+
+def _run_server(args, engine_args, launch, default_name: str, builtin: bool) -> int:
     import uvicorn
 
     from actors.async_engine import Supervision
     from actors.transport import remove_stale_run_dirs
-    from engine.engine_args import EngineArgs
-    from engine.worker.builtin_model import BUILTIN_MODEL_SPEC
     from web.api_keys import ApiKeys
     from web.app import create_app
     from web.draining_server import DrainingServer
     from web.http_protocol import HeaderTimeoutH11Protocol
     from web.server_config import ServerConfig
 
-    model, default_name = _resolve_model(args)
-    builtin = model == BUILTIN_MODEL_SPEC
-    if builtin:
-        _say("serving the built-in random model (byte-level tokenizer: its replies are noise)")
     config = ServerConfig(
         model_name=args.served_model_name or default_name,
         builtin=builtin,
@@ -322,11 +333,10 @@ def _serve(args: argparse.Namespace) -> int:
         disable_log_stats=args.disable_log_stats,
         log_stats_interval_s=args.log_stats_interval,
     )
-    engine_args = EngineArgs(model=model, **_engine_kwargs(args))
-    engine_args.build()  # configuration errors surface here, before the server starts
+    engine_config = engine_args.build()  # configuration errors surface here
     for stale in remove_stale_run_dirs():
         logging.getLogger(__name__).info("removed %s, left by a server that died", stale)
-    app = create_app(engine_args, config)
+    app = create_app(engine_args, config, engine_config, launch)
     uv_config = uvicorn.Config(
         app,
         host=config.host,
