@@ -123,14 +123,7 @@ class OpenAIRoutes:
     # -- parsing -------------------------------------------------------------------
     def _parse(self, body: dict[str, Any], chat: bool) -> Job:
         check_fields(body, CHAT_RULES if chat else COMPLETION_RULES)
-        model = body.get("model")
-        if model is not None and model != self.config.model_name:
-            raise ApiError(
-                "not_found",
-                f"model {str(model)[:100]!r} is not served here; this server "
-                f"serves {self.config.model_name!r}",
-                "model",
-            )
+        check_model(body, self.config.model_name)
         n = num_choices(body)
         stream = flag(body, "stream", False)
         include_usage = stream_options(body, stream)
@@ -295,6 +288,17 @@ class OpenAIRoutes:
 def _given(body: Any, name: str) -> bool:
     """Whether the body sets `name` (null is not set)."""
     return isinstance(body, dict) and body.get(name) is not None
+
+
+def check_model(body: dict[str, Any], served: str) -> None:
+    """A body's `model`, when given, must be the served model's name (404 otherwise)."""
+    model = body.get("model")
+    if model is not None and model != served:
+        raise ApiError(
+            "not_found",
+            f"model {str(model)[:100]!r} is not served here; this server serves {served!r}",
+            "model",
+        )
 
 
 def _prompts(prompt: Any) -> list[PromptInput]:

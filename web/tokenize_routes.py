@@ -29,6 +29,7 @@ from engine.messages import TokenizeResult
 from web.errors import ApiError, invalid
 from web.frames import read_json_body
 from web.generation import Generator
+from web.openai_routes import check_model
 from web.params import chat_messages, flag, only_keys, valid_text
 from web.server_config import ServerConfig
 
@@ -124,14 +125,7 @@ class TokenizeRoutes:
         return {"prompt": result.text}
 
     def _check_model(self, body: dict[str, Any]) -> None:
-        model = body.get("model")
-        if model is not None and model != self.config.model_name:
-            raise ApiError(
-                "not_found",
-                f"model {str(model)[:100]!r} is not served here; this server "
-                f"serves {self.config.model_name!r}",
-                "model",
-            )
+        check_model(body, self.config.model_name)
 
     async def _call(self, work) -> TokenizeResult:
         """The tokenizer's answer; its refusal as a 400 naming the field, an engine that

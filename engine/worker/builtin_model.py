@@ -10,11 +10,10 @@ starts on an offline machine; its replies are random bytes, not language.
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 from pathlib import Path
 
 from cuda_ext.build import cache_root
+from engine.worker.cache_files import write_once
 
 BUILTIN_MODEL_NAME = "pagedserve-builtin-tiny"
 BUILTIN_MODEL_SPEC = "builtin:tiny"  # what --model / LLM(model=...) call it
@@ -40,19 +39,7 @@ def builtin_model_dir(cache_dir: Path | None = None) -> Path:
     """The model's directory, written on first use (atomically: a half-written directory
     is never seen by a concurrent start)."""
     target = (cache_dir or cache_root()) / f"{BUILTIN_MODEL_NAME}-v{BUILTIN_VERSION}"
-    if (target / "model.safetensors").is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix=".builtin-", dir=target.parent))
-    try:
-        write_builtin_model(scratch)
-        try:
-            scratch.rename(target)
-        except OSError:  # another process won the race; its copy is identical
-            pass
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    return target
+    return write_once(target, "model.safetensors", write_builtin_model)
 
 
 def write_builtin_model(directory: Path) -> None:

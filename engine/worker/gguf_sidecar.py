@@ -18,10 +18,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
-import tempfile
 from pathlib import Path
 
+from engine.worker.cache_files import write_once
 from engine.worker.gguf_checkpoint import GgufCheckpoint, GgufIndex
 
 POINTER_FILE = "weights.gguf.json"  # {"gguf": "/abs/path/model.gguf", "index": GgufIndex}
@@ -39,19 +38,7 @@ def gguf_sidecar_dir(path: str | Path, cache_dir: Path) -> Path:
     key = f"{gguf_path}|{stat.st_size}|{stat.st_mtime_ns}|{SIDECAR_VERSION}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     target = cache_dir / "gguf" / f"{gguf_path.stem}-{digest}"
-    if (target / POINTER_FILE).is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix=".sidecar-", dir=target.parent))
-    try:
-        write_sidecar(gguf_path, scratch)
-        try:
-            scratch.rename(target)
-        except OSError:  # another process won the race; its copy is identical
-            pass
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    return target
+    return write_once(target, POINTER_FILE, lambda scratch: write_sidecar(gguf_path, scratch))
 
 
 def gguf_weights(model_dir: str | Path) -> GgufCheckpoint | None:
