@@ -509,7 +509,8 @@ def plot(report: dict, path: Path) -> None:
 
 
 def _short(system: str) -> str:
-    return system.replace("pagedserve_", "ours\n").replace("llama_server_", "llama.cpp\n")
+    short = system.replace("pagedserve_", "ours\n").replace("llama_server_", "llama.cpp\n")
+    return short.replace("q4_1_", "Q4_1\n").replace("served_gguf", "served\nGGUF")
 
 
 def _color(system: str) -> str:
