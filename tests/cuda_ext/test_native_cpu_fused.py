@@ -9,15 +9,11 @@ import pytest
 import torch
 
 from cuda_ext import reference
-from cuda_ext.build import load_cpu_ops
-from cuda_ext.native_cpu import NativeCpuOps
+from tests.cuda_ext.native_ops import native_cpu_ops_or_skip
 
 pytestmark = pytest.mark.timeout(300)
 
-_LOADED = load_cpu_ops()
-if not _LOADED.ok:
-    pytest.skip(f"native CPU kernels unavailable: {_LOADED.reason}", allow_module_level=True)
-OPS = NativeCpuOps(_LOADED.module)
+OPS = native_cpu_ops_or_skip()
 
 DTYPES = (torch.float32, torch.bfloat16)
 HIDDEN_SIZES = (576, 512, 64, 37, 8, 1)  # SmolLM2's, our 58M's, and tails of every length
