@@ -1,7 +1,7 @@
 """The tensors of a GGUF checkpoint (llama.cpp's file format), under Hugging Face names.
 
-`GgufCheckpoint(path)` reads the file (memory-mapped; the header with the `gguf` package) and
-yields
+`GgufIndex.read(path)` parses the header with the `gguf` package (once: the side-car keeps
+it, gguf_sidecar.py); `GgufCheckpoint(path, index)` memory-maps the file and yields
 `(hf_name, tensor)` pairs that `CausalLM.load_weights` takes like a safetensors file's.
 
 Contract:
@@ -163,9 +163,9 @@ class GgufIndex:
 class GgufCheckpoint:
     """One GGUF file, memory-mapped; `tensors(dtype)` dequantizes one tensor at a time."""
 
-    def __init__(self, path: str | Path, index: GgufIndex | None = None) -> None:
+    def __init__(self, path: str | Path, index: GgufIndex) -> None:
         self.path = Path(path)
-        self.index = index or GgufIndex.read(self.path)
+        self.index = index
 
     def tensors(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
         """(hf_name, tensor in `dtype`) for every tensor the HF model holds."""
