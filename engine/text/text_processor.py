@@ -146,10 +146,9 @@ class TextProcessor:
         tokenized. Read-only, like `prepare`."""
         if self.tokenizer is None:
             raise ValueError("messages need a tokenizer; this engine has none")
-        per_token = self.tokenizer.max_token_chars
-        num_chars = sum(len(m["content"]) for m in messages)
-        if num_chars >= self.limits.max_model_len * per_token:
-            return num_chars // per_token
+        too_long = self._too_long(sum(len(m["content"]) for m in messages))
+        if too_long is not None:
+            return too_long
         return len(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
 
     def register(
@@ -245,14 +244,22 @@ class TextProcessor:
     def _check_length(self, name: str, num_chars: int) -> None:
         """Refuses text too long for the context whatever its tokens, before the work
         of tokenizing it (a megabyte takes about a second)."""
-        max_model_len, per_token = self.limits.max_model_len, self.tokenizer.max_token_chars
-        if num_chars >= max_model_len * per_token:
+        too_long = self._too_long(num_chars)
+        if too_long is not None:
             raise ValueError(
-                f"{name} has {num_chars:,} characters, so at least "
-                f"{num_chars // per_token:,} tokens (no token of this model covers more than "
-                f"{per_token} characters); this model's context (max_model_len) is "
-                f"{max_model_len:,} tokens"
+                f"{name} has {num_chars:,} characters, so at least {too_long:,} tokens (no "
+                f"token of this model covers more than {self.tokenizer.max_token_chars} "
+                f"characters); this model's context (max_model_len) is "
+                f"{self.limits.max_model_len:,} tokens"
             )
+
+    def _too_long(self, num_chars: int) -> int | None:
+        """For a text of `num_chars` characters that cannot fit the context whatever its
+        tokens, a lower bound on its tokens (at least max_model_len); else None."""
+        per_token = self.tokenizer.max_token_chars
+        if num_chars >= self.limits.max_model_len * per_token:
+            return num_chars // per_token
+        return None
 
     def client_of(self, request_id: str) -> str | None:
         """The client of a request or of one of its sequences (None: not in flight)."""
