@@ -99,7 +99,8 @@ async def test_a_timeout_cancels_the_request_on_the_server(builtin_server) -> No
     async with bounded_client(builtin_server.ws, timeout=0.3) as client:  # client-wide
         with pytest.raises(RequestTimeout):
             await client.complete("Hello", **LONG)
-        result = await client.complete("Hello", max_tokens=4, timeout=None)  # per call: none
+        # per call: no timeout (ignore_eos: a sampled EOS would end it as "stop")
+        result = await client.complete("Hello", max_tokens=4, ignore_eos=True, timeout=None)
         assert result.finish_reason == "length"
         await wait_none_running(builtin_server)
 
