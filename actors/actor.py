@@ -19,8 +19,8 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
-from actors.codec import DecodeError, InboxDecoder, encode
 from actors.transport import Inbox, Outbox
+from engine.codec import DecodeError, InboxDecoder, encode
 from engine.errors import describe
 from engine.messages import Shutdown
 

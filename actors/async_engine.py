@@ -32,12 +32,12 @@ import zmq.asyncio
 
 from actors.actor import ActorStartupError, await_ready, send_message
 from actors.block_manager_actor import BlockManagerActor
-from actors.codec import DecodeError, InboxDecoder
 from actors.scheduler_actor import SchedulerActor
 from actors.tokenizer_actor import TokenizerActor
 from actors.transport import inproc_pair, zmq_inbox, zmq_outbox
 from actors.worker_launch import WorkerLaunch
 from actors.worker_monitor import WorkerMonitor
+from engine.codec import DecodeError, InboxDecoder
 from engine.config import EngineConfig
 from engine.core.stats import EngineStats
 from engine.engine_args import EngineArgs

@@ -16,8 +16,8 @@ import asyncio
 import logging
 
 from actors.actor import Actor, send_message
-from actors.codec import InboxDecoder
 from actors.transport import Inbox, Outbox
+from engine.codec import InboxDecoder
 from engine.core.engine_core import EngineCore
 from engine.messages import INBOXES, AbortRequest, AddRequest, RequestFailed, StepResult
 

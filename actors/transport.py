@@ -1,7 +1,7 @@
 """Byte-frame channels between actors: one direction each, asyncio-native.
 
 An `Outbox` sends frames, an `Inbox` receives them, in order, one frame per message. Frames
-are `bytes` in and `bytes` out; what they mean is the codec's business (`actors.codec`).
+are `bytes` in and `bytes` out; what they mean is the codec's business (`engine.codec`).
 No pickle anywhere.
 
 Three kinds of channel, one interface:

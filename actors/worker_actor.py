@@ -39,8 +39,8 @@ import zmq
 import zmq.asyncio
 
 from actors.actor import Actor, send_message
-from actors.codec import encode
 from actors.transport import Inbox, Outbox, zmq_inbox, zmq_outbox
+from engine.codec import encode
 from engine.engine_args import EngineArgs
 from engine.messages import StepPlan, WorkerHeartbeat, WorkerReady
 from engine.worker.worker import Worker, build_null_worker, build_worker

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import zmq
 
-from actors.codec import DecodeError, InboxDecoder
+from engine.codec import DecodeError, InboxDecoder
 from engine.messages import INBOXES, WorkerHeartbeat
 
 logger = logging.getLogger(__name__)

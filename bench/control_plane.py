@@ -47,7 +47,6 @@ from workload import SHARED, SharedDataMissing, sample_workload  # noqa: E402
 
 from actors.actor import await_ready, send_message  # noqa: E402
 from actors.block_manager_actor import BlockManagerActor  # noqa: E402
-from actors.codec import InboxDecoder  # noqa: E402
 from actors.scheduler_actor import SchedulerActor  # noqa: E402
 from actors.transport import (  # noqa: E402
     inproc_pair,
@@ -57,6 +56,7 @@ from actors.transport import (  # noqa: E402
     zmq_outbox,
 )
 from actors.worker_launch import spawn_worker  # noqa: E402
+from engine.codec import InboxDecoder  # noqa: E402
 from engine.engine_args import EngineArgs  # noqa: E402
 from engine.messages import INBOXES, AbortRequest, AddRequest, Shutdown, WorkerReady  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402

@@ -135,6 +135,45 @@ class DeviceConfig:
             )
 
 
+MAX_TENSOR_PARALLEL_SIZE = 64
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How many ranks share one model (tensor parallelism), and where they meet:
+    `distributed_address` is HOST:PORT of torch.distributed's TCP store, served by rank
+    0's host; `init_method`, when set, overrides it (the launchers of ranks on one host
+    set a `file://` rendezvous in a private directory)."""
+
+    tensor_parallel_size: int = 1
+    distributed_address: str | None = None
+    distributed_init_method: str | None = None
+
+    def __post_init__(self) -> None:
+        tp = self.tensor_parallel_size
+        if not isinstance(tp, int) or not 1 <= tp <= MAX_TENSOR_PARALLEL_SIZE:
+            raise ValueError(
+                f"tensor_parallel_size must be an integer in [1, {MAX_TENSOR_PARALLEL_SIZE}], "
+                f"got {tp!r}"
+            )
+        if self.distributed_address is not None:
+            host, _, port = self.distributed_address.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(
+                    "distributed_address must be HOST:PORT with a port in [1, 65535], "
+                    f"got {self.distributed_address!r}"
+                )
+
+    @property
+    def init_method(self) -> str:
+        """torch.distributed's rendezvous URL."""
+        if self.distributed_init_method is not None:
+            return self.distributed_init_method
+        if self.distributed_address is None:
+            raise ValueError("tensor_parallel_size > 1 needs a distributed_address (HOST:PORT)")
+        return f"tcp://{self.distributed_address}"
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """All narrow configs of one engine, built once by `EngineArgs.build()`."""
@@ -146,3 +185,4 @@ class EngineConfig:
     tokenizer: str | None  # tokenizer directory or hub id (None: the model's own)
     skip_tokenizer_init: bool = False
     chat_template: str | None = None  # Jinja text replacing the tokenizer's own
+    parallel: ParallelConfig = ParallelConfig()

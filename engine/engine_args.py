@@ -5,7 +5,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
+from engine.config import (
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
 
 
 @dataclass(frozen=True)
@@ -31,15 +37,23 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     swap_space: float = 0.0  # GiB
     preemption_mode: str = "recompute"
+    tensor_parallel_size: int = 1  # ranks sharing the model (one worker process each)
+    distributed_address: str | None = None  # HOST:PORT of rank 0's torch.distributed store
+    distributed_init_method: str | None = None  # set by launchers: a file:// rendezvous
 
     def build(self) -> EngineConfig:
         import torch  # here, not at import: the server's CLI imports this module first
 
         from engine.text.tokenizer import resolve_chat_template
         from engine.worker.model_loader import build_model_config  # loads model code: on demand
+        from engine.worker.parallel.shardable import check_shardable
 
+        parallel = ParallelConfig(
+            self.tensor_parallel_size, self.distributed_address, self.distributed_init_method
+        )
         device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
         model_config = build_model_config(self, device)
+        check_shardable(model_config, parallel.tensor_parallel_size)
         max_len = model_config.max_model_len
         scheduler = SchedulerConfig(
             max_num_seqs=self.max_num_seqs,
@@ -61,4 +75,5 @@ class EngineArgs:
             tokenizer=self.tokenizer,
             skip_tokenizer_init=self.skip_tokenizer_init,
             chat_template=resolve_chat_template(self.chat_template),
+            parallel=parallel,
         )

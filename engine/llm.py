@@ -16,6 +16,7 @@ from engine.logging_setup import configure_logging
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.wiring import build_engine
+from engine.worker.parallel.offline_ranks import OfflineRanks, RelayingWorker
 from engine.worker.worker import build_worker
 
 Messages = list[dict[str, Any]]
@@ -32,11 +33,29 @@ class LLM:
     It runs the served engine in-process (`InProcessEngine`: the same text processor,
     engine core and worker as `pagedserve serve`), so both give the same outputs;
     `pipeline_depth=2` plans one step ahead as the server does.
+
+    `tensor_parallel_size=N` splits the model over N ranks: rank 0 runs here, ranks
+    1..N-1 in processes of their own (`engine/worker/parallel/offline_ranks.py`);
+    `close()` (or leaving a `with LLM(...)` block) stops them.
     """
 
     def __init__(self, model: str, pipeline_depth: int = 1, **kwargs: Any) -> None:
         configure_logging()
         args = EngineArgs(model=model, **kwargs)
+        self._ranks = None
+        if args.tensor_parallel_size > 1:
+            EngineArgs.build(args)  # refuse a model the ranks cannot split before spawning
+            args, self._ranks = OfflineRanks.start(args)
+        try:
+            self._start(args, pipeline_depth)
+        except BaseException:
+            if self._ranks is not None:
+                for process in self._ranks.processes:
+                    process.kill()
+                self._ranks.stop()
+            raise
+
+    def _start(self, args: EngineArgs, pipeline_depth: int) -> None:
         self.config = args.build()
         m = self.config.model
         logger.info(
@@ -48,6 +67,8 @@ class LLM:
             self.config.device.device,
         )
         worker, ready = build_worker(args, config=self.config)
+        if self._ranks is not None:
+            worker = RelayingWorker(worker, self._ranks)
         logger.info(
             "LLM ready: %d KV blocks of %d tokens, %d CPU swap blocks, %s attention",
             ready.num_blocks,
@@ -57,6 +78,17 @@ class LLM:
         )
         self.engine = InProcessEngine(build_engine(self.config, ready), worker, pipeline_depth)
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Stops the other tensor-parallel ranks (nothing to do with one); idempotent."""
+        if isinstance(self.engine.worker, RelayingWorker):
+            self.engine.worker.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
     def get_tokenizer(self):
         return self.engine.tokenizer

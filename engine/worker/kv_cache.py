@@ -9,6 +9,7 @@ import torch
 from engine.config import CacheConfig, ModelConfig
 from engine.kv.block_count import cdiv
 from engine.worker.huge_pages import zeros_on_huge_pages
+from engine.worker.parallel.layers import kv_heads_per_rank
 
 logger = logging.getLogger(__name__)
 
@@ -20,15 +21,20 @@ class KVCacheTooSmallError(ValueError):
     """The memory budget cannot hold even one sequence of max_model_len tokens."""
 
 
-def block_bytes(model: ModelConfig, block_size: int) -> int:
-    """Bytes of one block across all layers, keys and values."""
-    per_token = 2 * model.num_layers * model.num_kv_heads * model.head_size
+def block_bytes(model: ModelConfig, block_size: int, world_size: int = 1) -> int:
+    """Bytes of one block across all layers, keys and values, on one of `world_size`
+    tensor-parallel ranks (each caches its own key/value heads)."""
+    heads = kv_heads_per_rank(model.num_kv_heads, world_size)
+    per_token = 2 * model.num_layers * heads * model.head_size
     return per_token * block_size * model.dtype.itemsize
 
 
-def num_blocks_for(model: ModelConfig, cache: CacheConfig, budget_bytes: int) -> int:
-    """How many blocks fit in `budget_bytes`; raises when one full sequence does not fit."""
-    per_block = block_bytes(model, cache.block_size)
+def num_blocks_for(
+    model: ModelConfig, cache: CacheConfig, budget_bytes: int, world_size: int = 1
+) -> int:
+    """How many blocks fit in `budget_bytes` (one rank's of `world_size`); raises when
+    one full sequence does not fit."""
+    per_block = block_bytes(model, cache.block_size, world_size)
     num_blocks = max(0, budget_bytes // per_block)
     needed = cdiv(model.max_model_len, cache.block_size)
     if num_blocks < needed:

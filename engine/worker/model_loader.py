@@ -19,6 +19,7 @@ from engine.worker.builtin_model import BUILTIN_MODEL_SPEC, builtin_model_dir
 from engine.worker.gguf_sidecar import gguf_sidecar_dir, gguf_weights, is_gguf_file
 from engine.worker.models.base import CausalLM
 from engine.worker.models.registry import resolve_model_class
+from engine.worker.parallel.group import TensorParallelGroup
 
 logger = logging.getLogger(__name__)
 
@@ -169,14 +170,20 @@ def init_dummy_weights(model: CausalLM, seed: int) -> None:
                 param.fill_(1.0)
 
 
-def load_model(config: ModelConfig, backend: AttentionBackend, device: str) -> CausalLM:
-    """Builds the model class on `device` in `config.dtype` and fills its weights."""
+def load_model(
+    config: ModelConfig,
+    backend: AttentionBackend,
+    device: str,
+    group: TensorParallelGroup | None = None,
+) -> CausalLM:
+    """Builds the model class on `device` in `config.dtype` and fills its weights (this
+    rank's slices of them, under tensor parallelism: `group`)."""
     cls = resolve_model_class(config.architecture)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(config.dtype if config.dtype.is_floating_point else previous)
     try:
         with torch.device(device), _without_random_init():
-            model = cls(config.hf_config, backend)
+            model = cls(config.hf_config, backend, group or TensorParallelGroup())
     finally:
         torch.set_default_dtype(previous)
     gguf = gguf_weights(config.model_dir) if config.model_dir else None

@@ -25,6 +25,8 @@ from engine.worker.kv_cache import (
 )
 from engine.worker.logprobs import Logprob, TokenLogprobs, compute_token_logprobs, to_dicts
 from engine.worker.model_loader import load_model
+from engine.worker.parallel.group import TensorParallelGroup
+from engine.worker.parallel.layers import kv_heads_per_rank
 from engine.worker.sampler import Sampler
 from engine.worker.sampling_metadata import SamplingMetadata, SamplingRow
 
@@ -69,6 +71,11 @@ class ModelRunner:
     `num_blocks()` sizes the cache from the memory budget (CPU: kv_cache_memory bytes;
     CUDA: gpu_memory_utilization minus weights and a profiled peak), `initialize_cache`
     allocates it, and `execute(plan)` runs the plan's flattened batch.
+
+    Under tensor parallelism (`group`) each rank's runner holds its slices of the
+    weights and its key/value heads; every rank runs every plan (the layers' collectives
+    pair up), all ranks agree on the smallest block count, and rank 0 samples and
+    broadcasts the sampled tokens, so every rank's worker appends the same ones.
     """
 
     def __init__(
@@ -78,7 +85,9 @@ class ModelRunner:
         device_config: DeviceConfig,
         max_num_batched_tokens: int,
         max_num_seqs: int = 256,
+        group: TensorParallelGroup | None = None,
     ) -> None:
+        self.group = group or TensorParallelGroup()
         self.model_config = model_config
         self.cache_config = cache_config
         self.device = device_config.device
@@ -86,7 +95,7 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         choice = select_backend(device_config.attention_backend, self.device, model_config.dtype)
         self.backend, self.backend_reason = choice.backend, choice.reason
-        self.model = load_model(model_config, self.backend, self.device)
+        self.model = load_model(model_config, self.backend, self.device, self.group)
         if device_config.compile_model:
             compile_model(self.model)
             logger.info("the model's forward pass runs through torch.compile")
@@ -102,18 +111,21 @@ class ModelRunner:
             budget = cuda_budget_bytes(
                 self.cache_config, self._profile_peak(), torch.device(self.device)
             )
-        return num_blocks_for(self.model_config, self.cache_config, budget)
+        local = num_blocks_for(self.model_config, self.cache_config, budget, self.group.world_size)
+        return self.group.min_int(local)
+
+    def _block_bytes(self) -> int:
+        return block_bytes(self.model_config, self.cache_config.block_size, self.group.world_size)
 
     def _default_cpu_budget(self) -> int:
         """2 GiB, or less when max_num_seqs full-length sequences need less."""
         bs = self.cache_config.block_size
         blocks = self.max_num_seqs * cdiv(self.model_config.max_model_len, bs)
-        return min(DEFAULT_CPU_KV_CACHE_MEMORY, blocks * block_bytes(self.model_config, bs))
+        return min(DEFAULT_CPU_KV_CACHE_MEMORY, blocks * self._block_bytes())
 
     def num_cpu_blocks(self) -> int:
         """Blocks of CPU swap space: `swap_space` GiB."""
-        per_block = block_bytes(self.model_config, self.cache_config.block_size)
-        return int(self.cache_config.swap_space * 1024**3) // per_block
+        return int(self.cache_config.swap_space * 1024**3) // self._block_bytes()
 
     def initialize_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
         self.kv_cache = allocate_kv_cache(
@@ -127,8 +139,9 @@ class ModelRunner:
 
     def _cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         m = self.model_config
+        heads = kv_heads_per_rank(m.num_kv_heads, self.group.world_size)  # this rank's
         return self.backend.kv_cache_shape(
-            num_blocks, self.cache_config.block_size, m.num_kv_heads, m.head_size
+            num_blocks, self.cache_config.block_size, heads, m.head_size
         )
 
     @torch.inference_mode()
@@ -162,10 +175,14 @@ class ModelRunner:
         if not sample or not batch.sample_rows:
             return ModelOutput({}, None, (), prompt_lp)
         logits = self.model.compute_logits(hidden[batch.logits_indices])  # [S, vocab]
-        out = self.sampler(logits, self._sampling_metadata(batch))
         ids = [r.request.request_id for r in batch.sample_rows]
-        tokens = out.sampled_token_ids.tolist()
-        return ModelOutput(dict(zip(ids, tokens, strict=True)), out.logprobs, tuple(ids), prompt_lp)
+        if self.group.is_first:
+            out = self.sampler(logits, self._sampling_metadata(batch))
+            tokens, logprobs = out.sampled_token_ids, out.logprobs  # [S] int64
+        else:  # rank 0 samples; this rank only needs the tokens, for its worker
+            tokens, logprobs = torch.empty(len(ids), dtype=torch.int64, device=logits.device), None
+        tokens = self.group.broadcast(tokens).tolist()
+        return ModelOutput(dict(zip(ids, tokens, strict=True)), logprobs, tuple(ids), prompt_lp)
 
     def move_blocks(self, plan: SchedulerOutput) -> None:
         """A step's block traffic before its forward pass: swap-outs (device -> CPU), then

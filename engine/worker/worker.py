@@ -25,6 +25,8 @@ from engine.messages import (
 from engine.outputs import Logprob
 from engine.worker.kv_cache import DEFAULT_CPU_KV_CACHE_MEMORY, num_blocks_for
 from engine.worker.model_runner import ModelOutput, ModelRunner
+from engine.worker.parallel.group import join_group
+from engine.worker.parallel.table_digest import block_table_digest
 
 
 class Worker:
@@ -48,11 +50,14 @@ class Worker:
         self.requests: dict[str, Request] = {}
         self.block_tables: dict[str, list[int]] = {}
         self.failed: set[str] = set()  # forgotten after a failure, until finished
+        self.num_rank_checks = 0  # steps whose block tables all ranks compared
         self._arrivals = itertools.count()
 
     def execute(self, plan: StepPlan) -> StepResult:
         failures: dict[str, str] = {}
         self._apply(plan, failures)
+        if self.runner is not None and self.runner.group.is_parallel:
+            self._check_ranks_agree(plan.step_id)
         copies = tuple(zip(plan.copy_src, plan.copy_dst, strict=True))
         swap_out = tuple(zip(plan.swap_out_src, plan.swap_out_dst, strict=True))
         swap_in = tuple(zip(plan.swap_in_src, plan.swap_in_dst, strict=True))
@@ -81,6 +86,18 @@ class Worker:
             self._forget([rid for rid, _ in runnable], describe(exc), failures)
             return self._result(StepResult.empty(plan.step_id, self.worker_id), failures)
         return self._result(result, failures)
+
+    def _check_ranks_agree(self, step_id: int) -> None:
+        """Every tensor-parallel rank applied the same plans, so each holds the same
+        block tables; a rank that does not (a bug, or a diff only it could not apply)
+        would write K/V where the others do not: RuntimeError, the group goes down."""
+        digests = self.runner.group.all_gather_int(block_table_digest(self.block_tables))
+        self.num_rank_checks += 1
+        if len(set(digests)) > 1:
+            raise RuntimeError(
+                f"tensor-parallel ranks disagree on the block tables at step {step_id} "
+                f"(digests {digests})"
+            )
 
     def _runnable(self, plan: StepPlan, failures: dict[str, str]) -> list[tuple[str, int]]:
         """The plan's rows to run: failed requests skipped, unknown ones failed."""
@@ -211,17 +228,21 @@ def _wire_row(row: dict[int, Logprob]) -> LogprobRow:
 
 
 def build_worker(
-    args: EngineArgs, worker_id: int = 0, config: EngineConfig | None = None
+    args: EngineArgs, worker_id: int = 0, config: EngineConfig | None = None, rank: int = 0
 ) -> tuple[Worker, WorkerReady]:
     """Loads the model, sizes and allocates the KV cache; returns the ready message
-    (`config`: `args.build()`, when the caller has built it already)."""
+    (`config`: `args.build()`, when the caller has built it already). Under tensor
+    parallelism this process is rank `rank`: it joins the group first (every rank must
+    call this), loads its slices, and the ranks agree on the block count."""
     config = config or args.build()
+    group = join_group(config.parallel, config.device.device, rank)
     runner = ModelRunner(
         config.model,
         config.cache,
         config.device,
         config.scheduler.max_num_batched_tokens,
         config.scheduler.max_num_seqs,
+        group,
     )
     num_blocks, num_cpu_blocks = runner.num_blocks(), runner.num_cpu_blocks()
     runner.initialize_cache(num_blocks, num_cpu_blocks)
@@ -246,7 +267,7 @@ def build_null_worker(args: EngineArgs, worker_id: int = 0) -> tuple[NullWorker,
     m = config.model
     ready = WorkerReady(
         worker_id,
-        num_blocks_for(m, config.cache, budget),
+        num_blocks_for(m, config.cache, budget, config.parallel.tensor_parallel_size),
         config.cache.block_size,
         m.max_model_len,
         m.vocab_size,

@@ -19,7 +19,6 @@ import zmq
 import zmq.asyncio
 
 from actors.actor import Actor, ActorStartupError, await_ready, send_message
-from actors.codec import InboxDecoder, encode
 from actors.transport import (
     Inbox,
     Outbox,
@@ -29,6 +28,7 @@ from actors.transport import (
     zmq_inbox,
     zmq_outbox,
 )
+from engine.codec import InboxDecoder, encode
 from engine.messages import (
     AbortRequest,
     BlockOp,

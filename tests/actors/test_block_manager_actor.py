@@ -6,8 +6,8 @@ import asyncio
 
 from actors.actor import send_message
 from actors.block_manager_actor import BlockManagerActor
-from actors.codec import InboxDecoder
 from actors.transport import inproc_pair
+from engine.codec import InboxDecoder
 from engine.kv.block_manager import BlockManager
 from engine.messages import INBOXES, ApplyBlockOps, BlockOp, BlockOpsApplied, Shutdown
 

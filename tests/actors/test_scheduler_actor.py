@@ -9,11 +9,11 @@ import pytest
 
 from actors.actor import send_message
 from actors.block_manager_actor import BlockManagerActor
-from actors.codec import InboxDecoder
 from actors.scheduler_actor import BlockManagerTimeout, SchedulerActor
 from actors.transport import inproc_pair
 from actors.worker_actor import WorkerActor
 from engine import LLM, SamplingParams
+from engine.codec import InboxDecoder
 from engine.config import SchedulerConfig
 from engine.core.engine_core import EngineCore
 from engine.engine_args import EngineArgs

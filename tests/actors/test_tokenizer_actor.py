@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 
 from actors.actor import send_message
-from actors.codec import InboxDecoder
 from actors.tokenizer_actor import TokenizerActor
 from actors.transport import inproc_pair
+from engine.codec import InboxDecoder
 from engine.messages import (
     INBOXES,
     AbortRequest,

@@ -13,10 +13,10 @@ import zmq
 import zmq.asyncio
 
 from actors.actor import await_ready, send_message
-from actors.codec import InboxDecoder
 from actors.transport import ipc_address, new_run_dir, zmq_inbox, zmq_outbox
 from actors.worker_launch import spawn_worker
 from engine import LLM, SamplingParams
+from engine.codec import InboxDecoder
 from engine.engine_args import EngineArgs
 from engine.messages import INBOXES, AddRequest, Shutdown, StepResult, WorkerReady
 from engine.wiring import build_engine

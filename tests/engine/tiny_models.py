@@ -68,14 +68,15 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int], max_new_tokens: int) ->
     return out[0, len(prompt) :].tolist()
 
 
-def kv_memory(model_dir: str, num_blocks: int, block_size: int) -> int:
-    """The kv_cache_memory that holds exactly `num_blocks` blocks of this checkpoint
-    (read from its config.json; no weights are loaded)."""
+def kv_memory(model_dir: str, num_blocks: int, block_size: int, world_size: int = 1) -> int:
+    """The kv_cache_memory that holds exactly `num_blocks` blocks of this checkpoint on
+    each of `world_size` tensor-parallel ranks (read from its config.json; no weights
+    are loaded)."""
     from engine.engine_args import EngineArgs
     from engine.worker.kv_cache import block_bytes
 
     model = EngineArgs(model=str(model_dir), skip_tokenizer_init=True).build().model
-    return block_bytes(model, block_size) * num_blocks
+    return block_bytes(model, block_size, world_size) * num_blocks
 
 
 # Engine settings the protocol tests share: small blocks so tables grow, a short context.

@@ -10,6 +10,7 @@ from engine.worker.parallel.group import TensorParallelGroup
 from engine.worker.parallel.layers import (
     ColumnParallelLinear,
     ParallelLMHead,
+    Part,
     RowParallelLinear,
     VocabParallelEmbedding,
 )
@@ -31,14 +32,15 @@ def run_rank(rank: int, world_size: int, init_method: str, results) -> None:
 
 
 def checks(group, w1, w2, b2, table, x, ids) -> dict[str, float]:
-    up = ColumnParallelLinear(DIM, HIDDEN, False, group)
+    up = ColumnParallelLinear(DIM, (Part.even(HIDDEN, group, "hidden"),), False, group)
     down = RowParallelLinear(HIDDEN, DIM, True, group)
-    up.load(w1)
-    down.load(w2, b2)
+    up.load("weight", w1, None)
+    down.load("weight", w2)
+    down.load("bias", b2)
     embed = VocabParallelEmbedding(VOCAB, DIM, group)
-    embed.load(table)
+    embed.load("weight", table)
     head = ParallelLMHead(VOCAB, DIM, group)
-    head.load(table)
+    head.load("weight", table)
     with torch.no_grad():
         mlp = down(F.silu(up(x)))
         expected_mlp = F.linear(F.silu(F.linear(x, w1)), w2) + b2

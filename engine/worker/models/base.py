@@ -8,13 +8,17 @@ import torch
 from torch import nn
 
 from engine.worker.attention.metadata import AttentionMetadata
+from engine.worker.parallel.group import TensorParallelGroup
+from engine.worker.parallel.layers import SLICING_LAYERS, ParallelLMHead, check_shape
 
 
 class CausalLM(nn.Module):
     """A decoder-only LM over a flattened batch and a paged KV cache.
 
     Subclasses name their parameters exactly as the Hugging Face checkpoint does, so
-    `load_weights` copies tensors by name. Contract:
+    `load_weights` copies tensors by name; a module with a `load(name, tensor, part)`
+    method (the tensor-parallel layers) takes the whole checkpoint tensor and keeps its
+    rank's slice. Contract:
     - `forward(input_ids [T], positions [T], kv_caches, metadata) -> hidden [T, hidden]`
       where `kv_caches[layer] = (key_cache, value_cache)`;
     - `compute_logits(hidden [N, hidden]) -> [N, vocab_size]` (float32).
@@ -35,9 +39,12 @@ class CausalLM(nn.Module):
         final hidden states out."""
         raise NotImplementedError
 
-    def init_lm_head(self, hidden_size: int, vocab_size: int, tie_to: str | None) -> None:
-        """An LM head, sharing the embedding named `tie_to` (e.g. `model.embed_tokens`)."""
-        self.lm_head = nn.Linear(hidden_size, vocab_size, bias=False)
+    def init_lm_head(
+        self, hidden_size: int, vocab_size: int, tie_to: str | None, group: TensorParallelGroup
+    ) -> None:
+        """An LM head (this rank's vocabulary slice), sharing the embedding named
+        `tie_to` (e.g. `model.embed_tokens`, a VocabParallelEmbedding over the same slice)."""
+        self.lm_head = ParallelLMHead(vocab_size, hidden_size, group)
         if tie_to is not None:
             self.lm_head.weight = self.get_submodule(tie_to).weight
             self.tied_weights = {"lm_head.weight": f"{tie_to}.weight"}
@@ -64,7 +71,7 @@ class CausalLM(nn.Module):
         """Copies checkpoint tensors into parameters by name; every parameter must be set.
 
         A checkpoint tensor whose name matches `stacked_params` (e.g. `.q_proj.`) loads
-        into its shard of a fused `MergedLinear` (e.g. rows of `.qkv_proj.`).
+        into its part of a fused column-parallel layer (e.g. rows of `.qkv_proj.`).
         """
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[tuple[str, int | None]] = set()
@@ -72,20 +79,16 @@ class CausalLM(nn.Module):
             name = self.checkpoint_name(raw_name)
             if name is None or name.endswith(self.ignored_weight_suffixes):
                 continue
-            target, shard = self._stacked_target(name)
+            target, part = self._stacked_target(name)
             if target not in params:
                 raise ValueError(
                     f"checkpoint tensor {raw_name!r} has no parameter in {type(self).__name__}"
                 )
-            dest = self._destination(params[target], target, shard)
-            if dest.shape != tensor.shape:
-                raise ValueError(
-                    f"checkpoint tensor {raw_name!r} has shape {tuple(tensor.shape)}, "
-                    f"the model expects {tuple(dest.shape)}"
-                )
-            with torch.no_grad():
-                dest.copy_(tensor)
-            loaded.add((target, shard))
+            try:
+                self._load_one(target, params[target], tensor, part)
+            except ValueError as exc:
+                raise ValueError(f"checkpoint tensor {raw_name!r} {exc}") from None
+            loaded.add((target, part))
         for ours, source in self.tied_weights.items():
             if (source, None) in loaded:
                 loaded.add((ours, None))
@@ -94,25 +97,30 @@ class CausalLM(nn.Module):
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")
 
     def _stacked_target(self, name: str) -> tuple[str, int | None]:
-        for part, (fused, index) in self.stacked_params.items():
-            if part in name:
-                return name.replace(part, fused), index
+        for piece, (fused, index) in self.stacked_params.items():
+            if piece in name:
+                return name.replace(piece, fused), index
         return name, None
 
-    def _destination(self, param: nn.Parameter, name: str, shard: int | None) -> torch.Tensor:
-        if shard is None:
-            return param
-        module = self.get_submodule(name.rsplit(".", 1)[0])
-        sizes = module.shard_sizes
-        return param.narrow(0, sum(sizes[:shard]), sizes[shard])
+    def _load_one(
+        self, target: str, param: nn.Parameter, tensor: torch.Tensor, part: int | None
+    ) -> None:
+        module_name, _, leaf = target.rpartition(".")
+        module = self.get_submodule(module_name) if module_name else self
+        if isinstance(module, SLICING_LAYERS):  # it keeps its rank's slice
+            module.load(leaf, tensor, part)
+            return
+        check_shape(tensor, param.shape)
+        with torch.no_grad():
+            param.copy_(tensor)
 
     def _expected(self) -> set[tuple[str, int | None]]:
         expected: set[tuple[str, int | None]] = set()
         for name, _ in self.named_parameters(remove_duplicate=False):
             module = self.get_submodule(name.rsplit(".", 1)[0]) if "." in name else self
-            sizes = getattr(module, "shard_sizes", None)
-            if sizes is None:
+            parts = getattr(module, "checkpoint_parts", None)
+            if parts is None:
                 expected.add((name, None))
             else:
-                expected.update((name, i) for i in range(len(sizes)))
+                expected.update((name, i) for i in range(parts))
         return expected

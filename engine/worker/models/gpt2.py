@@ -1,7 +1,10 @@
 """GPT-2: learned absolute positions, pre-norm LayerNorm blocks, fused Conv1D q/k/v.
 
 HF stores GPT-2's linear layers as `Conv1D`: the weight is `[in, out]` and `y = x @ W + b`,
-so our `Conv1D` keeps that layout and checkpoints load without transposing.
+so our layers keep that layout (`transposed=True`) and checkpoints load without
+transposing. Tensor parallelism: c_attn (q, k, v concatenated in one checkpoint tensor)
+and c_fc are column-parallel, the two c_proj row-parallel, wte vocabulary-parallel; the
+position table and the LayerNorms are replicated.
 """
 
 from __future__ import annotations
@@ -12,38 +15,35 @@ from torch import nn
 from engine.worker.attention.backend import AttentionBackend
 from engine.worker.models.base import CausalLM
 from engine.worker.models.layers import PagedAttention, activation_fn
-
-
-class Conv1D(nn.Module):
-    """HF's GPT-2 linear layer: weight `[in_features, out_features]`, `y = x @ W + b`."""
-
-    def __init__(self, in_features: int, out_features: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(in_features, out_features))
-        self.bias = nn.Parameter(torch.zeros(out_features))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
-        return torch.addmm(self.bias, x, self.weight)
+from engine.worker.parallel.group import TensorParallelGroup
+from engine.worker.parallel.layers import (
+    ColumnParallelLinear,
+    Part,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    head_parts,
+)
 
 
 class GPT2Attention(nn.Module):
     """Fused q/k/v projection, paged multi-head attention, output projection."""
 
-    def __init__(self, cfg, layer_idx: int, backend: AttentionBackend) -> None:
+    def __init__(self, cfg, layer_idx: int, backend: AttentionBackend, group) -> None:
         super().__init__()
         hidden = cfg.n_embd
-        self.num_heads = cfg.n_head
-        self.head_size = hidden // self.num_heads
+        self.head_size = hidden // cfg.n_head
         scale = self.head_size**-0.5 if getattr(cfg, "scale_attn_weights", True) else 1.0
         if getattr(cfg, "scale_attn_by_inverse_layer_idx", False):
             scale /= float(layer_idx + 1)
-        self.c_attn = Conv1D(hidden, 3 * hidden)
-        self.c_proj = Conv1D(hidden, hidden)
+        parts = head_parts(cfg.n_head, cfg.n_head, self.head_size, group)
+        self.num_heads = parts[0].size // self.head_size  # this rank's
+        self.c_attn = ColumnParallelLinear(hidden, parts, True, group, transposed=True)
+        self.c_proj = RowParallelLinear(hidden, hidden, True, group, transposed=True)
         self.attn = PagedAttention(self.num_heads, self.num_heads, self.head_size, scale, backend)
 
     def forward(self, hidden, kv_cache, metadata) -> torch.Tensor:
         t = hidden.shape[0]  # hidden: [T, hidden_size]
-        q, k, v = self.c_attn(hidden).chunk(3, dim=-1)
+        q, k, v = self.c_attn.split(self.c_attn(hidden))
         shape = (t, self.num_heads, self.head_size)
         out = self.attn(q.reshape(shape), k.reshape(shape), v.reshape(shape), kv_cache, metadata)
         return self.c_proj(out)  # [T, hidden_size]
@@ -52,11 +52,12 @@ class GPT2Attention(nn.Module):
 class GPT2MLP(nn.Module):
     """c_proj(act(c_fc(x)))."""
 
-    def __init__(self, cfg) -> None:
+    def __init__(self, cfg, group: TensorParallelGroup) -> None:
         super().__init__()
         inner = getattr(cfg, "n_inner", None) or 4 * cfg.n_embd
-        self.c_fc = Conv1D(cfg.n_embd, inner)
-        self.c_proj = Conv1D(inner, cfg.n_embd)
+        part = Part.even(inner, group, "n_inner")
+        self.c_fc = ColumnParallelLinear(cfg.n_embd, (part,), True, group, transposed=True)
+        self.c_proj = RowParallelLinear(inner, cfg.n_embd, True, group, transposed=True)
         self.act = activation_fn(getattr(cfg, "activation_function", "gelu_new"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -66,13 +67,13 @@ class GPT2MLP(nn.Module):
 class GPT2Block(nn.Module):
     """Pre-norm residual block: attention then MLP."""
 
-    def __init__(self, cfg, layer_idx: int, backend: AttentionBackend) -> None:
+    def __init__(self, cfg, layer_idx: int, backend: AttentionBackend, group) -> None:
         super().__init__()
         eps = cfg.layer_norm_epsilon
         self.ln_1 = nn.LayerNorm(cfg.n_embd, eps=eps)
-        self.attn = GPT2Attention(cfg, layer_idx, backend)
+        self.attn = GPT2Attention(cfg, layer_idx, backend, group)
         self.ln_2 = nn.LayerNorm(cfg.n_embd, eps=eps)
-        self.mlp = GPT2MLP(cfg)
+        self.mlp = GPT2MLP(cfg, group)
 
     def forward(self, hidden, kv_cache, metadata) -> torch.Tensor:
         hidden = hidden + self.attn(self.ln_1(hidden), kv_cache, metadata)
@@ -82,11 +83,11 @@ class GPT2Block(nn.Module):
 class GPT2Model(nn.Module):
     """Token + position embeddings, blocks, final LayerNorm (HF's `transformer.` prefix)."""
 
-    def __init__(self, cfg, backend: AttentionBackend) -> None:
+    def __init__(self, cfg, backend: AttentionBackend, group: TensorParallelGroup) -> None:
         super().__init__()
-        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wte = VocabParallelEmbedding(cfg.vocab_size, cfg.n_embd, group)
         self.wpe = nn.Embedding(cfg.n_positions, cfg.n_embd)
-        self.h = nn.ModuleList(GPT2Block(cfg, i, backend) for i in range(cfg.n_layer))
+        self.h = nn.ModuleList(GPT2Block(cfg, i, backend, group) for i in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
 
     def forward(self, input_ids, positions, kv_caches, metadata) -> torch.Tensor:
@@ -110,15 +111,18 @@ class GPT2LMHeadModel(CausalLM):
     # HF's causal-mask buffers; a leading dot so `c_attn.bias` is not mistaken for one.
     ignored_weight_suffixes = (".attn.bias", ".attn.masked_bias")
 
-    def __init__(self, cfg, backend: AttentionBackend) -> None:
+    def __init__(
+        self, cfg, backend: AttentionBackend, group: TensorParallelGroup | None = None
+    ) -> None:
         super().__init__()
         if getattr(cfg, "add_cross_attention", False):
             raise ValueError(
                 "GPT-2 with add_cross_attention=True (an encoder-decoder) is not supported"
             )
-        self.transformer = GPT2Model(cfg, backend)
+        group = group or TensorParallelGroup()
+        self.transformer = GPT2Model(cfg, backend, group)
         tie = "transformer.wte" if getattr(cfg, "tie_word_embeddings", True) else None
-        self.init_lm_head(cfg.n_embd, cfg.vocab_size, tie)
+        self.init_lm_head(cfg.n_embd, cfg.vocab_size, tie, group)
 
     def backbone(self) -> nn.Module:
         return self.transformer

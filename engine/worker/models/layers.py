@@ -14,21 +14,6 @@ from engine.worker.attention.metadata import AttentionMetadata
 from engine.worker.models.layer_ops import TORCH_LAYER_OPS, LayerOps
 
 
-class MergedLinear(nn.Linear):
-    """Several projections of one input as one matmul (e.g. q, k and v).
-
-    Output columns are the shards in order; `shard_sizes` tells the loader which rows
-    of the weight (and bias) each checkpoint tensor fills.
-    """
-
-    def __init__(self, in_features: int, shard_sizes: tuple[int, ...], bias: bool) -> None:
-        super().__init__(in_features, sum(shard_sizes), bias=bias)
-        self.shard_sizes = shard_sizes
-
-    def split(self, out: torch.Tensor) -> tuple[torch.Tensor, ...]:  # [..., sum] -> shards
-        return out.split(self.shard_sizes, dim=-1)
-
-
 class RMSNorm(nn.Module):
     """Root-mean-square norm computed in float32, scaled in the input dtype (HF's), by
     `ops`; `forward_residual` first adds a sublayer's output into the residual stream."""

@@ -3,6 +3,11 @@
 They differ only in small switches read from the HF config: biases on q/k/v (Qwen2),
 per-head RMSNorm on q and k (Qwen3), explicit head_dim, tied embeddings.
 
+Tensor parallelism (`group`): q/k/v and gate/up are column-parallel (each rank holds its
+query heads, its key/value heads or a copy of one, its slice of the MLP), o_proj and
+down_proj row-parallel (all-reduced), the embedding and LM head vocabulary-parallel;
+norms are replicated.
+
 Layers pass (hidden, residual) along: each one adds the previous sublayer's output into
 the residual stream inside its pre-norm (`RMSNorm.forward_residual`), which the native
 layer ops (`layer_ops.py`) fuse into one pass.
@@ -17,29 +22,48 @@ from engine.worker.attention.backend import AttentionBackend
 from engine.worker.models.base import CausalLM
 from engine.worker.models.layer_ops import LayerOps, layer_ops_for
 from engine.worker.models.layers import (
-    MergedLinear,
     PagedAttention,
     RMSNorm,
     RotaryEmbedding,
     rope_parameters,
 )
+from engine.worker.parallel.group import TensorParallelGroup
+from engine.worker.parallel.layers import (
+    ColumnParallelLinear,
+    Part,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    head_parts,
+)
 
 
 class LlamaAttention(nn.Module):
-    """Fused q/k/v projection, rotary, paged attention, output projection."""
+    """Fused q/k/v projection, rotary, paged attention, output projection (this rank's
+    heads: `num_heads`, `num_kv_heads` are per rank)."""
 
     def __init__(
-        self, cfg, backend: AttentionBackend, ops: LayerOps, qkv_bias: bool, qk_norm: bool
+        self,
+        cfg,
+        backend: AttentionBackend,
+        ops: LayerOps,
+        group: TensorParallelGroup,
+        qkv_bias: bool,
+        qk_norm: bool,
     ) -> None:
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
-        self.head_size = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
-        hidden, q_size = cfg.hidden_size, self.num_heads * self.head_size
-        kv_size = self.num_kv_heads * self.head_size
+        total_heads = cfg.num_attention_heads
+        total_kv_heads = getattr(cfg, "num_key_value_heads", None) or total_heads
+        self.head_size = getattr(cfg, "head_dim", None) or cfg.hidden_size // total_heads
+        parts = head_parts(total_heads, total_kv_heads, self.head_size, group)
+        self.num_heads = parts[0].size // self.head_size
+        self.num_kv_heads = parts[1].size // self.head_size
+        hidden = cfg.hidden_size
         bias = qkv_bias or bool(getattr(cfg, "attention_bias", False))
-        self.qkv_proj = MergedLinear(hidden, (q_size, kv_size, kv_size), bias=bias)
-        self.o_proj = nn.Linear(q_size, hidden, bias=bool(getattr(cfg, "attention_bias", False)))
+        self.qkv_proj = ColumnParallelLinear(
+            hidden, parts, bias, group, separate_in_checkpoint=True
+        )
+        out_bias = bool(getattr(cfg, "attention_bias", False))
+        self.o_proj = RowParallelLinear(total_heads * self.head_size, hidden, out_bias, group)
         if qk_norm:  # over [T, heads, head_size]: torch's ops (the native ones take rows)
             self.q_norm = RMSNorm(self.head_size, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_size, cfg.rms_norm_eps)
@@ -66,18 +90,21 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """SwiGLU feed-forward: down(silu(gate(x)) * up(x)), gate and up in one matmul."""
 
-    def __init__(self, cfg, ops: LayerOps) -> None:
+    def __init__(self, cfg, ops: LayerOps, group: TensorParallelGroup) -> None:
         super().__init__()
         self.ops = ops
         bias = bool(getattr(cfg, "mlp_bias", False))
-        sizes = (cfg.intermediate_size, cfg.intermediate_size)
-        self.gate_up_proj = MergedLinear(cfg.hidden_size, sizes, bias=bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
+        inter = cfg.intermediate_size
+        part = Part.even(inter, group, "intermediate_size")
+        self.gate_up_proj = ColumnParallelLinear(
+            cfg.hidden_size, (part, part), bias, group, separate_in_checkpoint=True
+        )
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, bias, group)
         if getattr(cfg, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (silu)")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden_size] -> same
-        gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate_size]
+        gate_up = self.gate_up_proj(x)  # [T, 2 * intermediate_size / world]
         return self.down_proj(self.ops.silu_and_mul(gate_up))
 
 
@@ -89,10 +116,10 @@ class LlamaDecoderLayer(nn.Module):
     stream; the next norm adds the two.
     """
 
-    def __init__(self, cfg, backend, ops: LayerOps, qkv_bias: bool, qk_norm: bool) -> None:
+    def __init__(self, cfg, backend, ops: LayerOps, group, qkv_bias: bool, qk_norm: bool) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, backend, ops, qkv_bias=qkv_bias, qk_norm=qk_norm)
-        self.mlp = LlamaMLP(cfg, ops)
+        self.self_attn = LlamaAttention(cfg, backend, ops, group, qkv_bias, qk_norm)
+        self.mlp = LlamaMLP(cfg, ops, group)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
@@ -116,11 +143,11 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embedding, decoder layers, final norm (HF's `model.` prefix)."""
 
-    def __init__(self, cfg, backend, ops: LayerOps, qkv_bias: bool, qk_norm: bool) -> None:
+    def __init__(self, cfg, backend, ops: LayerOps, group, qkv_bias: bool, qk_norm: bool) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, group)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, backend, ops, qkv_bias=qkv_bias, qk_norm=qk_norm)
+            LlamaDecoderLayer(cfg, backend, ops, group, qkv_bias, qk_norm)
             for _ in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
@@ -147,14 +174,22 @@ class LlamaForCausalLM(CausalLM):
         ".up_proj.": (".gate_up_proj.", 1),
     }
 
-    def __init__(self, cfg, backend: AttentionBackend, layer_ops: LayerOps | None = None) -> None:
-        """`layer_ops`: the norms', rotary's and MLP's ops; by default the ones that
-        go with `backend` (`layer_ops_for`)."""
+    def __init__(
+        self,
+        cfg,
+        backend: AttentionBackend,
+        group: TensorParallelGroup | None = None,
+        layer_ops: LayerOps | None = None,
+    ) -> None:
+        """`group`: this rank's place (None: one device). `layer_ops`: the norms',
+        rotary's and MLP's ops; by default the ones that go with `backend`
+        (`layer_ops_for`)."""
         super().__init__()
+        group = group or TensorParallelGroup()
         ops = layer_ops if layer_ops is not None else layer_ops_for(backend)
-        self.model = LlamaModel(cfg, backend, ops, qkv_bias=self.qkv_bias, qk_norm=self.qk_norm)
+        self.model = LlamaModel(cfg, backend, ops, group, self.qkv_bias, self.qk_norm)
         tie = "model.embed_tokens" if getattr(cfg, "tie_word_embeddings", False) else None
-        self.init_lm_head(cfg.hidden_size, cfg.vocab_size, tie)
+        self.init_lm_head(cfg.hidden_size, cfg.vocab_size, tie, group)
 
     def backbone(self) -> nn.Module:
         return self.model

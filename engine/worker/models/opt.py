@@ -3,6 +3,9 @@
 Switches read from the HF config: `do_layer_norm_before` (False: post-norm, as in
 OPT-350m), `word_embed_proj_dim` (!= hidden_size: `project_in`/`project_out` around the
 decoder), `enable_bias`, `layer_norm_elementwise_affine`, `activation_function`.
+
+Tensor parallelism: q/k/v and fc1 are column-parallel, out_proj and fc2 row-parallel,
+embed_tokens vocabulary-parallel; positions, norms and project_in/out are replicated.
 """
 
 from __future__ import annotations
@@ -13,6 +16,14 @@ from torch import nn
 from engine.worker.attention.backend import AttentionBackend
 from engine.worker.models.base import CausalLM
 from engine.worker.models.layers import PagedAttention, activation_fn
+from engine.worker.parallel.group import TensorParallelGroup
+from engine.worker.parallel.layers import (
+    ColumnParallelLinear,
+    Part,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    head_parts,
+)
 
 # OPT's position table has two extra rows in front: position p reads row p + 2.
 POSITION_OFFSET = 2
@@ -21,15 +32,17 @@ POSITION_OFFSET = 2
 class OPTAttention(nn.Module):
     """q/k/v projections, paged multi-head attention, output projection."""
 
-    def __init__(self, cfg, backend: AttentionBackend) -> None:
+    def __init__(self, cfg, backend: AttentionBackend, group: TensorParallelGroup) -> None:
         super().__init__()
         hidden, bias = cfg.hidden_size, bool(getattr(cfg, "enable_bias", True))
-        self.num_heads = cfg.num_attention_heads
-        self.head_size = hidden // self.num_heads
-        self.q_proj = nn.Linear(hidden, hidden, bias=bias)
-        self.k_proj = nn.Linear(hidden, hidden, bias=bias)
-        self.v_proj = nn.Linear(hidden, hidden, bias=bias)
-        self.out_proj = nn.Linear(hidden, hidden, bias=bias)
+        heads = cfg.num_attention_heads
+        self.head_size = hidden // heads
+        q, k, v = head_parts(heads, heads, self.head_size, group)
+        self.num_heads = q.size // self.head_size  # this rank's
+        self.q_proj = ColumnParallelLinear(hidden, (q,), bias, group)
+        self.k_proj = ColumnParallelLinear(hidden, (k,), bias, group)
+        self.v_proj = ColumnParallelLinear(hidden, (v,), bias, group)
+        self.out_proj = RowParallelLinear(hidden, hidden, bias, group)
         self.attn = PagedAttention(
             self.num_heads, self.num_heads, self.head_size, self.head_size**-0.5, backend
         )
@@ -45,15 +58,16 @@ class OPTAttention(nn.Module):
 class OPTDecoderLayer(nn.Module):
     """Residual attention and feed-forward, each normed before (pre-norm) or after it."""
 
-    def __init__(self, cfg, backend: AttentionBackend) -> None:
+    def __init__(self, cfg, backend: AttentionBackend, group: TensorParallelGroup) -> None:
         super().__init__()
         hidden, bias = cfg.hidden_size, bool(getattr(cfg, "enable_bias", True))
         affine = bool(getattr(cfg, "layer_norm_elementwise_affine", True))
         self.pre_norm = bool(getattr(cfg, "do_layer_norm_before", True))
-        self.self_attn = OPTAttention(cfg, backend)
+        self.self_attn = OPTAttention(cfg, backend, group)
         self.self_attn_layer_norm = nn.LayerNorm(hidden, elementwise_affine=affine)
-        self.fc1 = nn.Linear(hidden, cfg.ffn_dim, bias=bias)
-        self.fc2 = nn.Linear(cfg.ffn_dim, hidden, bias=bias)
+        ffn = Part.even(cfg.ffn_dim, group, "ffn_dim")
+        self.fc1 = ColumnParallelLinear(hidden, (ffn,), bias, group)
+        self.fc2 = RowParallelLinear(cfg.ffn_dim, hidden, bias, group)
         self.final_layer_norm = nn.LayerNorm(hidden, elementwise_affine=affine)
         self.act = activation_fn(getattr(cfg, "activation_function", "relu"))
 
@@ -70,17 +84,17 @@ class OPTDecoderLayer(nn.Module):
 class OPTDecoder(nn.Module):
     """Embeddings (projected in if narrower), layers, final norm; owns `project_out`."""
 
-    def __init__(self, cfg, backend: AttentionBackend) -> None:
+    def __init__(self, cfg, backend: AttentionBackend, group: TensorParallelGroup) -> None:
         super().__init__()
         hidden = cfg.hidden_size
         embed_dim = getattr(cfg, "word_embed_proj_dim", None) or hidden
         affine = bool(getattr(cfg, "layer_norm_elementwise_affine", True))
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, embed_dim)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, embed_dim, group)
         self.embed_positions = nn.Embedding(cfg.max_position_embeddings + POSITION_OFFSET, hidden)
         self.project_in = nn.Linear(embed_dim, hidden, bias=False) if embed_dim != hidden else None
         self.project_out = nn.Linear(hidden, embed_dim, bias=False) if embed_dim != hidden else None
         self.layers = nn.ModuleList(
-            OPTDecoderLayer(cfg, backend) for _ in range(cfg.num_hidden_layers)
+            OPTDecoderLayer(cfg, backend, group) for _ in range(cfg.num_hidden_layers)
         )
         final_norm = getattr(cfg, "do_layer_norm_before", True) and not getattr(
             cfg, "_remove_final_layer_norm", False
@@ -104,9 +118,9 @@ class OPTDecoder(nn.Module):
 class OPTModel(nn.Module):
     """HF's `model.` level: holds the decoder."""
 
-    def __init__(self, cfg, backend: AttentionBackend) -> None:
+    def __init__(self, cfg, backend: AttentionBackend, group: TensorParallelGroup) -> None:
         super().__init__()
-        self.decoder = OPTDecoder(cfg, backend)
+        self.decoder = OPTDecoder(cfg, backend, group)
 
     def forward(self, input_ids, positions, kv_caches, metadata) -> torch.Tensor:
         return self.decoder(input_ids, positions, kv_caches, metadata)
@@ -119,12 +133,15 @@ class OPTForCausalLM(CausalLM):
     `compute_logits` applies `project_out` first, to the sampled rows only.
     """
 
-    def __init__(self, cfg, backend: AttentionBackend) -> None:
+    def __init__(
+        self, cfg, backend: AttentionBackend, group: TensorParallelGroup | None = None
+    ) -> None:
         super().__init__()
-        self.model = OPTModel(cfg, backend)
-        embed = self.model.decoder.embed_tokens
+        group = group or TensorParallelGroup()
+        self.model = OPTModel(cfg, backend, group)
+        embed_dim = self.model.decoder.embed_tokens.weight.shape[1]
         tie = "model.decoder.embed_tokens" if getattr(cfg, "tie_word_embeddings", True) else None
-        self.init_lm_head(embed.embedding_dim, cfg.vocab_size, tie)
+        self.init_lm_head(embed_dim, cfg.vocab_size, tie, group)
 
     def backbone(self) -> nn.Module:
         return self.model

@@ -8,18 +8,26 @@ collective returns its input unchanged, so single-device code pays nothing.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from engine.config import ParallelConfig
+
+COLLECTIVE_TIMEOUT_S = 60.0
+
 
 @dataclass(frozen=True)
 class TensorParallelGroup:
-    """Rank `rank` of `world_size` (0 of 1: no parallelism)."""
+    """Rank `rank` of `world_size` (0 of 1: no parallelism); `device` holds the tensors
+    its collectives exchange (NCCL's must be on the GPU)."""
 
     rank: int = 0
     world_size: int = 1
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
@@ -27,16 +35,38 @@ class TensorParallelGroup:
 
     @classmethod
     def initialize(
-        cls, rank: int, world_size: int, init_method: str, backend: str | None = None
+        cls,
+        rank: int,
+        world_size: int,
+        init_method: str,
+        backend: str | None = None,
+        timeout_s: float = COLLECTIVE_TIMEOUT_S,
+        device: str = "cpu",
     ) -> TensorParallelGroup:
-        """Joins the default process group (`init_method`: `tcp://HOST:PORT` or
-        `file://PATH`); backend: NCCL when CUDA is available, else gloo."""
+        """Joins the default process group (`init_method`: `tcp://HOST:PORT`, the rank
+        0 host serving torch.distributed's TCP store, or `file://PATH`); backend: NCCL
+        when CUDA is available, else gloo. A collective waiting longer than `timeout_s`
+        for a rank raises (a stalled rank cannot hang the others for ever)."""
         if world_size > 1 and not dist.is_initialized():
-            backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+            backend = backend or ("nccl" if str(device).startswith("cuda") else "gloo")
             dist.init_process_group(
-                backend, init_method=init_method, rank=rank, world_size=world_size
+                backend,
+                init_method=init_method,
+                rank=rank,
+                world_size=world_size,
+                timeout=timedelta(seconds=timeout_s),
             )
-        return cls(rank, world_size)
+        return cls(rank, world_size, str(device))
+
+    def leave(self) -> None:
+        """Leaves the process group (this process may join another one later)."""
+        if self.is_parallel and dist.is_initialized():
+            dist.destroy_process_group()
+
+    @property
+    def is_first(self) -> bool:
+        """Rank 0: the one that samples and answers the scheduler."""
+        return self.rank == 0
 
     @property
     def is_parallel(self) -> bool:
@@ -56,6 +86,28 @@ class TensorParallelGroup:
         dist.all_gather(parts, x.contiguous())
         return torch.cat(parts, dim=dim)
 
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's `x` on every rank, in place (same shape and dtype everywhere)."""
+        if self.is_parallel:
+            dist.broadcast(x, src=0)
+        return x
+
+    def all_gather_int(self, value: int) -> list[int]:
+        """Every rank's `value`, in rank order."""
+        if not self.is_parallel:
+            return [value]
+        x = torch.tensor([value], dtype=torch.int64, device=self.device)
+        return [int(v) for v in self.all_gather(x, dim=0).tolist()]
+
+    def min_int(self, value: int) -> int:
+        """The smallest of the ranks' `value`s (e.g. KV cache blocks: every rank must
+        hold the same block ids)."""
+        if not self.is_parallel:
+            return value
+        x = torch.tensor([value], dtype=torch.int64, device=self.device)
+        dist.all_reduce(x, op=dist.ReduceOp.MIN)
+        return int(x.item())
+
     def shard(self, size: int, what: str) -> tuple[int, int]:
         """[start, end) of this rank's equal share of `size` (ValueError naming `what`
         when the ranks cannot share it evenly)."""
@@ -65,3 +117,18 @@ class TensorParallelGroup:
             )
         part = size // self.world_size
         return self.rank * part, (self.rank + 1) * part
+
+
+def join_group(parallel: ParallelConfig, device: str, rank: int) -> TensorParallelGroup:
+    """This process as rank `rank` of `parallel.tensor_parallel_size` (no group at all
+    with one rank). A GPU rank takes GPU `rank` of its host's; CPU ranks share the
+    host's cores (each takes its share unless OMP_NUM_THREADS says otherwise)."""
+    world = parallel.tensor_parallel_size
+    if world == 1:
+        return TensorParallelGroup()
+    if str(device).startswith("cuda"):
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        device = f"cuda:{torch.cuda.current_device()}"
+    elif "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    return TensorParallelGroup.initialize(rank, world, parallel.init_method, device=device)

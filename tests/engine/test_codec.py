@@ -9,8 +9,8 @@ import random
 import msgpack
 import pytest
 
-from actors.codec import DecodeError, InboxDecoder, encode
 from engine import messages as m
+from engine.codec import DecodeError, InboxDecoder, encode
 from engine.sampling_params import SamplingParams
 
 ROW = (m.TokenLogprob(42, -0.25, 1, None), m.TokenLogprob(7, -1.5, 2, None))

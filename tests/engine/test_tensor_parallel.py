@@ -1,0 +1,112 @@
+"""Tensor parallelism end to end (E9), offline: `LLM(tensor_parallel_size=2)` (rank 0
+here, rank 1 a process of its own, gloo between them) gives exactly what one device
+gives, for every architecture and stories260K, through preemption (recompute and swap),
+prefix caching, n > 1, beam search and seeded sampling; the ranks' block tables agree
+at every step (the worker compares their digests, `Worker.num_rank_checks`)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+from tests.conftest import shared_path
+from tests.engine.tiny_models import ARCHITECTURES, kv_memory, save_hf_model
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 24  # on every rank: tight enough that the batch below preempts
+SHARED_PREFIX = [7, 3, 9, 12, 30, 41, 5, 6]  # two full blocks every prompt shares
+
+PROMPTS = [SHARED_PREFIX + tail for tail in ([1, 2], [3], [4, 5, 6], [8], [10, 11], [2])]
+PARAMS = [
+    SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),
+    SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2),
+    SamplingParams(max_tokens=16, n=2, temperature=0.9, seed=11, ignore_eos=True),
+    SamplingParams(max_tokens=16, n=2, use_beam_search=True, temperature=0, ignore_eos=True),
+    SamplingParams(max_tokens=20, temperature=0.7, top_p=0.9, seed=5, ignore_eos=True),
+    SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),
+]
+
+
+def live_children() -> list[int]:
+    """Pids of this process's children that have not been reaped (from /proc)."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == os.getpid() and fields[0] != "Z":
+            pids.append(int(stat.parent.name))
+    return pids
+
+
+def _run(model_dir: str, tp: int, **kwargs) -> tuple[list, dict]:
+    memory = kv_memory(model_dir, NUM_BLOCKS, BLOCK_SIZE, world_size=tp)
+    with LLM(
+        model_dir,
+        tensor_parallel_size=tp,
+        skip_tokenizer_init=True,
+        block_size=BLOCK_SIZE,
+        kv_cache_memory=memory,
+        max_model_len=64,
+        max_num_seqs=8,
+        **kwargs,
+    ) as llm:
+        outs = llm.generate(PROMPTS[:1], PARAMS[:1], use_tqdm=False)  # caches the prefix
+        outs += llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+        stats = llm.stats()
+        llm.engine.check_integrity()
+        checks = getattr(llm.engine.worker, "worker", llm.engine.worker).num_rank_checks
+    tokens = [[list(c.token_ids) for c in o.outputs] for o in outs]
+    return tokens, {"stats": stats, "rank_checks": checks}
+
+
+def _assert_same_as_one_device(model_dir: str, **kwargs) -> None:
+    one, one_info = _run(model_dir, 1, **kwargs)
+    two, two_info = _run(model_dir, 2, **kwargs)
+    assert two == one
+    assert two_info["stats"].num_preemptions > 0  # the scenario did preempt
+    assert two_info["stats"].prefix_cache_hit_tokens > 0
+    assert two_info["rank_checks"] > 10 and one_info["rank_checks"] == 0
+    assert not live_children()
+
+
+@pytest.fixture(scope="module", params=sorted(ARCHITECTURES))
+def checkpoint(request, tmp_path_factory):
+    directory = tmp_path_factory.mktemp(request.param)
+    save_hf_model(request.param, directory)
+    return str(directory)
+
+
+@pytest.mark.timeout(240)
+def test_two_ranks_give_what_one_device_gives(checkpoint):
+    _assert_same_as_one_device(checkpoint)
+
+
+@pytest.mark.timeout(240)
+def test_two_ranks_swap_as_one_device_does(tmp_path):
+    save_hf_model("llama", tmp_path)
+    _assert_same_as_one_device(str(tmp_path), swap_space=0.01, preemption_mode="swap")
+
+
+@pytest.mark.shared
+@pytest.mark.timeout(240)
+def test_stories260k_on_two_ranks():
+    _assert_same_as_one_device(str(shared_path("models", "stories260K")))
+
+
+def test_a_model_the_ranks_cannot_split_is_refused_by_name(tmp_path):
+    save_hf_model("gpt2", tmp_path)  # 4 heads
+    with pytest.raises(ValueError, match=r"num_attention_heads \(4\) does not split evenly"):
+        LLM(str(tmp_path), tensor_parallel_size=3, skip_tokenizer_init=True)
+    assert not live_children()  # refused before any rank started
+
+
+def test_tensor_parallel_size_is_range_checked(tmp_path):
+    save_hf_model("llama", tmp_path)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size must be an integer in \[1, 64\]"):
+        LLM(str(tmp_path), tensor_parallel_size=0, skip_tokenizer_init=True)
