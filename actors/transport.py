@@ -14,6 +14,11 @@ Three kinds of channel, one interface:
   engine) queues its frames and retries every `RECONNECT_IVL_MS` (ZeroMQ's default,
   100 ms, would add up to that to the start-up).
   An ipc inbox removes a stale socket file before it binds and unlinks its file on close.
+  With a `FrameAuth` (required in practice for `tcp://`, see `actors.frame_auth`) the
+  outbox seals every frame and the inbox opens every frame: a frame that does not open
+  (no secret, wrong secret or channel, tampered, replayed) is dropped, counted
+  (`num_refused`) and logged (at most once per reason per 10 s, never its bytes), and
+  `recv` goes on to the next frame.
 - In-process (`inproc_pair`): an `asyncio.Queue` for two actors that share a process and
   an event loop. It carries bytes frames like the others, and also the message objects
   themselves (`carries_messages`): messages are frozen dataclasses, so sharing one is
@@ -36,6 +41,8 @@ import tempfile
 
 import zmq
 import zmq.asyncio
+
+from actors.frame_auth import FrameAuth, FrameRefused, RefusalLog
 
 # Linux's sockaddr_un.sun_path holds 108 bytes including the trailing NUL.
 MAX_IPC_PATH = 107
@@ -81,10 +88,15 @@ def _check_frame(frame: object) -> None:
 
 
 class ZmqInbox(Inbox):
-    """A bound PULL socket; owns (and on close removes) its ipc socket file."""
+    """A bound PULL socket; owns (and on close removes) its ipc socket file. With `auth`,
+    `recv` returns only frames that open (the others are refused, see the module doc)."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, address: str) -> None:
+    def __init__(
+        self, ctx: zmq.asyncio.Context, address: str, auth: FrameAuth | None = None
+    ) -> None:
         self.address = address
+        self._auth = auth
+        self._refusals = RefusalLog(f"inbox {address}")
         self._ipc_path = _ipc_path(address)
         if self._ipc_path is not None:
             _remove_stale_socket(self._ipc_path)
@@ -98,10 +110,22 @@ class ZmqInbox(Inbox):
             raise OSError(f"cannot bind an inbox to {address}: {exc}") from exc
         self._closed = False
 
+    @property
+    def num_refused(self) -> int:
+        """Frames dropped because they did not open (always 0 without `auth`)."""
+        return self._refusals.count
+
     async def recv(self) -> bytes:
         if self._closed:
             raise TransportClosed(f"inbox {self.address} is closed")
-        return await self._socket.recv()
+        if self._auth is None:
+            return await self._socket.recv()
+        while True:
+            frame = await self._socket.recv(copy=False)
+            try:
+                return self._auth.open(frame.bytes)
+            except FrameRefused as refused:
+                self._refusals.note(refused.reason, peer_address(frame))
 
     def close(self) -> None:
         if self._closed:
@@ -116,10 +140,14 @@ class ZmqInbox(Inbox):
 
 
 class ZmqOutbox(Outbox):
-    """A PUSH socket connected to one inbox's address."""
+    """A PUSH socket connected to one inbox's address; with `auth`, every frame is sealed
+    under a sender nonce of this outbox's own."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, address: str) -> None:
+    def __init__(
+        self, ctx: zmq.asyncio.Context, address: str, auth: FrameAuth | None = None
+    ) -> None:
         self.address = address
+        self._auth = None if auth is None else auth.for_channel(auth.channel)
         _ipc_path(address)  # validates ipc path length
         self._socket = ctx.socket(zmq.PUSH)
         self._socket.setsockopt(zmq.LINGER, 0)
@@ -132,6 +160,8 @@ class ZmqOutbox(Outbox):
         _check_frame(frame)
         if self._closed:
             raise TransportClosed(f"outbox to {self.address} is closed")
+        if self._auth is not None:
+            frame = self._auth.seal(frame)
         await self._socket.send(frame, copy=len(frame) < zmq.COPY_THRESHOLD)
 
     def close(self) -> None:
@@ -140,14 +170,25 @@ class ZmqOutbox(Outbox):
             self._socket.close(linger=0)
 
 
-def zmq_inbox(ctx: zmq.asyncio.Context, address: str) -> Inbox:
-    """Bind a PULL socket at `address` (`ipc:///path` or `tcp://host:port`)."""
-    return ZmqInbox(ctx, address)
+def zmq_inbox(ctx: zmq.asyncio.Context, address: str, auth: FrameAuth | None = None) -> Inbox:
+    """Bind a PULL socket at `address` (`ipc:///path` or `tcp://host:port`); with `auth`,
+    it receives only frames sealed for `auth.channel` by a holder of the secret."""
+    return ZmqInbox(ctx, address, auth)
 
 
-def zmq_outbox(ctx: zmq.asyncio.Context, address: str) -> Outbox:
-    """Connect a PUSH socket to the inbox bound at `address`."""
-    return ZmqOutbox(ctx, address)
+def zmq_outbox(ctx: zmq.asyncio.Context, address: str, auth: FrameAuth | None = None) -> Outbox:
+    """Connect a PUSH socket to the inbox bound at `address`; with `auth`, it seals every
+    frame for `auth.channel`."""
+    return ZmqOutbox(ctx, address, auth)
+
+
+def peer_address(frame: zmq.Frame) -> str | None:
+    """Who sent a received frame, as libzmq tells it: a tcp peer's IP; on ipc,
+    `localhost:UID:GID:PID` of the sending process; None where it cannot tell."""
+    try:
+        return frame.get("Peer-Address") or None
+    except zmq.ZMQError:
+        return None
 
 
 def ipc_address(run_dir: str, name: str) -> str:

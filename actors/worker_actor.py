@@ -39,6 +39,7 @@ import zmq
 import zmq.asyncio
 
 from actors.actor import Actor, send_message
+from actors.frame_auth import FrameAuth
 from actors.transport import Inbox, Outbox, zmq_inbox, zmq_outbox
 from engine.codec import encode
 from engine.engine_args import EngineArgs
@@ -67,10 +68,14 @@ class WorkerActor(Actor):
 class Heartbeat:
     """A daemon thread that sends worker `worker_id`'s WorkerHeartbeat to `address`
     every `interval` seconds over a ZeroMQ socket of its own (sockets are not
-    thread-safe), until `stop()`."""
+    thread-safe), until `stop()`; with `auth`, each one sealed under a sender nonce of
+    its own."""
 
-    def __init__(self, worker_id: int, address: str, interval: float) -> None:
+    def __init__(
+        self, worker_id: int, address: str, interval: float, auth: FrameAuth | None = None
+    ) -> None:
         self.worker_id, self.address, self.interval = worker_id, address, interval
+        self._auth = None if auth is None else auth.for_channel(auth.channel)
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
 
@@ -88,7 +93,8 @@ class Heartbeat:
         sock.connect(self.address)
         try:
             while not self._stopped.is_set():
-                sock.send(encode(WorkerHeartbeat(self.worker_id, time.monotonic())))
+                frame = encode(WorkerHeartbeat(self.worker_id, time.monotonic()))
+                sock.send(frame if self._auth is None else self._auth.seal(frame))
                 self._stopped.wait(self.interval)
         finally:
             sock.close(linger=0)

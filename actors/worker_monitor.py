@@ -4,7 +4,9 @@ The worker sends a `WorkerHeartbeat` every half second from a thread of its own,
 long step does not silence it; silence means the process is frozen (SIGSTOP, a debugger),
 starved or wedged. The monitor reads heartbeats without waiting, at the moment it is
 asked (`check`), from a socket of its own: a busy event loop cannot make it see silence
-that is only heartbeats not yet read.
+that is only heartbeats not yet read. With a `FrameAuth`, heartbeats are sealed by the
+worker and opened here: a frame that does not open is refused (counted, logged at most
+once per reason per 10 s) and is not a sign of life.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from dataclasses import dataclass
 
 import zmq
 
+from actors.frame_auth import FrameAuth, FrameRefused, RefusalLog
+from actors.transport import peer_address
 from engine.codec import DecodeError, InboxDecoder
 from engine.messages import INBOXES, WorkerHeartbeat
 
@@ -35,11 +39,17 @@ class WorkerMonitor:
     """Watches one worker process and the heartbeats it sends to `address` (bound here).
 
     `check()` drains the heartbeats that arrived and says how the worker is; `close()`
-    releases the socket. Times are `time.monotonic()`, one clock for the whole host."""
+    releases the socket. Times are `time.monotonic()`, one clock for the whole host.
+    With `auth`, only heartbeats sealed for `auth.channel` count (`num_refused`: the
+    others)."""
 
-    def __init__(self, process: subprocess.Popen, address: str) -> None:
+    def __init__(
+        self, process: subprocess.Popen, address: str, auth: FrameAuth | None = None
+    ) -> None:
         self.process = process
         self.address = address
+        self._auth = auth
+        self._refusals = RefusalLog(f"heartbeat monitor {address}")
         self._ctx = zmq.Context()
         self._socket = self._ctx.socket(zmq.PULL)
         self._socket.setsockopt(zmq.LINGER, 0)
@@ -55,13 +65,23 @@ class WorkerMonitor:
         silent = max(0.0, time.monotonic() - self._last.sent_at)
         return WorkerHealth(self.process.poll(), silent)
 
+    @property
+    def num_refused(self) -> int:
+        """Heartbeat frames dropped because they did not open (0 without `auth`)."""
+        return self._refusals.count
+
     def _next_heartbeat(self) -> WorkerHeartbeat | None:
         try:
-            frame = self._socket.recv(zmq.NOBLOCK)
+            frame = self._socket.recv(zmq.NOBLOCK, copy=False)
         except zmq.Again:
             return None
         try:
-            return self._decoder.decode(frame)
+            payload = frame.bytes if self._auth is None else self._auth.open(frame.bytes)
+        except FrameRefused as refused:
+            self._refusals.note(refused.reason, peer_address(frame))
+            return self._last
+        try:
+            return self._decoder.decode(payload)
         except DecodeError as exc:
             logger.warning("dropped a heartbeat frame: %s", exc)
             return self._last
