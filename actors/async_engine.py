@@ -146,20 +146,22 @@ class AsyncEngine:
         a failure of either fails the start at once (see `_start_up`)."""
         self = cls(supervision or Supervision())
         launch = launch or WorkerLaunch.start(args)
-        self._launch, self._worker, self._run_dir = launch, launch.process, launch.run_dir
+        self._launch, self._run_dir = launch, launch.run_dir
+        self._workers, self._worker = launch.processes, launch.process  # all ranks; rank 0
         self._ctx = zmq.asyncio.Context()
-        sched_inbox = self._monitor = None
+        sched_inbox, self._monitors = None, []
         try:
             if launch.args != args:
                 raise ValueError("the worker was launched for other engine arguments")
             sched_inbox = zmq_inbox(self._ctx, launch.scheduler_address)
-            self._monitor = WorkerMonitor(self._worker, launch.heartbeat_address)
+            for process, address in zip(launch.processes, launch.heartbeat_addresses, strict=True):
+                self._monitors.append(WorkerMonitor(process, address))
             ready, (config, tokenizer) = await self._start_up(
                 args, config, sched_inbox, ready_timeout
             )
         except BaseException:  # no engine: leave no process, socket or run dir behind
             launch.abandon()
-            for closable in (self._monitor, sched_inbox):
+            for closable in (*self._monitors, sched_inbox):
                 if closable is not None:
                     closable.close()
             self._ctx.term()
@@ -170,12 +172,12 @@ class AsyncEngine:
         to_client, self._client_inbox = inproc_pair()
         to_blocks, blocks_inbox = inproc_pair()
         to_replies, replies_inbox = inproc_pair()
-        self._to_worker = zmq_outbox(self._ctx, launch.worker_address)
+        self._to_workers = [zmq_outbox(self._ctx, a) for a in launch.worker_addresses]
         self.block_manager = BlockManagerActor(parts.block_manager, blocks_inbox, to_replies)
         self.scheduler = SchedulerActor(
             parts.core,
             sched_inbox,
-            [self._to_worker],
+            self._to_workers,  # every rank runs every plan; rank 0 answers
             to_tokenizer,
             to_blocks,
             replies_inbox,
@@ -240,12 +242,13 @@ class AsyncEngine:
         )
         try:
             while not waiting.done():
-                code = self._worker.poll()
-                if code is not None:
-                    raise ActorStartupError(
-                        f"worker 0 exited with code {code} before it was ready "
-                        "(its error is in the log above)"
-                    )
+                for rank, process in enumerate(self._workers):
+                    code = process.poll()
+                    if code is not None:
+                        raise ActorStartupError(
+                            f"worker {rank} exited with code {code} before it was ready "
+                            "(its error is in the log above)"
+                        )
                 await asyncio.wait({waiting}, timeout=0.1)
             ready, _ = waiting.result()
             return ready
@@ -359,15 +362,16 @@ class AsyncEngine:
             self.num_timed_out,
             sum(age > limit for age in ages) if limit is not None else 0,
             max(ages, default=0.0),
-            self._monitor.check().silent_s,
+            max(monitor.check().silent_s for monitor in self._monitors),
         )
 
     async def shutdown(self, timeout: float = 10.0) -> None:
         """Stops the actors and the worker process; idempotent."""
         self._closing = True
         self._fail_calls("the engine shut down")
-        with contextlib.suppress(Exception):
-            await send_message(self._to_worker, Shutdown("engine shutdown"))
+        for to_worker in self._to_workers:
+            with contextlib.suppress(Exception):
+                await send_message(to_worker, Shutdown("engine shutdown"))
         await self.tokenizer.stop()
         await self.scheduler.stop()
         await self.block_manager.stop()
@@ -378,13 +382,9 @@ class AsyncEngine:
                     await task
         if self._ctx.closed:
             return
-        try:
-            await asyncio.to_thread(self._worker.wait, timeout)
-        except subprocess.TimeoutExpired:
-            self._worker.kill()
-            self._worker.wait()
-        self._to_worker.close()
-        self._monitor.close()
+        await asyncio.to_thread(_wait_or_kill, self._workers, timeout)
+        for closable in (*self._to_workers, *self._monitors):
+            closable.close()
         self._ctx.term()
         shutil.rmtree(self._run_dir, ignore_errors=True)
 
@@ -393,38 +393,48 @@ class AsyncEngine:
         actors = (self.tokenizer, self.scheduler, self.block_manager)
         while True:
             await asyncio.sleep(self.supervision.interval_s)
-            health = self._monitor.check()
+            health = [monitor.check() for monitor in self._monitors]
+            exited = next((r for r, h in enumerate(health) if h.exit_code is not None), None)
             dead = next((a for a in actors if not a.is_alive), None)
-            if health.exit_code is not None or dead is not None:
+            if exited is not None or dead is not None:
                 break
-            await self._check_stall(health.silent_s)
+            silent = max(range(len(health)), key=lambda r: health[r].silent_s)
+            if await self._check_stall(silent, health[silent].silent_s):
+                break
             await self._expire_requests()
         if self._closing:
             return
-        if health.exit_code is not None:
-            self.error = f"worker process 0 exited with code {health.exit_code}"
-        else:
+        if exited is not None:
+            code = health[exited].exit_code
+            self.error = f"worker process {exited} exited with code {code}"
+        elif dead is not None:
             self.error = f"the {dead.name} actor stopped: {dead.crash!r}"
         logger.error("%s; failing %d open requests", self.error, len(self._streams))
         await self._fail_all(self.error)
+        if len(self._workers) > 1:  # the other ranks wait in collectives for the lost one
+            _kill_running(self._workers)
         await self.shutdown()
 
-    async def _check_stall(self, silent_s: float) -> None:
+    async def _check_stall(self, rank: int, silent_s: float) -> bool:
         """A silent worker makes the engine unhealthy and fails every open request; its
-        heartbeats coming back make it healthy again."""
+        heartbeats coming back make it healthy again. Under tensor parallelism a silent
+        rank holds the others in their collectives: True, the group must go down."""
         timeout = self.supervision.worker_timeout_s
         if silent_s > timeout and not self._stalled:
             self._stalled = True
             self.error = (
-                f"worker 0 has sent no heartbeat for {silent_s:.1f} s (timeout {timeout:g} s: "
-                "frozen or overloaded); open requests were failed"
+                f"worker {rank} has sent no heartbeat for {silent_s:.1f} s (timeout "
+                f"{timeout:g} s: frozen or overloaded); open requests were failed"
             )
+            if len(self._workers) > 1:
+                return True
             logger.error("%s (%d requests)", self.error, len(self._streams))
             await self._fail_all(self.error)
         elif silent_s <= timeout and self._stalled:
             self._stalled = False
             self.error = None
-            logger.warning("worker 0 answers again; the engine is healthy")
+            logger.warning("worker %d answers again; the engine is healthy", rank)
+        return False
 
     async def _expire_requests(self) -> None:
         limit = self.supervision.request_timeout_s
@@ -471,3 +481,22 @@ class AsyncEngine:
             stream = self._streams.get(out.request_id)
             if stream is not None:
                 stream.queue.put_nowait(out)
+
+
+def _wait_or_kill(processes, timeout: float) -> None:
+    """Waits up to `timeout` seconds in all for the processes to exit, then kills the rest."""
+    deadline = time.monotonic() + timeout
+    for process in processes:
+        try:
+            process.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    _kill_running(processes)
+
+
+def _kill_running(processes) -> None:
+    for process in processes:
+        if process.poll() is None:
+            process.kill()
+    for process in processes:
+        process.wait()

@@ -12,7 +12,7 @@ its own, whatever the main thread is doing, so the engine tells a frozen or dead
 
 Run as a process (`actors.worker_launch` spawns it): `python -m actors.worker_actor
 --engine-args JSON --inbox ADDR --scheduler ADDR [--heartbeat ADDR] [--worker-id N]
-[--null-worker]` (JSON of `EngineArgs` fields; no pickle). Each StepResult carries the
+[--rank R] [--null-worker]` (JSON of `EngineArgs` fields; no pickle). Each StepResult carries the
 seconds the step took to execute (`busy_seconds`). Start-up logs a line as each phase
 ends (imports done, engine config built, ready; bench/startup.py times them).
 
@@ -50,19 +50,35 @@ logger = logging.getLogger(__name__)
 HEARTBEAT_INTERVAL_S = 0.5
 
 
-class WorkerActor(Actor):
-    """Executes StepPlans on one Worker and reports each step's sampled tokens."""
+class RankDiverged(RuntimeError):
+    """A tensor-parallel rank other than 0 could not run requests of a step: its cache
+    and rank 0's would drift apart, so it stops (the engine then takes the group down)."""
 
-    def __init__(self, worker: Worker, inbox: Inbox, scheduler: Outbox) -> None:
+
+class WorkerActor(Actor):
+    """Executes StepPlans on one Worker and reports each step's sampled tokens.
+
+    Under tensor parallelism every rank executes every plan, and only rank 0 answers
+    (`answers`): its results are the group's. Another rank that fails requests of a step
+    crashes (`RankDiverged`) instead of running on with a cache unlike rank 0's."""
+
+    def __init__(
+        self, worker: Worker, inbox: Inbox, scheduler: Outbox, answers: bool = True
+    ) -> None:
         super().__init__(f"worker-{worker.worker_id}", inbox, {StepPlan: self.on_plan}, [scheduler])
         self.worker = worker
         self.scheduler = scheduler
+        self.answers = answers
 
     async def on_plan(self, plan: StepPlan) -> None:
         start = time.perf_counter()
         result = self.worker.execute(plan)
         busy = time.perf_counter() - start
-        await send_message(self.scheduler, dataclasses.replace(result, busy_seconds=busy))
+        if self.answers:
+            await send_message(self.scheduler, dataclasses.replace(result, busy_seconds=busy))
+        elif result.failed:
+            failed = result.failed[0]
+            raise RankDiverged(f"step {plan.step_id}: {failed.request_id}: {failed.error}")
 
 
 class Heartbeat:
@@ -108,20 +124,25 @@ async def serve(
     worker_id: int,
     null_worker: bool = False,
     heartbeat_address: str | None = None,
+    rank: int = 0,
 ) -> bool:
-    """Runs the worker until Shutdown or its engine is gone; False if its actor crashed."""
+    """Runs the worker (tensor-parallel rank `rank`) until Shutdown or its engine is
+    gone; False if its actor crashed."""
     ctx = zmq.asyncio.Context()
     scheduler = zmq_outbox(ctx, scheduler_address)
     inbox = zmq_inbox(ctx, inbox_address)
     heartbeat = None
     try:
-        worker, ready = _build(args, worker_id, null_worker)
-        actor = WorkerActor(worker, inbox, scheduler)
+        worker, ready = _build(args, worker_id, null_worker, rank)
+        actor = WorkerActor(worker, inbox, scheduler, answers=rank == 0)
         if heartbeat_address is not None:
             heartbeat = Heartbeat(worker_id, heartbeat_address, HEARTBEAT_INTERVAL_S)
             heartbeat.start()
-        await send_message(scheduler, ready)
+        if rank == 0:  # ready once every rank is: the ranks agreed on the block count
+            await send_message(scheduler, ready)
         await _run_while_parent_lives(actor.run(), os.getppid())
+        if rank > 0 and worker.runner is not None:
+            worker.runner.group.leave()
         return actor.crash is None
     finally:
         if heartbeat is not None:
@@ -131,13 +152,15 @@ async def serve(
         ctx.term()
 
 
-def _build(args: EngineArgs, worker_id: int, null_worker: bool) -> tuple[Worker, WorkerReady]:
+def _build(
+    args: EngineArgs, worker_id: int, null_worker: bool, rank: int
+) -> tuple[Worker, WorkerReady]:
     """The worker and its ready message, each start-up phase logged as it ends."""
     if null_worker:
         return build_null_worker(args, worker_id)
     config = args.build()
     logger.info("engine config built")
-    worker, ready = build_worker(args, worker_id, config)
+    worker, ready = build_worker(args, worker_id, config, rank)
     logger.info("ready: %d KV cache blocks of %d tokens", ready.num_blocks, ready.block_size)
     return worker, ready
 
@@ -162,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--inbox", required=True)
     p.add_argument("--scheduler", required=True)
     p.add_argument("--worker-id", type=int, default=0)
+    p.add_argument("--rank", type=int, default=0, help="tensor-parallel rank")
     p.add_argument("--heartbeat", default=None, help="address for liveness heartbeats")
     p.add_argument(
         "--null-worker", action="store_true", help="no model: sample a fixed token (benchmarks)"
@@ -174,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     args = EngineArgs(**json.loads(ns.engine_args))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine process stops us
     ok = asyncio.run(
-        serve(args, ns.inbox, ns.scheduler, ns.worker_id, ns.null_worker, ns.heartbeat)
+        serve(args, ns.inbox, ns.scheduler, ns.worker_id, ns.null_worker, ns.heartbeat, ns.rank)
     )
     return 0 if ok else 1
 

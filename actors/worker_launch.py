@@ -45,10 +45,11 @@ def spawn_worker(
     extra_env: dict[str, str] | None = None,
     null_worker: bool = False,
     heartbeat: str | None = None,
+    rank: int = 0,
 ) -> subprocess.Popen:
     """Starts `python -m actors.worker_actor` with this repository importable
     (`null_worker`: a NullWorker, no model, for control-plane benchmarks; `heartbeat`:
-    where its heartbeats go, none when None)."""
+    where its heartbeats go, none when None; `rank`: its tensor-parallel rank)."""
     path = os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))
     env = dict(os.environ, PYTHONPATH=path, **(extra_env or {}))
     cmd = [
@@ -63,6 +64,8 @@ def spawn_worker(
         scheduler,
         "--worker-id",
         str(worker_id),
+        "--rank",
+        str(rank),
         *(["--null-worker"] if null_worker else []),
         *(["--heartbeat", heartbeat] if heartbeat else []),
     ]
@@ -71,34 +74,74 @@ def spawn_worker(
 
 @dataclass(frozen=True)
 class WorkerLaunch:
-    """Worker 0 of an engine, launched for `args`: its process, and the private run
-    directory holding the ipc addresses it receives on (`worker_address`) and sends to
-    (`scheduler_address`, `heartbeat_address`). `launched_at` is `time.monotonic()`."""
+    """The workers of an engine, launched for `args`: one process per tensor-parallel
+    rank, and the private run directory holding the ipc addresses each receives on
+    (`worker_addresses`) and sends to (`scheduler_address`, `heartbeat_addresses`) and
+    the ranks' torch.distributed rendezvous (a file there). `launched_at` is
+    `time.monotonic()`. `process`, `worker_address`, `heartbeat_address`: rank 0's."""
 
     args: EngineArgs
-    process: subprocess.Popen
+    processes: tuple[subprocess.Popen, ...]
     run_dir: str
-    worker_address: str
+    worker_addresses: tuple[str, ...]
     scheduler_address: str
-    heartbeat_address: str
+    heartbeat_addresses: tuple[str, ...]
     launched_at: float
+
+    @property
+    def process(self) -> subprocess.Popen:
+        return self.processes[0]
+
+    @property
+    def worker_address(self) -> str:
+        return self.worker_addresses[0]
+
+    @property
+    def heartbeat_address(self) -> str:
+        return self.heartbeat_addresses[0]
 
     @classmethod
     def start(cls, args: EngineArgs) -> WorkerLaunch:
         run_dir = new_run_dir()
+        ranks = range(args.tensor_parallel_size)
+        processes: list[subprocess.Popen] = []
         try:
-            names = ("worker-0", "scheduler", "heartbeat-0")
-            worker, scheduler, heartbeat = (ipc_address(run_dir, name) for name in names)
-            process = spawn_worker(args, worker, scheduler, heartbeat=heartbeat)
+            workers = tuple(ipc_address(run_dir, f"worker-{r}") for r in ranks)
+            beats = tuple(ipc_address(run_dir, f"heartbeat-{r}") for r in ranks)
+            scheduler = ipc_address(run_dir, "scheduler")
+            rank_args = _with_rendezvous(args, run_dir)
+            for r in ranks:
+                processes.append(
+                    spawn_worker(rank_args, workers[r], scheduler, r, heartbeat=beats[r], rank=r)
+                )
         except BaseException:
+            _kill(processes)
             shutil.rmtree(run_dir, ignore_errors=True)
             raise
-        logger.info("spawned worker 0 (pid %d)", process.pid)
-        return cls(args, process, run_dir, worker, scheduler, heartbeat, time.monotonic())
+        logger.info(
+            "spawned %d worker process(es): pids %s", len(processes), [p.pid for p in processes]
+        )
+        return cls(args, tuple(processes), run_dir, workers, scheduler, beats, time.monotonic())
 
     def abandon(self) -> None:
-        """Kills the process (if it still runs) and removes the run directory; idempotent."""
-        if self.process.poll() is None:
-            self.process.kill()
-        self.process.wait()
+        """Kills the processes (those still running) and removes the run directory;
+        idempotent."""
+        _kill(self.processes)
         shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+def _with_rendezvous(args: EngineArgs, run_dir: str) -> EngineArgs:
+    """Ranks on this host meet at a file in the run directory, unless the user named a
+    torch.distributed address."""
+    if args.tensor_parallel_size == 1 or args.distributed_address or args.distributed_init_method:
+        return args
+    init = f"file://{os.path.join(run_dir, 'rendezvous')}"
+    return dataclasses.replace(args, distributed_init_method=init)
+
+
+def _kill(processes) -> None:
+    for process in processes:
+        if process.poll() is None:
+            process.kill()
+    for process in processes:
+        process.wait()

@@ -39,7 +39,15 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "-tp",
         type=int,
         default=1,
-        help="GPUs to split the model over (only 1 today)",
+        help="ranks (one worker process each: GPUs, or CPU processes) to split the model "
+        "over, tensor-parallel; 1..64, dividing the model's attention heads",
+    )
+    p.add_argument(
+        "--distributed-address",
+        default=None,
+        metavar="HOST:PORT",
+        help="where rank 0's host serves torch.distributed's store (default: ranks on this "
+        "host meet through a private file)",
     )
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
     p.add_argument("--block-size", type=int, default=16)
@@ -231,6 +239,8 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         "compile_model": args.compile_model,
         "tokenizer": args.tokenizer,
         "chat_template": args.chat_template,
+        "tensor_parallel_size": args.tensor_parallel_size,
+        "distributed_address": args.distributed_address,
     }
 
 

@@ -16,11 +16,6 @@ def resolve_model(args: argparse.Namespace) -> tuple[str, str]:
     if given and args.model and given != args.model:
         raise ValueError(f"two models given: {given!r} and --model {args.model!r}")
     model = given or args.model
-    if args.tensor_parallel_size != 1:
-        raise ValueError(
-            f"tensor_parallel_size={args.tensor_parallel_size}: this version runs a model on "
-            "one device only (tensor parallelism is planned); use --tensor-parallel-size 1"
-        )
     if model == BUILTIN_MODEL_SPEC:
         return model, BUILTIN_MODEL_NAME
     if model is not None:

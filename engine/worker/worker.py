@@ -37,7 +37,8 @@ class Worker:
     exactly one plan, cached afterwards, and dropped when it appears in `finished_ids`.
 
     The failure rule, per request: a diff that cannot be applied fails its request; a
-    step whose model run raises fails every request it scheduled. A failed request is
+    step whose model run raises fails every request it scheduled (under tensor
+    parallelism it propagates: one rank cannot fail a step alone). A failed request is
     forgotten, named in `StepResult.failed`, and its rows in plans already on their way
     are skipped until a plan lists it as finished. A step that also moved blocks (copies,
     swaps) cannot be tied to its requests: its exception propagates (the engine stops).
@@ -56,7 +57,7 @@ class Worker:
     def execute(self, plan: StepPlan) -> StepResult:
         failures: dict[str, str] = {}
         self._apply(plan, failures)
-        if self.runner is not None and self.runner.group.is_parallel:
+        if self._is_rank_of_group:
             self._check_ranks_agree(plan.step_id)
         copies = tuple(zip(plan.copy_src, plan.copy_dst, strict=True))
         swap_out = tuple(zip(plan.swap_out_src, plan.swap_out_dst, strict=True))
@@ -81,11 +82,15 @@ class Worker:
         try:
             result = self._sample(step)
         except Exception as exc:
-            if copies or swap_out or swap_in:
-                raise
+            if copies or swap_out or swap_in or self._is_rank_of_group:
+                raise  # a group's rank cannot fail alone: the ranks' caches would differ
             self._forget([rid for rid, _ in runnable], describe(exc), failures)
             return self._result(StepResult.empty(plan.step_id, self.worker_id), failures)
         return self._result(result, failures)
+
+    @property
+    def _is_rank_of_group(self) -> bool:
+        return self.runner is not None and self.runner.group.is_parallel
 
     def _check_ranks_agree(self, step_id: int) -> None:
         """Every tensor-parallel rank applied the same plans, so each holds the same

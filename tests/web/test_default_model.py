@@ -108,7 +108,10 @@ def test_pagedserve_fetch_from_a_wheel(tmp_path, monkeypatch, capsys) -> None:
     "argv, message",
     [
         (["serve", "a-dir", "--model", "b-dir"], "two models given"),
-        (["serve", "--model", "builtin:tiny", "-tp", "2"], "tensor_parallel_size=2"),
+        (
+            ["serve", "--model", "builtin:tiny", "-tp", "3"],
+            "num_attention_heads (4) does not split evenly over tensor_parallel_size=3",
+        ),
         (
             ["serve", "--model", "builtin:tiny", "--chat-template", "/no/such.jinja"],
             "chat_template",
