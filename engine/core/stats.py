@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,25 @@ class EngineStats:
     attention_backend: str = ""  # the workers' attention backend ("native", "sdpa", ...)
     num_swapped: int = 0  # requests swapped out to CPU now (neither running nor waiting)
 
+    @classmethod
+    def merged(cls, parts: Sequence[EngineStats]) -> EngineStats:
+        """One snapshot of several engines (data-parallel replicas): counts summed, each
+        ratio averaged over the engines weighted by what it is a ratio of (blocks in use
+        now, or steps run), backends listed once each."""
+        values = {}
+        for f in fields(cls):
+            column = [getattr(p, f.name) for p in parts]
+            if f.name in _RATIO_WEIGHTS:
+                weights = [getattr(p, _RATIO_WEIGHTS[f.name]) for p in parts]
+                total = sum(weights)
+                weighted = sum(v * w for v, w in zip(column, weights, strict=True))
+                values[f.name] = weighted / total if total else sum(column) / len(column)
+            elif isinstance(column[0], str):
+                values[f.name] = ",".join(dict.fromkeys(column))
+            else:
+                values[f.name] = sum(column)
+        return cls(**values)
+
     @property
     def kv_cache_usage(self) -> float:
         """Blocks in use / all blocks, in [0, 1] (vLLM's `kv_cache_usage_perc`)."""
@@ -40,6 +60,15 @@ class EngineStats:
     def prefix_cache_hit_rate(self) -> float:
         q = self.prefix_cache_queried_tokens
         return self.prefix_cache_hit_tokens / q if q else 0.0
+
+
+# EngineStats' ratios, and the count each is a ratio of (its weight when merged)
+_RATIO_WEIGHTS = {
+    "kv_slot_utilization": "num_used_blocks",
+    "mean_kv_slot_utilization": "num_steps",
+    "kv_sharing_saving": "num_used_blocks",
+    "mean_kv_sharing_saving": "num_steps",
+}
 
 
 class SlotUtilization:
