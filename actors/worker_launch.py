@@ -101,7 +101,8 @@ class WorkerLaunch:
         return self.heartbeat_addresses[0]
 
     @classmethod
-    def start(cls, args: EngineArgs) -> WorkerLaunch:
+    def start(cls, args: EngineArgs, extra_env: dict[str, str] | None = None) -> WorkerLaunch:
+        """`extra_env`: set in the worker's environment (a replica's CUDA_VISIBLE_DEVICES)."""
         run_dir = new_run_dir()
         ranks = range(args.tensor_parallel_size)
         processes: list[subprocess.Popen] = []
@@ -112,7 +113,9 @@ class WorkerLaunch:
             rank_args = _with_rendezvous(args, run_dir)
             for r in ranks:
                 processes.append(
-                    spawn_worker(rank_args, workers[r], scheduler, r, heartbeat=beats[r], rank=r)
+                    spawn_worker(
+                        rank_args, workers[r], scheduler, r, extra_env, heartbeat=beats[r], rank=r
+                    )
                 )
         except BaseException:
             _kill(processes)
