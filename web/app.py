@@ -1,7 +1,8 @@
 """The Starlette app: WebSocket streaming, OpenAI HTTP, health, metrics, the chat page.
 
-`create_app(engine_args, config)` starts the AsyncEngine in the app's lifespan and shuts
-it down (aborting open requests, stopping the worker) when the server stops.
+`create_app(engine_args, config)` starts the AsyncEngine (or, with
+`config.data_parallel_size` > 1, a ReplicaSet of that many) in the app's lifespan and
+shuts it down (aborting open requests, stopping the workers) when the server stops.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 from starlette.applications import Starlette
@@ -22,6 +23,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from starlette.websockets import WebSocket
 
 from actors.async_engine import AsyncEngine
+from actors.replica_set import ReplicaSet
 from actors.worker_launch import WorkerLaunch
 from engine.config import EngineConfig
 from engine.engine_args import EngineArgs
@@ -39,6 +41,7 @@ from web.ws_connection import SHUTDOWN_CLOSE, StreamConnection, StreamLimits
 
 logger = logging.getLogger(__name__)
 STATIC = Path(__file__).parent / "static"
+EngineClient = AsyncEngine | ReplicaSet  # what the web layer talks to
 
 
 class ApiKeyMiddleware:
@@ -70,7 +73,7 @@ class Server:
 
     `drain()` is the graceful shutdown (run on SIGINT/SIGTERM before the engine stops)."""
 
-    def __init__(self, engine: AsyncEngine, config: ServerConfig) -> None:
+    def __init__(self, engine: EngineClient, config: ServerConfig) -> None:
         self.engine, self.config = engine, config
         self.admission = Admission(config.max_queued_requests)
         self.sessions = SessionStore(config.session_ttl_s, config.session_max_chars)
@@ -182,6 +185,7 @@ class Server:
                 "auth": bool(self.config.api_keys),
                 "attention_backend": self.engine.ready.attention_backend,
                 "attention_backend_reason": self.engine.ready.attention_backend_reason,
+                "data_parallel_size": self.config.data_parallel_size,
             }
         )
 
@@ -250,25 +254,21 @@ def create_app(
     engine_args: EngineArgs,
     config: ServerConfig,
     engine_config: EngineConfig | None = None,
-    launch: WorkerLaunch | None = None,
+    launches: Sequence[WorkerLaunch] = (),
 ) -> Starlette:
     """The app with the engine's lifetime tied to the server's: started in the lifespan,
-    shut down (open requests aborted, worker stopped) when the server stops.
-    `engine_config` (`engine_args.build()`) and `launch` (a worker launched early, so the
-    model loads while the server starts): see `AsyncEngine.start`."""
+    shut down (open requests aborted, workers stopped) when the server stops.
+    `engine_config` (`engine_args.build()`) and `launches` (the workers launched early,
+    one per replica, so the model loads while the server starts): see
+    `AsyncEngine.start` and `ReplicaSet.start`."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        engine = await AsyncEngine.start(
-            engine_args,
-            pipeline_depth=config.pipeline_depth,
-            supervision=config.supervision,
-            config=engine_config,
-            launch=launch,
-        )
+        engine = await start_engine(engine_args, config, engine_config, launches)
         server = app.state.server = Server(engine, config)
         note = " (built-in random-weight model: replies are noise)" if config.builtin else ""
-        logger.info("serving %s%s", config.model_name, note)
+        dp = config.data_parallel_size
+        logger.info("serving %s%s%s", config.model_name, note, f" on {dp} replicas" * (dp > 1))
         stats_log = None
         if not config.disable_log_stats:
             stats_log = asyncio.create_task(server.stats_logger.run())
@@ -282,3 +282,28 @@ def create_app(
             await engine.shutdown()
 
     return build_app(config, lifespan)
+
+
+async def start_engine(
+    engine_args: EngineArgs,
+    config: ServerConfig,
+    engine_config: EngineConfig | None,
+    launches: Sequence[WorkerLaunch],
+) -> EngineClient:
+    """One AsyncEngine, or a ReplicaSet of `config.data_parallel_size` engines."""
+    if config.data_parallel_size == 1:
+        return await AsyncEngine.start(
+            engine_args,
+            pipeline_depth=config.pipeline_depth,
+            supervision=config.supervision,
+            config=engine_config,
+            launch=launches[0] if launches else None,
+        )
+    return await ReplicaSet.start(
+        engine_args,
+        config.data_parallel_size,
+        pipeline_depth=config.pipeline_depth,
+        supervision=config.supervision,
+        config=engine_config,
+        launches=launches or None,
+    )

@@ -118,6 +118,15 @@ def _add_serve_parser(sub) -> None:
     serve = sub.add_parser("serve", help="serve a model over WebSocket and OpenAI HTTP")
     serve.add_argument("model_arg", nargs="?", metavar="MODEL", help=f"as --model: {MODEL_HELP}")
     _add_engine_args(serve)
+    serve.add_argument(
+        "--data-parallel-size",
+        "-dp",
+        type=_replica_count,
+        default=1,
+        help="engine replicas behind this server (1 to 16), each with its own worker and KV "
+        "cache (and, on CUDA, its own GPU); requests go to the replica holding their "
+        "prefix (a chat's earlier turns), else to the least loaded (docs/scaling.md)",
+    )
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument(
@@ -202,6 +211,17 @@ def _add_serve_parser(sub) -> None:
     )
 
 
+def _replica_count(text: str) -> int:
+    from actors.replica_launch import MAX_REPLICAS, check_num_replicas
+
+    try:
+        return check_num_replicas(int(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be an integer from 1 to {MAX_REPLICAS}, got {text!r}"
+        ) from None
+
+
 def _positive_seconds(text: str) -> float:
     try:
         value = float(text)
@@ -278,14 +298,23 @@ def _serve(args: argparse.Namespace) -> int:
     if builtin:
         say("serving the built-in random model (byte-level tokenizer: its replies are noise)")
     engine_args = EngineArgs(model=model, **_engine_kwargs(args))
-    launch = WorkerLaunch.start(engine_args)  # the model loads while the server starts
+    engine_config = None
+    if args.data_parallel_size == 1:
+        launches = [WorkerLaunch.start(engine_args)]  # the model loads while the server starts
+    else:  # the config first: its device decides each replica's GPUs
+        from actors.replica_launch import launch_replicas
+
+        engine_config = engine_args.build()
+        device = engine_config.device.device
+        launches = launch_replicas(engine_args, args.data_parallel_size, device)
     try:
-        return _run_server(args, engine_args, launch, default_name, builtin)
+        return _run_server(args, engine_args, engine_config, launches, default_name, builtin)
     finally:
-        launch.abandon()  # a no-op after the engine's own shutdown
+        for launch in launches:
+            launch.abandon()  # a no-op after the engine's own shutdown
 
 
-def _run_server(args, engine_args, launch, default_name: str, builtin: bool) -> int:
+def _run_server(args, engine_args, engine_config, launches, default_name, builtin) -> int:
     import uvicorn
 
     from actors.async_engine import Supervision
@@ -314,11 +343,12 @@ def _run_server(args, engine_args, launch, default_name: str, builtin: bool) -> 
         ws_auth_timeout_s=args.ws_auth_timeout,
         disable_log_stats=args.disable_log_stats,
         log_stats_interval_s=args.log_stats_interval,
+        data_parallel_size=args.data_parallel_size,
     )
-    engine_config = engine_args.build()  # configuration errors surface here
+    engine_config = engine_config or engine_args.build()  # configuration errors surface here
     for stale in remove_stale_run_dirs():
         logging.getLogger(__name__).info("removed %s, left by a server that died", stale)
-    app = create_app(engine_args, config, engine_config, launch)
+    app = create_app(engine_args, config, engine_config, launches)
     uv_config = uvicorn.Config(
         app,
         host=config.host,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from actors.async_engine import Supervision
+from actors.replica_launch import check_num_replicas
 from web.api_keys import ApiKeys
 
 
@@ -32,6 +33,7 @@ class ServerConfig:
     ws_auth_timeout_s: float = 5.0  # a WebSocket not authenticated by then is closed
     disable_log_stats: bool = False  # no periodic throughput / queue / KV usage line
     log_stats_interval_s: float = 5.0  # seconds between those lines (when something happened)
+    data_parallel_size: int = 1  # engine replicas behind this server (actors/replica_set.py)
 
     def __post_init__(self) -> None:
         for name in ("max_queued_requests", "max_requests_per_connection", "max_message_bytes"):
@@ -46,5 +48,6 @@ class ServerConfig:
                 f"log_stats_interval_s must be a positive number of seconds, "
                 f"got {self.log_stats_interval_s}"
             )
+        check_num_replicas(self.data_parallel_size)
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
