@@ -60,6 +60,25 @@ def test_two_replicas_serve_chats_behind_one_server(dp_server):
     assert httpx.get(f"{dp_server.http}/health").status_code == 200
 
 
+def running(pid: int) -> bool:
+    """The process exists and is not a zombie."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.timeout(120)
+def test_stopping_the_server_stops_every_replica(dp_server):
+    """Runs after the test above (same server): SIGTERM leaves no worker running."""
+    workers = worker_processes(dp_server.process.proc.pid)
+    assert len(workers) == 2 and all(running(w) for w in workers)
+    stop_server(dp_server)
+    assert dp_server.process.proc.returncode == 0
+    assert not any(running(w) for w in workers)
+
+
 @pytest.mark.parametrize("bad", ["0", "17", "two"])
 def test_a_replica_count_out_of_range_is_refused_by_name(bad, capsys):
     with pytest.raises(SystemExit) as exit_:
