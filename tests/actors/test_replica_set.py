@@ -136,6 +136,9 @@ async def test_the_set_answers_like_one_engine(replicas):
     with pytest.raises(ValueError, match="already in flight"):
         await anext(replicas.generate("y", None, "dup"))
     await first.aclose()  # leaving early aborts it
+    for bad in ([[1, 2]], [{"role": "user"}, 5], [1, "x"]):  # refused as one engine does
+        with pytest.raises(ValueError, match="prompt must be"):
+            await anext(replicas.generate(bad, None))
     assert replicas.loads == [0, 0]
 
 
