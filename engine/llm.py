@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -69,6 +70,7 @@ class LLM:
         worker, ready = build_worker(args, config=self.config)
         if self._ranks is not None:
             worker = RelayingWorker(worker, self._ranks)
+            weakref.finalize(self, worker.close)  # at the latest when the program ends
         logger.info(
             "LLM ready: %d KV blocks of %d tokens, %d CPU swap blocks, %s attention",
             ready.num_blocks,
