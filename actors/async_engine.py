@@ -35,7 +35,7 @@ from actors.block_manager_actor import BlockManagerActor
 from actors.scheduler_actor import SchedulerActor
 from actors.tokenizer_actor import TokenizerActor
 from actors.transport import inproc_pair, zmq_inbox, zmq_outbox
-from actors.worker_launch import WorkerLaunch
+from actors.worker_launch import WorkerLaunch, kill_processes
 from actors.worker_monitor import WorkerMonitor
 from engine.codec import DecodeError, InboxDecoder
 from engine.config import EngineConfig
@@ -412,7 +412,7 @@ class AsyncEngine:
         logger.error("%s; failing %d open requests", self.error, len(self._streams))
         await self._fail_all(self.error)
         if len(self._workers) > 1:  # the other ranks wait in collectives for the lost one
-            _kill_running(self._workers)
+            kill_processes(self._workers)
         await self.shutdown()
 
     async def _check_stall(self, rank: int, silent_s: float) -> bool:
@@ -491,12 +491,4 @@ def _wait_or_kill(processes, timeout: float) -> None:
             process.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             pass
-    _kill_running(processes)
-
-
-def _kill_running(processes) -> None:
-    for process in processes:
-        if process.poll() is None:
-            process.kill()
-    for process in processes:
-        process.wait()
+    kill_processes(processes)

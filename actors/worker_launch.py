@@ -118,7 +118,7 @@ class WorkerLaunch:
                     )
                 )
         except BaseException:
-            _kill(processes)
+            kill_processes(processes)
             shutil.rmtree(run_dir, ignore_errors=True)
             raise
         logger.info(
@@ -129,7 +129,7 @@ class WorkerLaunch:
     def abandon(self) -> None:
         """Kills the processes (those still running) and removes the run directory;
         idempotent."""
-        _kill(self.processes)
+        kill_processes(self.processes)
         shutil.rmtree(self.run_dir, ignore_errors=True)
 
 
@@ -142,7 +142,8 @@ def _with_rendezvous(args: EngineArgs, run_dir: str) -> EngineArgs:
     return dataclasses.replace(args, distributed_init_method=init)
 
 
-def _kill(processes) -> None:
+def kill_processes(processes) -> None:
+    """Kills those still running and reaps them all."""
     for process in processes:
         if process.poll() is None:
             process.kill()

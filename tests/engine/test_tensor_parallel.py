@@ -7,7 +7,6 @@ at every step (the worker compares their digests, `Worker.num_rank_checks`)."""
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 
@@ -15,6 +14,7 @@ from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from tests.conftest import shared_path
 from tests.engine.tiny_models import ARCHITECTURES, kv_memory, save_hf_model
+from tests.web.processes import alive, children_of
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 24  # on every rank: tight enough that the batch below preempts
@@ -32,16 +32,8 @@ PARAMS = [
 
 
 def live_children() -> list[int]:
-    """Pids of this process's children that have not been reaped (from /proc)."""
-    pids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == os.getpid() and fields[0] != "Z":
-            pids.append(int(stat.parent.name))
-    return pids
+    """This process's children that still run (not yet reaped zombies excluded)."""
+    return [pid for pid in children_of(os.getpid()) if alive(pid)]
 
 
 def _run(model_dir: str, tp: int, **kwargs) -> tuple[list, dict]:
