@@ -6,6 +6,7 @@ import itertools
 import logging
 import weakref
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -43,21 +44,22 @@ class LLM:
     def __init__(self, model: str, pipeline_depth: int = 1, **kwargs: Any) -> None:
         configure_logging()
         args = EngineArgs(model=model, **kwargs)
+        self.config = args.build()  # a model the ranks cannot split is refused here
         self._ranks = None
         if args.tensor_parallel_size > 1:
-            EngineArgs.build(args)  # refuse a model the ranks cannot split before spawning
             args, self._ranks = OfflineRanks.start(args)
+            parallel = replace(
+                self.config.parallel, distributed_init_method=args.distributed_init_method
+            )
+            self.config = replace(self.config, parallel=parallel)
         try:
             self._start(args, pipeline_depth)
         except BaseException:
             if self._ranks is not None:
-                for process in self._ranks.processes:
-                    process.kill()
-                self._ranks.stop()
+                self._ranks.abandon()
             raise
 
     def _start(self, args: EngineArgs, pipeline_depth: int) -> None:
-        self.config = args.build()
         m = self.config.model
         logger.info(
             "LLM: %s (%s, %s, max_model_len %d) on %s",

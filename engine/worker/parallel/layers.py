@@ -47,10 +47,6 @@ class Part:
         start, end = group.shard(full, what)
         return cls(full, start, end - start)
 
-    @classmethod
-    def whole(cls, full: int) -> Part:
-        return cls(full, 0, full)
-
 
 def head_parts(
     num_heads: int, num_kv_heads: int, head_size: int, group: TensorParallelGroup

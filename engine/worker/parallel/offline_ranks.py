@@ -38,6 +38,7 @@ class OfflineRanks:
 
     @classmethod
     def start(cls, args: EngineArgs) -> tuple[EngineArgs, OfflineRanks]:
+        """The followers, and `args` with their rendezvous (rank 0 joins with those)."""
         run_dir = tempfile.mkdtemp(prefix="pagedserve-tp-")
         init = f"file://{os.path.join(run_dir, 'rendezvous')}"
         args = dataclasses.replace(args, distributed_init_method=init)
@@ -61,6 +62,12 @@ class OfflineRanks:
             code = process.poll()
             if code is not None:
                 raise RuntimeError(f"tensor-parallel rank {rank} exited with code {code}")
+
+    def abandon(self) -> None:
+        """Kills the followers at once (they cannot be told to stop) and cleans up."""
+        for process in self.processes:
+            process.kill()
+        self.stop()
 
     def stop(self, timeout: float = 10.0) -> None:
         for process in self.processes:
@@ -96,7 +103,7 @@ class RelayingWorker:
             self.relay.send(Shutdown("the LLM is closed"))
         except Exception as exc:  # noqa: BLE001 - a follower already gone: stop the rest
             logger.warning("stopping the ranks: %s", exc)
-            for process in self.ranks.processes:
-                process.kill()
-        self.ranks.stop()
+            self.ranks.abandon()
+        else:
+            self.ranks.stop()
         self.worker.runner.group.leave()
