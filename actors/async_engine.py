@@ -156,9 +156,12 @@ class AsyncEngine:
             sched_inbox = zmq_inbox(self._ctx, launch.scheduler_address)
             for process, address in zip(launch.processes, launch.heartbeat_addresses, strict=True):
                 self._monitors.append(WorkerMonitor(process, address))
+            if launch.head is not None:  # ranks on other hosts: their heartbeats
+                self._monitors.extend(launch.head.monitors)
             ready, (config, tokenizer) = await self._start_up(
                 args, config, sched_inbox, ready_timeout
             )
+            remote = launch.head.plan_addresses() if launch.head is not None else {}
         except BaseException:  # no engine: leave no process, socket or run dir behind
             launch.abandon()
             for closable in (*self._monitors, sched_inbox):
@@ -173,6 +176,8 @@ class AsyncEngine:
         to_blocks, blocks_inbox = inproc_pair()
         to_replies, replies_inbox = inproc_pair()
         self._to_workers = [zmq_outbox(self._ctx, a) for a in launch.worker_addresses]
+        for rank, address in remote.items():  # ranks on other hosts: sealed plans over tcp
+            self._to_workers.append(zmq_outbox(self._ctx, address, launch.head.plan_auth(rank)))
         self.block_manager = BlockManagerActor(parts.block_manager, blocks_inbox, to_replies)
         self.scheduler = SchedulerActor(
             parts.core,
@@ -387,6 +392,8 @@ class AsyncEngine:
             closable.close()
         self._ctx.term()
         shutil.rmtree(self._run_dir, ignore_errors=True)
+        if self._launch.head is not None:
+            self._launch.head.close()  # its store stops: remote ranks still up exit
 
     async def _watch(self) -> None:
         """The supervisor's loop (see the module doc)."""
@@ -411,7 +418,7 @@ class AsyncEngine:
             self.error = f"the {dead.name} actor stopped: {dead.crash!r}"
         logger.error("%s; failing %d open requests", self.error, len(self._streams))
         await self._fail_all(self.error)
-        if len(self._workers) > 1:  # the other ranks wait in collectives for the lost one
+        if self._launch.world_size > 1:  # the other ranks wait in collectives for the lost one
             kill_processes(self._workers)
         await self.shutdown()
 
@@ -426,7 +433,7 @@ class AsyncEngine:
                 f"worker {rank} has sent no heartbeat for {silent_s:.1f} s (timeout "
                 f"{timeout:g} s: frozen or overloaded); open requests were failed"
             )
-            if len(self._workers) > 1:
+            if self._launch.world_size > 1:
                 return True
             logger.error("%s (%d requests)", self.error, len(self._streams))
             await self._fail_all(self.error)

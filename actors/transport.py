@@ -115,6 +115,11 @@ class ZmqInbox(Inbox):
         """Frames dropped because they did not open (always 0 without `auth`)."""
         return self._refusals.count
 
+    @property
+    def endpoint(self) -> str:
+        """Where it is bound, a wildcard resolved (`tcp://10.0.0.2:*` gives the port)."""
+        return self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
+
     async def recv(self) -> bytes:
         if self._closed:
             raise TransportClosed(f"inbox {self.address} is closed")

@@ -34,6 +34,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Awaitable, Callable
 
 import zmq
 import zmq.asyncio
@@ -63,12 +64,13 @@ class WorkerActor(Actor):
     crashes (`RankDiverged`) instead of running on with a cache unlike rank 0's."""
 
     def __init__(
-        self, worker: Worker, inbox: Inbox, scheduler: Outbox, answers: bool = True
+        self, worker: Worker, inbox: Inbox, scheduler: Outbox | None, answers: bool = True
     ) -> None:
-        super().__init__(f"worker-{worker.worker_id}", inbox, {StepPlan: self.on_plan}, [scheduler])
+        outboxes = [] if scheduler is None else [scheduler]
+        super().__init__(f"worker-{worker.worker_id}", inbox, {StepPlan: self.on_plan}, outboxes)
         self.worker = worker
         self.scheduler = scheduler
-        self.answers = answers
+        self.answers = answers and scheduler is not None
 
     async def on_plan(self, plan: StepPlan) -> None:
         start = time.perf_counter()
@@ -100,7 +102,8 @@ class Heartbeat:
 
     def stop(self) -> None:
         self._stopped.set()
-        self._thread.join(timeout=5)
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
 
     def _run(self) -> None:
         ctx = zmq.Context()
@@ -132,24 +135,48 @@ async def serve(
     scheduler = zmq_outbox(ctx, scheduler_address)
     inbox = zmq_inbox(ctx, inbox_address)
     heartbeat = None
+    if heartbeat_address is not None:
+        heartbeat = Heartbeat(worker_id, heartbeat_address, HEARTBEAT_INTERVAL_S)
     try:
-        worker, ready = _build(args, worker_id, null_worker, rank)
-        actor = WorkerActor(worker, inbox, scheduler, answers=rank == 0)
-        if heartbeat_address is not None:
-            heartbeat = Heartbeat(worker_id, heartbeat_address, HEARTBEAT_INTERVAL_S)
-            heartbeat.start()
-        if rank == 0:  # ready once every rank is: the ranks agreed on the block count
-            await send_message(scheduler, ready)
-        await _run_while_parent_lives(actor.run(), os.getppid())
-        if rank > 0 and worker.runner is not None:
-            worker.runner.group.leave()
-        return actor.crash is None
+        gone = _parent_gone(os.getppid())
+        return await run_worker(
+            args, inbox, scheduler, heartbeat, worker_id, rank, gone, null_worker
+        )
     finally:
-        if heartbeat is not None:
-            heartbeat.stop()
         inbox.close()
         scheduler.close()
         ctx.term()
+
+
+async def run_worker(
+    args: EngineArgs,
+    inbox: Inbox,
+    scheduler: Outbox | None,
+    heartbeat: Heartbeat | None,
+    worker_id: int,
+    rank: int,
+    gone: Callable[[], Awaitable[str | None]],
+    null_worker: bool = False,
+) -> bool:
+    """Builds the worker, then runs it on these channels (`scheduler` None: a rank that
+    never answers) until Shutdown, or until `gone()` names a reason to stop (asked
+    every half second: nobody left to serve); False if its actor crashed or it was
+    left. Starts
+    `heartbeat` once the model is built, and stops it."""
+    try:
+        worker, ready = _build(args, worker_id, null_worker, rank)
+        actor = WorkerActor(worker, inbox, scheduler, answers=rank == 0)
+        if heartbeat is not None:
+            heartbeat.start()
+        if rank == 0:  # ready once every rank is: the ranks agreed on the block count
+            await send_message(scheduler, ready)
+        reason = await _run_until_gone(actor.run(), gone)
+        if rank > 0 and worker.runner is not None:
+            worker.runner.group.leave()
+        return actor.crash is None and reason is None
+    finally:
+        if heartbeat is not None:
+            heartbeat.stop()
 
 
 def _build(
@@ -165,18 +192,34 @@ def _build(
     return worker, ready
 
 
-async def _run_while_parent_lives(run, parent: int, interval: float = 0.5) -> None:
-    """Runs the actor until it stops or the engine process `parent` is gone (then this
-    process was re-parented: an orphan has nobody to serve)."""
+def _parent_gone(parent: int) -> Callable[[], Awaitable[str | None]]:
+    """Gone once the engine process `parent` is (this process was re-parented: an
+    orphan has nobody to serve)."""
+
+    async def gone() -> str | None:
+        if os.getppid() != parent:
+            return f"engine process {parent} is gone"
+        return None
+
+    return gone
+
+
+async def _run_until_gone(
+    run, gone: Callable[[], Awaitable[str | None]], interval: float = 0.5
+) -> str | None:
+    """Runs the actor until it stops, or until `gone()` gives a reason to stop (returned)."""
     actor = asyncio.ensure_future(run)
+    reason = None
     while not actor.done():
         await asyncio.wait({actor}, timeout=interval)
-        if os.getppid() != parent:
-            logger.error("engine process %d is gone; the worker exits", parent)
+        reason = None if actor.done() else await gone()
+        if reason is not None:
+            logger.error("%s; the worker exits", reason)
             actor.cancel()
             break
     with contextlib.suppress(asyncio.CancelledError, Exception):
         await actor  # a crash is the actor's to report (Actor.crash)
+    return reason
 
 
 def main(argv: list[str] | None = None) -> int:

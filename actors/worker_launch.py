@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 from actors.transport import ipc_address, new_run_dir
 
 if TYPE_CHECKING:
+    from actors.head import Head
     from engine.engine_args import EngineArgs
 
 logger = logging.getLogger(__name__)
@@ -78,7 +79,10 @@ class WorkerLaunch:
     rank, and the private run directory holding the ipc addresses each receives on
     (`worker_addresses`) and sends to (`scheduler_address`, `heartbeat_addresses`) and
     the ranks' torch.distributed rendezvous (a file there). `launched_at` is
-    `time.monotonic()`. `process`, `worker_address`, `heartbeat_address`: rank 0's."""
+    `time.monotonic()`. `process`, `worker_address`, `heartbeat_address`: rank 0's.
+
+    With ranks on other hosts, `processes` and the addresses are this host's ranks', and
+    `head` serves the others (`actors.head`): their store, heartbeats and plan inboxes."""
 
     args: EngineArgs
     processes: tuple[subprocess.Popen, ...]
@@ -87,6 +91,7 @@ class WorkerLaunch:
     scheduler_address: str
     heartbeat_addresses: tuple[str, ...]
     launched_at: float
+    head: Head | None = None
 
     @property
     def process(self) -> subprocess.Popen:
@@ -100,37 +105,60 @@ class WorkerLaunch:
     def heartbeat_address(self) -> str:
         return self.heartbeat_addresses[0]
 
+    @property
+    def world_size(self) -> int:
+        return self.args.tensor_parallel_size
+
     @classmethod
-    def start(cls, args: EngineArgs, extra_env: dict[str, str] | None = None) -> WorkerLaunch:
-        """`extra_env`: set in the worker's environment (a replica's CUDA_VISIBLE_DEVICES)."""
+    def start(
+        cls,
+        args: EngineArgs,
+        extra_env: dict[str, str] | None = None,
+        local_ranks: int | None = None,
+        secret: bytes | None = None,
+    ) -> WorkerLaunch:
+        """`extra_env`: set in the worker's environment (a replica's CUDA_VISIBLE_DEVICES).
+        `local_ranks`: how many ranks run here (default: all); the others join from
+        other hosts, and need `args.distributed_address` and the cluster `secret`."""
+        head = None
+        local_ranks = args.tensor_parallel_size if local_ranks is None else local_ranks
+        if local_ranks != args.tensor_parallel_size:
+            from actors import head as heads  # torch.distributed: only for remote ranks
+
+            head = heads.Head.start(args, local_ranks, secret)
         run_dir = new_run_dir()
-        ranks = range(args.tensor_parallel_size)
         processes: list[subprocess.Popen] = []
         try:
+            ranks = range(local_ranks)
             workers = tuple(ipc_address(run_dir, f"worker-{r}") for r in ranks)
             beats = tuple(ipc_address(run_dir, f"heartbeat-{r}") for r in ranks)
             scheduler = ipc_address(run_dir, "scheduler")
-            rank_args = _with_rendezvous(args, run_dir)
+            rank_args = head.local_args if head else _with_rendezvous(args, run_dir)
+            env = {**(extra_env or {}), **(head.local_environment() if head else {})}
             for r in ranks:
-                processes.append(
-                    spawn_worker(
-                        rank_args, workers[r], scheduler, r, extra_env, heartbeat=beats[r], rank=r
-                    )
+                worker = spawn_worker(
+                    rank_args, workers[r], scheduler, r, env, heartbeat=beats[r], rank=r
                 )
+                processes.append(worker)
         except BaseException:
             kill_processes(processes)
             shutil.rmtree(run_dir, ignore_errors=True)
+            if head is not None:
+                head.close()
             raise
         logger.info(
             "spawned %d worker process(es): pids %s", len(processes), [p.pid for p in processes]
         )
-        return cls(args, tuple(processes), run_dir, workers, scheduler, beats, time.monotonic())
+        launched = time.monotonic()
+        return cls(args, tuple(processes), run_dir, workers, scheduler, beats, launched, head)
 
     def abandon(self) -> None:
-        """Kills the processes (those still running) and removes the run directory;
-        idempotent."""
+        """Kills the processes (those still running), removes the run directory and
+        stops the head (remote ranks then exit); idempotent."""
         kill_processes(self.processes)
         shutil.rmtree(self.run_dir, ignore_errors=True)
+        if self.head is not None:
+            self.head.close()
 
 
 def _with_rendezvous(args: EngineArgs, run_dir: str) -> EngineArgs:

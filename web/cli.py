@@ -97,9 +97,23 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--json", action="store_true", help="print one JSON object per output")
     _add_serve_parser(sub)
+    _add_worker_parser(sub)
     _add_chat_parser(sub)
     _add_fetch_parser(sub)
     return parser
+
+
+def _add_worker_parser(sub) -> None:
+    from actors.remote_rank import add_arguments
+
+    worker = sub.add_parser("worker", help="a tensor-parallel rank joining a head on another host")
+    add_arguments(worker)
+
+
+def _worker(args: argparse.Namespace) -> int:
+    from actors.remote_rank import run
+
+    return run(args)
 
 
 def _add_fetch_parser(sub) -> None:
@@ -126,6 +140,21 @@ def _add_serve_parser(sub) -> None:
         help="engine replicas behind this server (1 to 16), each with its own worker and KV "
         "cache (and, on CUDA, its own GPU); requests go to the replica holding their "
         "prefix (a chat's earlier turns), else to the least loaded (docs/scaling.md)",
+    )
+    serve.add_argument(
+        "--local-ranks",
+        type=int,
+        default=None,
+        metavar="K",
+        help="tensor-parallel ranks run on this host, 0..K-1 (default: all); ranks K..N-1 "
+        "join from other hosts with `pagedserve worker --head tcp://HOST:PORT --rank R` "
+        "(needs --distributed-address and the cluster secret; docs/scaling.md)",
+    )
+    serve.add_argument(
+        "--cluster-secret-file",
+        default=None,
+        help="the secret that authenticates frames to and from ranks on other hosts "
+        "(mode 600; default: $PAGEDSERVE_CLUSTER_SECRET)",
     )
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
@@ -289,6 +318,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from actors.cluster_secret import load_cluster_secret
     from actors.worker_launch import WorkerLaunch
     from engine.engine_args import EngineArgs
     from engine.worker.builtin_model import BUILTIN_MODEL_SPEC
@@ -299,8 +329,13 @@ def _serve(args: argparse.Namespace) -> int:
         say("serving the built-in random model (byte-level tokenizer: its replies are noise)")
     engine_args = EngineArgs(model=model, **_engine_kwargs(args))
     engine_config = None
+    remote = args.local_ranks is not None and args.local_ranks != args.tensor_parallel_size
+    if remote:  # ranks on other hosts: check the model splits before waiting for them
+        engine_config = _check_local_ranks(args, engine_args)
     if args.data_parallel_size == 1:
-        launches = [WorkerLaunch.start(engine_args)]  # the model loads while the server starts
+        secret = load_cluster_secret(args.cluster_secret_file) if remote else None
+        launch = WorkerLaunch.start(engine_args, local_ranks=args.local_ranks, secret=secret)
+        launches = [launch]  # the model loads while the server starts
     else:  # the config first: its device decides each replica's GPUs
         from actors.replica_launch import launch_replicas
 
@@ -312,6 +347,16 @@ def _serve(args: argparse.Namespace) -> int:
     finally:
         for launch in launches:
             launch.abandon()  # a no-op after the engine's own shutdown
+
+
+def _check_local_ranks(args: argparse.Namespace, engine_args):
+    """The engine config, once `--local-ranks` is known to fit (ValueError naming it)."""
+    tp = args.tensor_parallel_size
+    if not 1 <= args.local_ranks <= tp:
+        raise ValueError(f"--local-ranks must be in [1, {tp}] (the tensor-parallel size)")
+    if args.data_parallel_size > 1:
+        raise ValueError("--local-ranks below -tp works with one replica (-dp 1) only")
+    return engine_args.build()
 
 
 def _run_server(args, engine_args, engine_config, launches, default_name, builtin) -> int:
@@ -377,7 +422,13 @@ def _chat(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    commands = {"generate": _generate, "serve": _serve, "chat": _chat, "fetch": fetch}
+    commands = {
+        "generate": _generate,
+        "serve": _serve,
+        "worker": _worker,
+        "chat": _chat,
+        "fetch": fetch,
+    }
     try:
         return commands[args.command](args)
     except ValueError as exc:  # configuration errors: one clear line, no traceback

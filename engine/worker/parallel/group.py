@@ -18,6 +18,15 @@ import torch.distributed as dist
 from engine.config import ParallelConfig
 
 COLLECTIVE_TIMEOUT_S = 60.0
+JOIN_TIMEOUT_S = 300.0  # how long ranks wait for each other to start (remote ones by hand)
+HEAD_SCHEME = "pagedserve-head://"
+
+
+def head_init_method(address: str, run_id: str) -> str:
+    """The rendezvous of a group whose head process serves torch.distributed's TCP store
+    at `address` (HOST:PORT) for run `run_id` (see `actors.head`): every rank, local or
+    remote, joins it as a client, under keys prefixed by the run id."""
+    return f"{HEAD_SCHEME}{address}/{run_id}"
 
 
 @dataclass(frozen=True)
@@ -44,17 +53,18 @@ class TensorParallelGroup:
         device: str = "cpu",
     ) -> TensorParallelGroup:
         """Joins the default process group (`init_method`: `tcp://HOST:PORT`, the rank
-        0 host serving torch.distributed's TCP store, or `file://PATH`); backend: NCCL
-        when CUDA is available, else gloo. A collective waiting longer than `timeout_s`
-        for a rank raises (a stalled rank cannot hang the others for ever)."""
+        0 host serving torch.distributed's TCP store; `file://PATH`; or
+        `head_init_method(...)`, a store the head serves); backend: NCCL when CUDA is
+        available, else gloo. A collective waiting longer than `timeout_s` for a rank
+        raises (a stalled rank cannot hang the others for ever)."""
         if world_size > 1 and not dist.is_initialized():
             backend = backend or ("nccl" if str(device).startswith("cuda") else "gloo")
+            timeout = timedelta(seconds=timeout_s)
+            where: dict = {"init_method": init_method}
+            if init_method.startswith(HEAD_SCHEME):
+                where = {"store": _head_store(init_method, rank, world_size)}
             dist.init_process_group(
-                backend,
-                init_method=init_method,
-                rank=rank,
-                world_size=world_size,
-                timeout=timedelta(seconds=timeout_s),
+                backend, rank=rank, world_size=world_size, timeout=timeout, **where
             )
         return cls(rank, world_size, str(device))
 
@@ -117,6 +127,19 @@ class TensorParallelGroup:
             )
         part = size // self.world_size
         return self.rank * part, (self.rank + 1) * part
+
+
+def _head_store(init_method: str, rank: int, world_size: int) -> dist.Store:
+    """This rank's view of the head's store: a client, keys under the run's prefix, once
+    every rank has arrived (waiting up to JOIN_TIMEOUT_S: ranks on other hosts may be
+    started by hand)."""
+    address, _, run_id = init_method.removeprefix(HEAD_SCHEME).partition("/")
+    host, _, port = address.rpartition(":")
+    client = dist.TCPStore(host, int(port), None, False, timedelta(seconds=JOIN_TIMEOUT_S))
+    store = dist.PrefixStore(f"{run_id}/group", client)
+    store.set(f"arrived/{rank}", b"1")
+    store.wait([f"arrived/{r}" for r in range(world_size)])
+    return store
 
 
 def join_group(parallel: ParallelConfig, device: str, rank: int) -> TensorParallelGroup:
