@@ -1,10 +1,11 @@
 """`pagedserve` command line.
 
-`serve` runs the HTTP/WebSocket server, `chat` is a terminal chat client of a running
-server, `generate` runs an offline batch through `engine.LLM`, `fetch` downloads the
-default model (SmolLM2-135M-Instruct, engine/default_model.py) into the cache. Without
-a model argument, `serve` and `generate` run the default model; `--model builtin:tiny`
-is the built-in random model."""
+`serve` runs the HTTP/WebSocket server, `worker` a tensor-parallel rank on another host
+joining a server's group, `chat` is a terminal chat client of a running server,
+`generate` runs an offline batch through `engine.LLM`, `fetch` downloads the default
+model (SmolLM2-135M-Instruct, engine/default_model.py) into the cache. Without a model
+argument, `serve` and `generate` run the default model; `--model builtin:tiny` is the
+built-in random model."""
 
 from __future__ import annotations
 
@@ -46,8 +47,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "--distributed-address",
         default=None,
         metavar="HOST:PORT",
-        help="where rank 0's host serves torch.distributed's store (default: ranks on this "
-        "host meet through a private file)",
+        help="where torch.distributed's store listens: rank 0's host, or this server's when "
+        "ranks join from other hosts (--local-ranks); default: ranks on this host meet "
+        "through a private file",
     )
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
     p.add_argument("--block-size", type=int, default=16)

@@ -221,3 +221,34 @@ async def test_an_idle_rank_sees_the_head_go():
     assert await gone() == f"the head at 127.0.0.1:{port} started another run"
     del store
     assert await gone() == f"the head at 127.0.0.1:{port} is gone"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("argv", "env", "message"),
+    [
+        (["serve", "-tp", "2", "--local-ranks", "3"], {}, "--local-ranks must be in [1, 2]"),
+        (["serve", "-tp", "2", "--local-ranks", "1"], {}, "need --distributed-address HOST:PORT"),
+        (
+            ["serve", "-tp", "2", "--local-ranks", "1", "--distributed-address", "127.0.0.1:9"],
+            {},
+            "need the cluster secret: set PAGEDSERVE_CLUSTER_SECRET",
+        ),
+        (["worker", "--head", "tcp://127.0.0.1:9", "--rank", "1"], {}, "needs the cluster secret"),
+        (
+            ["worker", "--head", "127.0.0.1", "--rank", "1"],
+            {"PAGEDSERVE_CLUSTER_SECRET": SECRET.decode()},
+            "--head must be HOST:PORT",
+        ),
+    ],
+)
+def test_the_command_line_refuses_what_cannot_work(argv, env, message, capsys, monkeypatch):
+    from web.cli import main
+
+    monkeypatch.delenv("PAGEDSERVE_CLUSTER_SECRET", raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    if argv[0] == "serve":
+        argv = [*argv, "--model", "builtin:tiny"]
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
