@@ -93,6 +93,8 @@ async def serve_rank(head: str, rank: int, secret: bytes, join_timeout_s: float)
     auth = FrameAuth(secret)
     joined = await asyncio.to_thread(join, store, rank, auth)
     os.environ.update(gloo_environment(host, port))  # read by this process's gloo
+    # the only rank on this host: its cores are its own (join_group would split them)
+    os.environ.setdefault("OMP_NUM_THREADS", str(len(os.sched_getaffinity(0))))
     ctx = zmq.asyncio.Context()
     plans = auth.for_channel(channel(joined.run_id, f"plan-{rank}"))
     inbox = zmq_inbox(ctx, f"tcp://{address_towards(host, port)}:*", plans)

@@ -5,7 +5,10 @@ launches its replicas' workers first thing. On CUDA, replica r's worker sees onl
 own GPUs through CUDA_VISIBLE_DEVICES (the r-th slice of the GPUs this process sees,
 `gpus_per_replica` each), so every replica's worker runs on its "cuda:0" and sizes its
 KV cache against a GPU no other replica uses; too few GPUs is refused before anything
-is launched. On CPU the replicas share the cores (each worker its own process).
+is launched. On CPU the replicas split the cores: each worker process gets an equal share
+of threads (OMP_NUM_THREADS, unless the user set it), since N workers each spinning up
+a thread per core would fight over every core (on 2 cores, 2 replicas ran at 40% of
+their split-core throughput, and varied 2x run to run; bench/scaling_dp.py).
 """
 
 from __future__ import annotations
@@ -48,13 +51,23 @@ def replica_gpus(num_replicas: int, gpus_per_replica: int, visible: Sequence[str
     return [",".join(visible[r * per : (r + 1) * per]) for r in range(num_replicas)]
 
 
+def cpu_thread_share(num_processes: int, environ: Mapping[str, str]) -> dict[str, str]:
+    """OMP_NUM_THREADS for one of `num_processes` worker processes sharing this process's
+    cores evenly (at least 1); nothing when the user set OMP_NUM_THREADS."""
+    if "OMP_NUM_THREADS" in environ:
+        return {}
+    cores = len(os.sched_getaffinity(0))
+    return {"OMP_NUM_THREADS": str(max(1, cores // num_processes))}
+
+
 def replica_envs(
     num_replicas: int, device: str, gpus_per_replica: int, environ: Mapping[str, str]
 ) -> list[dict[str, str]]:
     """The extra environment of each replica's worker on `device` (the engine config's
     resolved device: "cpu", "cuda")."""
     if not device.startswith("cuda"):
-        return [{} for _ in range(num_replicas)]
+        share = cpu_thread_share(num_replicas * gpus_per_replica, environ)
+        return [dict(share) for _ in range(num_replicas)]
     if device != "cuda":
         raise ValueError(
             f"device {device!r} names one GPU; with --data-parallel-size each replica "
@@ -81,8 +94,9 @@ def launch_replicas(args: EngineArgs, num_replicas: int, device: str) -> list[Wo
     try:
         for replica, env in enumerate(envs):
             launches.append(WorkerLaunch.start(args, extra_env=env))
-            gpus = f" on GPU {env['CUDA_VISIBLE_DEVICES']}" if env else ""
-            logger.info("replica %d: worker pid %d%s", replica, launches[-1].process.pid, gpus)
+            gpus = env.get("CUDA_VISIBLE_DEVICES")
+            where = f" on GPU {gpus}" if gpus else f", {env.get('OMP_NUM_THREADS', 'all')} threads"
+            logger.info("replica %d: worker pid %d%s", replica, launches[-1].process.pid, where)
     except BaseException:
         for launch in launches:
             launch.abandon()

@@ -161,8 +161,7 @@ async def run_worker(
     """Builds the worker, then runs it on these channels (`scheduler` None: a rank that
     never answers) until Shutdown, or until `gone()` names a reason to stop (asked
     every half second: nobody left to serve); False if its actor crashed or it was
-    left. Starts
-    `heartbeat` once the model is built, and stops it."""
+    left. Starts `heartbeat` once the model is built, and stops it."""
     try:
         worker, ready = _build(args, worker_id, null_worker, rank)
         actor = WorkerActor(worker, inbox, scheduler, answers=rank == 0)

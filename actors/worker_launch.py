@@ -19,19 +19,18 @@ import logging
 import os
 import shutil
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from actors.transport import ipc_address, new_run_dir
+from engine.child_process import start_module
 
 if TYPE_CHECKING:
     from actors.head import Head
     from engine.engine_args import EngineArgs
 
 logger = logging.getLogger(__name__)
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def engine_args_json(args: EngineArgs) -> str:
@@ -51,12 +50,7 @@ def spawn_worker(
     """Starts `python -m actors.worker_actor` with this repository importable
     (`null_worker`: a NullWorker, no model, for control-plane benchmarks; `heartbeat`:
     where its heartbeats go, none when None; `rank`: its tensor-parallel rank)."""
-    path = os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))
-    env = dict(os.environ, PYTHONPATH=path, **(extra_env or {}))
     cmd = [
-        sys.executable,
-        "-m",
-        "actors.worker_actor",
         "--engine-args",
         engine_args_json(args),
         "--inbox",
@@ -70,7 +64,7 @@ def spawn_worker(
         *(["--null-worker"] if null_worker else []),
         *(["--heartbeat", heartbeat] if heartbeat else []),
     ]
-    return subprocess.Popen(cmd, env=env)
+    return start_module("actors.worker_actor", cmd, extra_env)
 
 
 @dataclass(frozen=True)

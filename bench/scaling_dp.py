@@ -10,7 +10,9 @@
     second from the first request sent to the last one finished; the target is (a)
     within 10% of (b) (`ratio` = a / b >= 0.9). Each system is warmed up (one short
     request per engine) before it is timed, and the two run one after the other, with
-    the same worker placement (`launch_replicas`: on CUDA, one GPU per engine).
+    the same worker placement (`launch_replicas`: on CUDA, one GPU per engine; on CPU,
+    half the cores' threads each). (c) For the record, DP = 1: one engine given every
+    request, its worker on every core (`one_engine_tok_s`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from engine.engine_args import EngineArgs  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 
 NUM_REPLICAS = 2
+WARM_UP = [1, 2, 3]  # token ids: every model reads them
 
 
 def run_dp(
@@ -44,14 +47,16 @@ def run_dp(
     if num_requests < NUM_REPLICAS or max_tokens < 1:
         raise ValueError(f"need num_requests >= {NUM_REPLICAS} and max_tokens >= 1")
     args = EngineArgs(model=model, **(engine_kwargs or {}))
-    prompts = [f"request {i}: a short story about the number {i}." for i in range(num_requests)]
+    prompts = _prompts(num_requests, args.skip_tokenizer_init)
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    one_engine = asyncio.run(_one_engine(args, prompts, params))
     replica_set = asyncio.run(_replica_set(args, prompts, params))
     separate = asyncio.run(_separate(args, prompts, params))
     return {
         "model": model,
         "num_requests": num_requests,
         "max_tokens": max_tokens,
+        "one_engine_tok_s": one_engine,
         "replica_set_tok_s": replica_set,
         "separate_engines_tok_s": separate,
         "ratio": replica_set / separate,
@@ -59,11 +64,29 @@ def run_dp(
     }
 
 
+def _prompts(num_requests: int, token_ids: bool) -> list[str] | list[list[int]]:
+    """Distinct prompts (no shared prefix for the router to follow): texts, or 32 token
+    ids each for a model without a tokenizer."""
+    if token_ids:
+        return [[10 + (i * 7 + j * 13) % 1000 for j in range(32)] for i in range(num_requests)]
+    return [f"request {i}: a short story about the number {i}." for i in range(num_requests)]
+
+
+async def _one_engine(args: EngineArgs, prompts: list, params: SamplingParams) -> float:
+    """DP = 1, for the record: one engine, its worker on every core, every request."""
+    engine = await AsyncEngine.start(args)
+    try:
+        await _tokens(engine, WARM_UP, params)
+        return await _throughput([(engine, prompts)], params)
+    finally:
+        await engine.shutdown()
+
+
 async def _replica_set(args: EngineArgs, prompts: list[str], params: SamplingParams) -> float:
     config = await asyncio.to_thread(args.build)
     replicas = await ReplicaSet.start(args, NUM_REPLICAS, config=config)
     try:
-        await asyncio.gather(*(_tokens(r, "warm up", params) for r in replicas.replicas))
+        await asyncio.gather(*(_tokens(r, WARM_UP, params) for r in replicas.replicas))
         return await _throughput([(replicas, prompts)], params)
     finally:
         await replicas.shutdown()
@@ -78,7 +101,7 @@ async def _separate(args: EngineArgs, prompts: list[str], params: SamplingParams
         failed = [e for e in engines if isinstance(e, BaseException)]
         if failed:
             raise failed[0]
-        await asyncio.gather(*(_tokens(e, "warm up", params) for e in engines))
+        await asyncio.gather(*(_tokens(e, WARM_UP, params) for e in engines))
         halves = [(e, prompts[i::NUM_REPLICAS]) for i, e in enumerate(engines)]
         return await _throughput(halves, params)
     finally:

@@ -3,6 +3,8 @@ rules, no GPU needed), and the replica count's range."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from actors.replica_launch import check_num_replicas, replica_envs, replica_gpus
@@ -15,8 +17,13 @@ def test_each_replica_gets_its_own_slice_of_the_visible_gpus():
     assert envs == [{"CUDA_VISIBLE_DEVICES": "3"}, {"CUDA_VISIBLE_DEVICES": "5"}]
 
 
-def test_cpu_replicas_share_the_machine():
-    assert replica_envs(3, "cpu", 1, {"CUDA_VISIBLE_DEVICES": "0"}) == [{}, {}, {}]
+def test_cpu_replicas_split_the_cores():
+    cores = len(os.sched_getaffinity(0))
+    envs = replica_envs(2, "cpu", 1, {"CUDA_VISIBLE_DEVICES": "0"})
+    assert envs == [{"OMP_NUM_THREADS": str(max(1, cores // 2))}] * 2
+    two_ranks_each = replica_envs(2, "cpu", 2, {})
+    assert two_ranks_each == [{"OMP_NUM_THREADS": str(max(1, cores // 4))}] * 2
+    assert replica_envs(3, "cpu", 1, {"OMP_NUM_THREADS": "3"}) == [{}, {}, {}]  # the user's
 
 
 def test_too_few_gpus_or_one_named_gpu_are_refused_before_anything_runs():

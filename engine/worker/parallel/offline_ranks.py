@@ -16,17 +16,16 @@ import logging
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 from dataclasses import dataclass
 
+from engine.child_process import start_module
 from engine.engine_args import EngineArgs
 from engine.messages import Shutdown, StepPlan, StepResult
 from engine.worker.parallel.plan_relay import PlanRelay
 from engine.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 @dataclass
@@ -42,14 +41,10 @@ class OfflineRanks:
         run_dir = tempfile.mkdtemp(prefix="pagedserve-tp-")
         init = f"file://{os.path.join(run_dir, 'rendezvous')}"
         args = dataclasses.replace(args, distributed_init_method=init)
-        path = os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))
-        env = dict(os.environ, PYTHONPATH=path)
         payload = json.dumps(dataclasses.asdict(args))
         processes = [
-            subprocess.Popen(
-                [sys.executable, "-m", "engine.worker.parallel.follower"]
-                + ["--engine-args", payload, "--rank", str(rank)],
-                env=env,
+            start_module(
+                "engine.worker.parallel.follower", ["--engine-args", payload, "--rank", str(rank)]
             )
             for rank in range(1, args.tensor_parallel_size)
         ]
