@@ -334,6 +334,11 @@ def _serve(args: argparse.Namespace) -> int:
     remote = args.local_ranks is not None and args.local_ranks != args.tensor_parallel_size
     if remote:  # ranks on other hosts: check the model splits before waiting for them
         engine_config = _check_local_ranks(args, engine_args)
+    elif args.cluster_secret_file is not None:
+        raise ValueError(
+            "--cluster-secret-file is for ranks on other hosts: pass --local-ranks below "
+            "--tensor-parallel-size too, or drop it"
+        )
     if args.data_parallel_size == 1:
         secret = load_cluster_secret(args.cluster_secret_file) if remote else None
         launch = WorkerLaunch.start(engine_args, local_ranks=args.local_ranks, secret=secret)

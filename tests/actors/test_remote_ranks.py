@@ -234,6 +234,7 @@ async def test_an_idle_rank_sees_the_head_go():
             {},
             "need the cluster secret: set PAGEDSERVE_CLUSTER_SECRET",
         ),
+        (["serve", "--cluster-secret-file", "/x"], {}, "--cluster-secret-file is for ranks on"),
         (["worker", "--head", "tcp://127.0.0.1:9", "--rank", "1"], {}, "needs the cluster secret"),
         (
             ["worker", "--head", "127.0.0.1", "--rank", "1"],
