@@ -19,18 +19,16 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-import zmq
 
 from actors.async_engine import AsyncEngine, Supervision
-from actors.frame_auth import FrameAuth
 from actors.head_record import RUN_KEY, channel
 from actors.remote_rank import _head_gone
 from actors.worker_launch import WorkerLaunch
-from engine.codec import encode
 from engine.engine_args import EngineArgs
 from engine.llm import LLM
-from engine.messages import Shutdown
 from engine.sampling_params import SamplingParams
+from tests.actors.forged_frames import forgeries, push
+from tests.actors.open_streams import streams_under_way, tokens_of
 from tests.eventually import eventually
 from web.launch import REPO, free_port
 
@@ -77,17 +75,9 @@ async def _start(port: int, worker_log: Path, supervision=None):
     return engine, worker
 
 
-async def _tokens(engine: AsyncEngine, prompt, params, rid) -> list[list[int]]:
-    per_seq: dict[int, list[int]] = {}
-    async for out in engine.generate(prompt, params, rid):
-        assert out.error is None, out.error
-        per_seq.setdefault(out.index, []).extend(out.token_ids)
-    return [per_seq[i] for i in sorted(per_seq)]
-
-
 async def _generate_all(engine: AsyncEngine, tag: str) -> list[list[list[int]]]:
     runs = (
-        _tokens(engine, p, sp, f"{tag}{i}")
+        tokens_of(engine, p, sp, f"{tag}{i}")
         for i, (p, sp) in enumerate(zip(PROMPTS, PARAMS, strict=True))
     )
     return await asyncio.wait_for(asyncio.gather(*runs), timeout=60)
@@ -97,28 +87,6 @@ def _one_device() -> list[list[list[int]]]:
     with LLM("builtin:tiny", **KWARGS) as llm:
         outputs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
     return [[list(c.token_ids) for c in out.outputs] for out in outputs]
-
-
-def _send(address: str, frames: list[bytes]) -> None:
-    """Pushes raw frames to `address`, as anyone on the network could."""
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.PUSH)
-    sock.setsockopt(zmq.LINGER, 2000)
-    sock.connect(address)
-    for frame in frames:
-        sock.send(frame)
-    sock.close()
-    ctx.term()
-
-
-def _forgeries(auth_channel: str) -> list[bytes]:
-    """A Shutdown (would stop the worker) unsealed, sealed under another secret, and
-    sealed right but altered on the way."""
-    plan = encode(Shutdown("forged"))
-    forged = FrameAuth(b"x" * 32, auth_channel).seal(plan)
-    tampered = bytearray(FrameAuth(SECRET, auth_channel).seal(plan))
-    tampered[30] ^= 0xFF
-    return [plan, forged, bytes(tampered)]
 
 
 @pytest.mark.timeout(180)
@@ -131,9 +99,9 @@ async def test_a_remote_rank_serves_like_one_device_and_refuses_forged_frames(tm
         assert await _generate_all(engine, "a") == expected
         caplog.set_level(logging.WARNING, logger="actors.frame_auth")
         plans = head.plan_addresses()[1]
-        _send(plans, _forgeries(channel(head.run_id, "plan-1")))
+        push(plans, forgeries(SECRET, channel(head.run_id, "plan-1")))
         heartbeats = head.monitors[0].endpoint.replace("0.0.0.0", "127.0.0.1")
-        _send(heartbeats, _forgeries(channel(head.run_id, "heartbeat-1")))
+        push(heartbeats, forgeries(SECRET, channel(head.run_id, "heartbeat-1")))
         await eventually(lambda: head.monitors[0].num_refused == 3, 10, "heartbeats refused")
         assert await _generate_all(engine, "b") == expected  # the group keeps serving
         assert engine.is_healthy
@@ -172,18 +140,7 @@ async def test_losing_the_remote_rank_fails_every_request_within_ten_seconds(tmp
     engine, worker = await _start(
         free_port(), tmp_path / "worker.log", Supervision(worker_timeout_s=5.0)
     )
-    params = SamplingParams(max_tokens=60, ignore_eos=True)
-    first_token = asyncio.Event()
-
-    async def consume(rid):
-        last = None
-        async for out in engine.generate([3, 4, 5], params, rid):
-            first_token.set()
-            last = out
-        return last
-
-    tasks = [asyncio.create_task(consume(f"k{i}")) for i in range(3)]
-    await asyncio.wait_for(first_token.wait(), timeout=60)
+    tasks = await streams_under_way(engine, [f"k{i}" for i in range(3)])
     worker.send_signal(signal.SIGKILL)
     killed_at = time.monotonic()
     finals = await asyncio.wait_for(asyncio.gather(*tasks), timeout=10)

@@ -16,6 +16,7 @@ from actors.async_engine import AsyncEngine, Supervision
 from engine.engine_args import EngineArgs
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
+from tests.actors.open_streams import streams_under_way, tokens_of
 from tests.eventually import eventually
 
 KWARGS = dict(skip_tokenizer_init=True, block_size=4, kv_cache_memory=1 << 20, max_model_len=64)
@@ -25,14 +26,6 @@ PARAMS = [
     SamplingParams(max_tokens=12, n=2, temperature=0.8, seed=3, ignore_eos=True),
     SamplingParams(max_tokens=12, n=2, use_beam_search=True, temperature=0, ignore_eos=True),
 ]
-
-
-async def _tokens(engine: AsyncEngine, prompt, params, rid) -> list[list[int]]:
-    per_seq: dict[int, list[int]] = {}
-    async for out in engine.generate(prompt, params, rid):
-        assert out.error is None, out.error
-        per_seq.setdefault(out.index, []).extend(out.token_ids)
-    return [per_seq[i] for i in sorted(per_seq)]
 
 
 @pytest.mark.timeout(180)
@@ -50,7 +43,7 @@ async def test_two_served_ranks_match_one_device():
         got = await asyncio.wait_for(
             asyncio.gather(
                 *(
-                    _tokens(engine, p, sp, f"r{i}")
+                    tokens_of(engine, p, sp, f"r{i}")
                     for i, (p, sp) in enumerate(zip(PROMPTS, PARAMS, strict=True))
                 )
             ),
@@ -72,18 +65,7 @@ async def test_losing_a_rank_fails_every_request_within_ten_seconds():
         supervision=Supervision(worker_timeout_s=5.0),
     )
     run_dir = engine._run_dir
-    params = SamplingParams(max_tokens=60, ignore_eos=True)
-    first_token = asyncio.Event()
-
-    async def consume(rid):
-        last = None
-        async for out in engine.generate([3, 4, 5], params, rid):
-            first_token.set()
-            last = out
-        return last
-
-    tasks = [asyncio.create_task(consume(f"k{i}")) for i in range(4)]
-    await asyncio.wait_for(first_token.wait(), timeout=60)
+    tasks = await streams_under_way(engine, [f"k{i}" for i in range(4)])
     engine._workers[1].send_signal(signal.SIGKILL)
     killed_at = time.monotonic()
     finals = await asyncio.wait_for(asyncio.gather(*tasks), timeout=10)
@@ -102,18 +84,7 @@ async def test_a_frozen_rank_takes_the_group_down():
         EngineArgs(model="builtin:tiny", tensor_parallel_size=2, **KWARGS),
         supervision=Supervision(worker_timeout_s=2.0),
     )
-    params = SamplingParams(max_tokens=60, ignore_eos=True)
-    first_token = asyncio.Event()
-
-    async def consume():
-        last = None
-        async for out in engine.generate([3, 4, 5], params, "frozen"):
-            first_token.set()
-            last = out
-        return last
-
-    task = asyncio.create_task(consume())
-    await asyncio.wait_for(first_token.wait(), timeout=60)
+    [task] = await streams_under_way(engine, ["frozen"])
     engine._workers[1].send_signal(signal.SIGSTOP)
     stopped_at = time.monotonic()
     final = await asyncio.wait_for(task, timeout=10)

@@ -26,12 +26,11 @@ import pytest
 import torch.distributed as dist
 
 from actors.frame_auth import _HEADER as SEALED_HEADER
-from actors.frame_auth import OVERHEAD, FrameAuth
+from actors.frame_auth import OVERHEAD
 from actors.head_record import JOIN_KEY, RUN_KEY, channel, rank_key
-from engine.codec import encode
 from engine.llm import LLM
-from engine.messages import Shutdown
 from engine.sampling_params import SamplingParams
+from tests.actors.forged_frames import forgeries, push
 from web.launch import REPO, ServerProcess, free_port
 
 SECRET = "two-hosts-test-secret-0123456789abcdef"
@@ -121,25 +120,6 @@ def _published(hosts: TwoHosts, port: int) -> tuple[str, str, str]:
     return run_id, plans.decode(), join["heartbeat_addresses"][0]
 
 
-def _forge(address: str, auth_channel: str) -> None:
-    """Pushes a Shutdown unsealed, sealed under another secret, and sealed right but
-    altered on the way: none may stop or pass for anything."""
-    import zmq
-
-    plan = encode(Shutdown("forged"))
-    tampered = bytearray(FrameAuth(SECRET.encode(), auth_channel).seal(plan))
-    tampered[30] ^= 0xFF
-    frames = [plan, FrameAuth(b"y" * 32, auth_channel).seal(plan), bytes(tampered)]
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.PUSH)
-    sock.setsockopt(zmq.LINGER, 5000)
-    sock.connect(address)
-    for frame in frames:
-        sock.send(frame)
-    sock.close()
-    ctx.term()
-
-
 @pytest.mark.timeout(300)
 def test_two_hosts_serve_over_an_authenticated_link(two_hosts, tmp_path):
     with LLM("builtin:tiny", max_model_len=64) as llm:
@@ -166,8 +146,8 @@ def test_two_hosts_serve_over_an_authenticated_link(two_hosts, tmp_path):
 
         run_id, plans, heartbeats = _published(two_hosts, port)
         assert plans.startswith(f"tcp://{two_hosts.worker_ip}:")  # across the link
-        _forge(plans, channel(run_id, "plan-1"))
-        _forge(heartbeats, channel(run_id, "heartbeat-1"))
+        push(plans, forgeries(SECRET.encode(), channel(run_id, "plan-1")))
+        push(heartbeats, forgeries(SECRET.encode(), channel(run_id, "heartbeat-1")))
         assert _complete(server) == expected  # still two ranks, still serving
         assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
     finally:
