@@ -1,0 +1,215 @@
+"""`Simulator`: the real `EngineCore` (scheduler, block tables, plan builder, stop
+checks) driven on a virtual clock by a model-free worker.
+
+Each step is what the engine would run: arrivals up to the clock are added, the core
+plans a step, a `NullWorker` applies the plan to its own request cache and "samples" a
+fixed token for every sampling row (requests ignore EOS and stop at their trace's
+output length), and the clock advances by the cost model's time for that step's shape.
+When nothing can run, the clock jumps to the next arrival. Nothing here sleeps or reads
+a wall clock, so a run is a pure function of its trace, configuration and cost model.
+
+What it reports (`SimulationResult`): each request's arrival, first token and finish
+times; per step, its start, duration, batch size, tokens and KV blocks in use (and the
+scheduled request ids when `record_batches`, for comparing with the real engine).
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from engine.config import PreemptionMode, SchedulerConfig
+from engine.core.engine_core import EngineCore
+from engine.kv.kv_cache_manager import KVCacheManager
+from engine.messages import AddRequest, StepPlan, StepResult
+from engine.sampling_params import SamplingParams
+from engine.sim.cost_model import CostModel, StepShape
+from engine.sim.trace import TraceRequest
+from engine.worker.worker import NullWorker
+
+SAMPLED_TOKEN = 7  # what the model-free worker "samples" (no request stops on it)
+SYNTHETIC_VOCAB = 30_000
+
+
+@dataclass(frozen=True)
+class SimulatorConfig:
+    """The engine being simulated: its scheduler budgets, KV cache (`num_blocks` of
+    `block_size` tokens; `num_cpu_blocks` of swap space), prefix caching, preemption
+    mode and pipeline depth (1: each result before the next plan, as the simulator's
+    clock assumes; 2: one step ahead, as the server runs)."""
+
+    scheduler: SchedulerConfig
+    num_blocks: int
+    block_size: int = 16
+    enable_prefix_caching: bool = False
+    preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE
+    num_cpu_blocks: int = 0
+    pipeline_depth: int = 1
+
+
+@dataclass
+class RequestTimes:
+    """One request on the virtual clock (seconds): arrival, first output token, finish
+    (None until then), and its trace lengths."""
+
+    arrival_s: float
+    prompt_len: int
+    output_len: int
+    first_token_s: float | None = None
+    finish_s: float | None = None
+
+    @property
+    def latency_s(self) -> float:
+        return self.finish_s - self.arrival_s
+
+    @property
+    def normalized_latency_s(self) -> float:
+        """End-to-end latency per output token (the paper's Fig. 12 metric)."""
+        return self.latency_s / self.output_len
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One simulated step: when it started, how long it took, how many requests and
+    tokens it computed, the KV blocks in use after planning it, the scheduler's
+    preemptions so far, and (when recorded) the scheduled request ids in plan order."""
+
+    start_s: float
+    duration_s: float
+    batch_size: int
+    num_tokens: int
+    num_used_blocks: int
+    num_preemptions: int
+    request_ids: tuple[str, ...] = ()
+
+
+@dataclass
+class SimulationResult:
+    """What a run produced (see the module doc); `num_preemptions` from the scheduler."""
+
+    requests: dict[str, RequestTimes]
+    steps: list[StepRecord] = field(default_factory=list)
+    num_preemptions: int = 0
+    end_s: float = 0.0
+
+    @property
+    def finished(self) -> list[RequestTimes]:
+        return [r for r in self.requests.values() if r.finish_s is not None]
+
+    def mean_normalized_latency(self) -> float:
+        done = self.finished
+        return sum(r.normalized_latency_s for r in done) / len(done) if done else float("inf")
+
+    def mean_batch_size(self) -> float:
+        return sum(s.batch_size for s in self.steps) / len(self.steps) if self.steps else 0.0
+
+
+class Simulator:
+    """Runs traces through the real engine core (see the module doc). One simulator
+    runs one trace (`run`); make another for the next."""
+
+    def __init__(
+        self, config: SimulatorConfig, cost: CostModel, record_batches: bool = False
+    ) -> None:
+        if config.pipeline_depth not in (1, 2):
+            raise ValueError(f"pipeline_depth must be 1 or 2, got {config.pipeline_depth}")
+        self.config, self.cost, self.record_batches = config, cost, record_batches
+        blocks = KVCacheManager(
+            config.num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            num_cpu_blocks=config.num_cpu_blocks,
+        )
+        self.core = EngineCore(config.scheduler, blocks, frozenset(), config.preemption_mode)
+        self.worker = NullWorker(token_id=SAMPLED_TOKEN)
+        self.clock = 0.0
+
+    def run(self, trace: Sequence[TraceRequest]) -> SimulationResult:
+        """Simulates `trace` (sorted by arrival) until every request has finished."""
+        pending = deque(sorted(trace, key=lambda r: r.arrival_s))
+        times = {r.request_id: RequestTimes(r.arrival_s, r.prompt_len, r.output_len) for r in trace}
+        result = SimulationResult(times)
+        in_flight: deque[tuple[StepResult, float]] = deque()
+        while pending or self.core.has_unfinished or in_flight:
+            self._admit(pending)
+            while len(in_flight) < self.config.pipeline_depth:
+                plan = self.core.plan()
+                if plan is None:
+                    break
+                in_flight.append(self._execute(plan, result))
+            if not in_flight:
+                if not pending:
+                    raise RuntimeError(f"no step can run: {self.core.stats()}")
+                self.clock = max(self.clock, pending[0].arrival_s)
+                continue
+            step_result, done_s = in_flight.popleft()
+            self._deliver(step_result, done_s, times)
+        result.num_preemptions = self.core.scheduler.num_preemptions
+        result.end_s = self.clock
+        return result
+
+    def _admit(self, pending: deque[TraceRequest]) -> None:
+        while pending and pending[0].arrival_s <= self.clock:
+            request = pending.popleft()
+            self.core.add_request(_add_request(request))
+
+    def _execute(self, plan: StepPlan, result: SimulationResult) -> tuple[StepResult, float]:
+        """Runs `plan` on the model-free worker; the clock moves by the step's cost (a
+        plan that computes nothing, only telling the worker what ended, costs nothing
+        and is not a step)."""
+        if not plan.scheduled_ids:
+            return self.worker.execute(plan), self.clock
+        requests = self.core.scheduler.requests
+        contexts = sum(requests[r].num_computed_tokens for r in plan.scheduled_ids)
+        shape = StepShape(sum(plan.num_scheduled_tokens), contexts)
+        duration = self.cost.step_seconds(shape)
+        result.steps.append(
+            StepRecord(
+                self.clock,
+                duration,
+                len(plan.scheduled_ids),
+                shape.num_tokens,
+                self.core.blocks.num_blocks - self.core.blocks.num_free_blocks,
+                self.core.scheduler.num_preemptions,
+                plan.scheduled_ids if self.record_batches else (),
+            )
+        )
+        self.clock += duration
+        return self.worker.execute(plan), self.clock
+
+    def _deliver(self, step: StepResult, done_s: float, times: dict[str, RequestTimes]) -> None:
+        deltas = self.core.on_result(step)
+        for request_id in deltas.request_ids:
+            entry = times[_request_of(request_id)]
+            if entry.first_token_s is None:
+                entry.first_token_s = done_s
+        for finish in deltas.finished:
+            times[_request_of(finish.request_id)].finish_s = done_s
+
+
+def _request_of(sequence_id: str) -> str:
+    """A trace request's id from a sequence's (`rid#i` for n > 1)."""
+    return sequence_id.partition("#")[0]
+
+
+def _add_request(request: TraceRequest) -> AddRequest:
+    params = SamplingParams(
+        n=request.n,
+        max_tokens=request.output_len,
+        ignore_eos=True,
+        temperature=0 if request.beam_width == 1 and request.n == 1 else 1.0,
+        use_beam_search=request.beam_width > 1,
+        best_of=request.beam_width if request.beam_width > 1 else None,
+    )
+    ids = request.prompt_token_ids or _synthetic_prompt(request)
+    return AddRequest(request.request_id, ids, params, request.arrival_s)
+
+
+def _synthetic_prompt(request: TraceRequest) -> tuple[int, ...]:
+    """Distinct ids per request (no accidental prefix sharing), never the sampled one."""
+    seed = zlib.crc32(request.request_id.encode())
+    return tuple(
+        100 + (seed * 7919 + i * 104_729) % SYNTHETIC_VOCAB for i in range(request.prompt_len)
+    )
