@@ -32,14 +32,15 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from engine.config import SchedulerConfig  # noqa: E402
+from engine.config import PreemptionMode, SchedulerConfig  # noqa: E402
 from engine.sim.cost_model import PRESETS, CostModel, preset  # noqa: E402
 from engine.sim.simulator import SimulationResult, Simulator, SimulatorConfig  # noqa: E402
-from engine.sim.trace import poisson_trace  # noqa: E402
+from engine.sim.trace import TraceRequest, poisson_trace, replayed_trace  # noqa: E402
 
 MAX_MODEL_LEN = 2048
 BLOCK_SIZE = 16
-SYSTEMS = ("paged",)
+SYSTEMS = ("paged", "paged-swap", "paged-prefix")
+MOONCAKE = "data/mooncake_conversation_trace.jsonl"
 
 
 def dataset_lengths(dataset: str) -> list[tuple[int, int]]:
@@ -55,18 +56,49 @@ def dataset_lengths(dataset: str) -> list[tuple[int, int]]:
     return [(len(p), o) for p, o in zip(wl.prompts, wl.output_lens, strict=True)]
 
 
+def mooncake_records(limit: int) -> list[tuple[float, int, int, tuple[int, ...]]]:
+    """The Mooncake conversation trace's first `limit` requests: (arrival s, prompt
+    len, output len, 512-token prefix hashes)."""
+    from bench.workload import shared_path
+
+    records = []
+    with open(shared_path(MOONCAKE)) as f:
+        for line in f:
+            row = json.loads(line)
+            hashes = tuple(row["hash_ids"])
+            records.append(
+                (row["timestamp"] / 1000, row["input_length"], row["output_length"], hashes)
+            )
+            if len(records) == limit:
+                break
+    return records
+
+
 def simulator_config(system: str, cost: CostModel) -> SimulatorConfig:
-    """The engine each system name stands for (iteration-level scheduling for all)."""
-    if system != "paged":
+    """The engine each system name stands for (iteration-level scheduling for all):
+    `paged` recomputes preempted requests, `paged-swap` swaps them to a CPU space as
+    large as the GPU cache, `paged-prefix` also caches prefixes."""
+    if system not in SYSTEMS:
         raise ValueError(f"system must be one of {SYSTEMS}, got {system!r}")
     scheduler = SchedulerConfig(256, MAX_MODEL_LEN, MAX_MODEL_LEN)
-    return SimulatorConfig(scheduler, cost.num_blocks(BLOCK_SIZE), BLOCK_SIZE)
+    num_blocks = cost.num_blocks(BLOCK_SIZE)
+    if system == "paged-swap":
+        swap = PreemptionMode.SWAP
+        return SimulatorConfig(scheduler, num_blocks, BLOCK_SIZE, False, swap, num_blocks)
+    return SimulatorConfig(scheduler, num_blocks, BLOCK_SIZE, system == "paged-prefix")
 
 
-def run_point(
-    system: str, cost: CostModel, lengths: list[tuple[int, int]], rate: float, args
-) -> dict:
-    trace = poisson_trace(lengths, rate, int(rate * args.duration), args.seed, MAX_MODEL_LEN)
+def make_trace(lengths, rate: float, args) -> list[TraceRequest]:
+    """A Poisson trace over `args.duration` s of dataset lengths, or the Mooncake trace
+    replayed fast enough to average `rate` requests/s."""
+    if args.dataset != "mooncake":
+        return poisson_trace(lengths, rate, int(rate * args.duration), args.seed, MAX_MODEL_LEN)
+    native = len(lengths) / (lengths[-1][0] - lengths[0][0])
+    return replayed_trace(lengths, rate / native, MAX_MODEL_LEN)
+
+
+def run_point(system: str, cost: CostModel, lengths, rate: float, args) -> dict:
+    trace = make_trace(lengths, rate, args)
     start = time.perf_counter()
     result = Simulator(simulator_config(system, cost), cost).run(trace)
     return summarize(system, rate, result, time.perf_counter() - start)
@@ -82,7 +114,12 @@ def summarize(system: str, rate: float, result: SimulationResult, wall_s: float)
         "mean_batched_requests": result.mean_batch_size(),
         "p50_latency_s": statistics.median(latencies),
         "p90_latency_s": latencies[int(0.9 * (len(latencies) - 1))],
+        "mean_ttft_s": result.mean_ttft(),
         "num_preemptions": result.num_preemptions,
+        "num_swaps": result.stats.num_swaps,
+        "kv_slot_utilization": result.stats.mean_kv_slot_utilization,
+        "prefix_hit_rate": result.stats.prefix_cache_hit_tokens
+        / max(1, result.stats.prefix_cache_queried_tokens),
         "num_steps": len(result.steps),
         "simulated_s": result.end_s,
         "wall_s": wall_s,
@@ -102,6 +139,13 @@ def _latency(points: list[dict], system: str, rate: float) -> float:
         for p in points
         if p["system"] == system and p["rate"] == rate
     )
+
+
+def _mean_lengths(lengths, dataset: str) -> tuple[float, float]:
+    """Mean prompt and output lengths of the dataset's requests (before clipping)."""
+    if dataset == "mooncake":
+        return statistics.fmean(r[1] for r in lengths), statistics.fmean(r[2] for r in lengths)
+    return statistics.fmean(p for p, _ in lengths), statistics.fmean(o for _, o in lengths)
 
 
 def plot(report: dict, path: Path) -> None:
@@ -133,7 +177,8 @@ def plot(report: dict, path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="opt-13b-a100", choices=sorted(PRESETS))
-    p.add_argument("--dataset", default="sharegpt", choices=["sharegpt", "alpaca"])
+    p.add_argument("--dataset", default="sharegpt", choices=["sharegpt", "alpaca", "mooncake"])
+    p.add_argument("--mooncake-requests", type=int, default=3000)
     p.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0, 1.5, 2.0])
     p.add_argument("--duration", type=float, default=3600.0, help="trace seconds per rate")
     p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
@@ -142,7 +187,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="bench/results/simulate.json")
     ns = p.parse_args(argv)
     cost = preset(ns.preset)
-    lengths = dataset_lengths(ns.dataset)
+    if ns.dataset == "mooncake":
+        lengths = mooncake_records(ns.mooncake_requests)
+    else:
+        lengths = dataset_lengths(ns.dataset)
     started = time.perf_counter()
     points = []
     for system in ns.systems:
@@ -155,8 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         "preset": ns.preset,
         "cost_model": cost.__dict__,
         "dataset": ns.dataset,
-        "mean_prompt_len": statistics.fmean(p for p, _ in lengths),
-        "mean_output_len": statistics.fmean(o for _, o in lengths),
+        "mean_lengths": _mean_lengths(lengths, ns.dataset),
         "slo_s_per_token": ns.slo,
         "systems": ns.systems,
         "points": points,

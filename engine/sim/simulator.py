@@ -22,15 +22,15 @@ from dataclasses import dataclass, field
 
 from engine.config import PreemptionMode, SchedulerConfig
 from engine.core.engine_core import EngineCore
+from engine.core.stats import EngineStats
 from engine.kv.kv_cache_manager import KVCacheManager
 from engine.messages import AddRequest, StepPlan, StepResult
 from engine.sampling_params import SamplingParams
 from engine.sim.cost_model import CostModel, StepShape
-from engine.sim.trace import TraceRequest
+from engine.sim.trace import SYNTHETIC_VOCAB, TraceRequest, hashed_prompt
 from engine.worker.worker import NullWorker
 
 SAMPLED_TOKEN = 7  # what the model-free worker "samples" (no request stops on it)
-SYNTHETIC_VOCAB = 30_000
 
 
 @dataclass(frozen=True)
@@ -87,12 +87,17 @@ class StepRecord:
 
 @dataclass
 class SimulationResult:
-    """What a run produced (see the module doc); `num_preemptions` from the scheduler."""
+    """What a run produced (see the module doc); `stats`: the engine core's at the end
+    (preemptions, swaps, prefix-cache hits, mean KV slot utilization)."""
 
     requests: dict[str, RequestTimes]
     steps: list[StepRecord] = field(default_factory=list)
-    num_preemptions: int = 0
+    stats: EngineStats | None = None
     end_s: float = 0.0
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.stats.num_preemptions if self.stats else 0
 
     @property
     def finished(self) -> list[RequestTimes]:
@@ -104,6 +109,11 @@ class SimulationResult:
 
     def mean_batch_size(self) -> float:
         return sum(s.batch_size for s in self.steps) / len(self.steps) if self.steps else 0.0
+
+    def mean_ttft(self) -> float:
+        """Mean time from arrival to the first output token."""
+        done = self.finished
+        return sum(r.first_token_s - r.arrival_s for r in done) / len(done) if done else 0.0
 
 
 class Simulator:
@@ -146,7 +156,7 @@ class Simulator:
                 continue
             step_result, done_s = in_flight.popleft()
             self._deliver(step_result, done_s, times)
-        result.num_preemptions = self.core.scheduler.num_preemptions
+        result.stats = self.core.stats()
         result.end_s = self.clock
         return result
 
@@ -203,7 +213,10 @@ def _add_request(request: TraceRequest) -> AddRequest:
         use_beam_search=request.beam_width > 1,
         best_of=request.beam_width if request.beam_width > 1 else None,
     )
-    ids = request.prompt_token_ids or _synthetic_prompt(request)
+    if request.prefix_hashes:
+        ids = hashed_prompt(request.prefix_hashes, request.prompt_len)
+    else:
+        ids = request.prompt_token_ids or _synthetic_prompt(request)
     return AddRequest(request.request_id, ids, params, request.arrival_s)
 
 

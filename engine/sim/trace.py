@@ -4,8 +4,12 @@ how many tokens they will generate (the true output length, known to the trace).
 from __future__ import annotations
 
 import random
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
+
+SYNTHETIC_VOCAB = 30_000
 
 
 @dataclass(frozen=True)
@@ -13,7 +17,9 @@ class TraceRequest:
     """One request: `arrival_s` on the virtual clock, its prompt (`prompt_len` tokens;
     `prompt_token_ids` when a test or a prefix-sharing workload needs real ids, else
     synthetic distinct ids are made), and `output_len` tokens to generate (EOS ignored).
-    `n`/`best_of`/`beam_width` for parallel sampling and beam search (1: plain)."""
+    `n`/`beam_width` for parallel sampling and beam search (1: plain). With
+    `prefix_hashes`, the prompt is `hashed_prompt(prefix_hashes, prompt_len)`, made when
+    the request is admitted (a long trace holds no token ids until then)."""
 
     request_id: str
     arrival_s: float
@@ -22,6 +28,7 @@ class TraceRequest:
     prompt_token_ids: tuple[int, ...] | None = None
     n: int = 1
     beam_width: int = 1
+    prefix_hashes: tuple[int, ...] = ()  # `hashed_prompt` blocks (a trace's shared prefixes)
 
     def __post_init__(self) -> None:
         if self.prompt_len < 1 or self.output_len < 1:
@@ -54,4 +61,44 @@ def poisson_trace(
             prompt = min(prompt, max_len - 1)
             output = min(output, max_len - prompt)
         trace.append(TraceRequest(f"r{i}", clock, prompt, output))
+    return trace
+
+
+@lru_cache(maxsize=65_536)
+def _hash_block(hash_id: int, tokens_per_hash: int) -> tuple[int, ...]:
+    seed = zlib.crc32(f"block {hash_id}".encode())
+    return tuple(100 + (seed + i * 7919) % SYNTHETIC_VOCAB for i in range(tokens_per_hash))
+
+
+def hashed_prompt(
+    hashes: Sequence[int], length: int, tokens_per_hash: int = 512
+) -> tuple[int, ...]:
+    """`length` token ids where equal hash ids give equal runs of `tokens_per_hash`
+    tokens, in order (a trace's prefix block hashes, e.g. Mooncake's 512-token ones),
+    so prompts sharing leading hashes share a prefix and nothing else."""
+    ids: list[int] = []
+    for hash_id in hashes:
+        if len(ids) >= length:
+            break
+        ids.extend(_hash_block(hash_id, tokens_per_hash))
+    if len(ids) < length:  # longer than its hashes cover: a tail of its own
+        ids.extend(_hash_block(-1 - len(hashes) * 1_000_003 - length, length - len(ids)))
+    return tuple(ids[:length])
+
+
+def replayed_trace(
+    records: Sequence[tuple[float, int, int, tuple[int, ...]]],
+    speedup: float,
+    max_len: int,
+) -> list[TraceRequest]:
+    """A recorded trace's requests ((arrival s, prompt len, output len, prefix hashes)),
+    arriving `speedup` times faster, prompts cut to `max_len - 1` tokens and outputs to
+    fit `max_len`."""
+    if not speedup > 0:
+        raise ValueError(f"speedup must be > 0, got {speedup}")
+    trace = []
+    for i, (arrival, prompt, output, hashes) in enumerate(records):
+        prompt = min(prompt, max_len - 1)
+        output = max(1, min(output, max_len - prompt))
+        trace.append(TraceRequest(f"m{i}", arrival / speedup, prompt, output, prefix_hashes=hashes))
     return trace
