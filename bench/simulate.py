@@ -10,7 +10,8 @@ For each system and request rate: a Poisson trace of `rate * duration` requests 
 Reported per point: mean normalized latency (end-to-end latency / output tokens, the
 paper's Fig. 12), the average number of requests in a batch (Fig. 13), p50/p90
 latency, preemptions, and the simulated and wall seconds. A system's sustained rate is
-the highest rate whose mean normalized latency stays under `--slo` s/token.
+the rate at which its mean normalized latency reaches `--slo` s/token (interpolated
+between the rates run).
 
 Datasets (lengths under the Llama 2 tokenizer, `bench/workload.py`): `sharegpt`, the
 ShareGPT V3 prompts with output lengths from the Azure conversation trace (the ShareGPT
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import statistics
 import sys
@@ -33,13 +35,15 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from engine.config import PreemptionMode, SchedulerConfig  # noqa: E402
+from engine.kv.reservation import ReservationPolicy  # noqa: E402
 from engine.sim.cost_model import PRESETS, CostModel, preset  # noqa: E402
 from engine.sim.simulator import SimulationResult, Simulator, SimulatorConfig  # noqa: E402
 from engine.sim.trace import TraceRequest, poisson_trace, replayed_trace  # noqa: E402
 
 MAX_MODEL_LEN = 2048
 BLOCK_SIZE = 16
-SYSTEMS = ("paged", "paged-swap", "paged-prefix")
+BASELINES = tuple(ReservationPolicy)  # contiguous-max, -pow2, -oracle
+SYSTEMS = ("paged", "paged-swap", "paged-prefix", *BASELINES)
 MOONCAKE = "data/mooncake_conversation_trace.jsonl"
 
 
@@ -77,11 +81,15 @@ def mooncake_records(limit: int) -> list[tuple[float, int, int, tuple[int, ...]]
 def simulator_config(system: str, cost: CostModel) -> SimulatorConfig:
     """The engine each system name stands for (iteration-level scheduling for all):
     `paged` recomputes preempted requests, `paged-swap` swaps them to a CPU space as
-    large as the GPU cache, `paged-prefix` also caches prefixes."""
+    large as the GPU cache, `paged-prefix` also caches prefixes; `contiguous-*` are the
+    paper's Orca baselines (`engine/kv/contiguous_kv_cache.py`)."""
     if system not in SYSTEMS:
         raise ValueError(f"system must be one of {SYSTEMS}, got {system!r}")
     scheduler = SchedulerConfig(256, MAX_MODEL_LEN, MAX_MODEL_LEN)
     num_blocks = cost.num_blocks(BLOCK_SIZE)
+    if system in BASELINES:
+        policy = ReservationPolicy(system)
+        return SimulatorConfig(scheduler, num_blocks, BLOCK_SIZE, allocator=policy)
     if system == "paged-swap":
         swap = PreemptionMode.SWAP
         return SimulatorConfig(scheduler, num_blocks, BLOCK_SIZE, False, swap, num_blocks)
@@ -117,7 +125,8 @@ def summarize(system: str, rate: float, result: SimulationResult, wall_s: float)
         "mean_ttft_s": result.mean_ttft(),
         "num_preemptions": result.num_preemptions,
         "num_swaps": result.stats.num_swaps,
-        "kv_slot_utilization": result.stats.mean_kv_slot_utilization,
+        "kv_used_by_tokens": result.used_by_tokens(),
+        "kv_memory_shares": result.mean_memory_shares(),
         "prefix_hit_rate": result.stats.prefix_cache_hit_tokens
         / max(1, result.stats.prefix_cache_queried_tokens),
         "num_steps": len(result.steps),
@@ -127,18 +136,22 @@ def summarize(system: str, rate: float, result: SimulationResult, wall_s: float)
 
 
 def sustained_rate(points: list[dict], system: str, slo: float) -> float | None:
-    """The highest rate whose mean normalized latency is within `slo` s/token."""
-    ok = [p["rate"] for p in points if p["system"] == system]
-    ok = [r for r in ok if _latency(points, system, r) <= slo]
-    return max(ok, default=None)
-
-
-def _latency(points: list[dict], system: str, rate: float) -> float:
-    return next(
-        p["mean_normalized_latency_s"]
-        for p in points
-        if p["system"] == system and p["rate"] == rate
+    """The request rate at which the system's mean normalized latency reaches `slo`
+    s/token: interpolated (log latency, linear rate) between the last rate under it and
+    the first over it; the highest rate run when none is over; None when even the
+    lowest is over."""
+    curve = sorted(
+        (p["rate"], p["mean_normalized_latency_s"]) for p in points if p["system"] == system
     )
+    under = [(r, lat) for r, lat in curve if lat <= slo]
+    if not under:
+        return None
+    r1, l1 = under[-1]
+    over = [(r, lat) for r, lat in curve if r > r1 and lat > slo]
+    if not over:
+        return r1
+    r2, l2 = over[0]
+    return r1 + (r2 - r1) * math.log(slo / l1) / math.log(l2 / l1)
 
 
 def _mean_lengths(lengths, dataset: str) -> tuple[float, float]:
@@ -181,7 +194,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mooncake-requests", type=int, default=3000)
     p.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0, 1.5, 2.0])
     p.add_argument("--duration", type=float, default=3600.0, help="trace seconds per rate")
-    p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    p.add_argument(
+        "--systems",
+        nargs="+",
+        default=["paged", *BASELINES],
+        choices=SYSTEMS,
+        help="default: ours and the three Orca baselines",
+    )
     p.add_argument("--slo", type=float, default=0.2, help="s/token for the sustained rate")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench/results/simulate.json")

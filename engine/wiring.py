@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, PreemptionMode, SchedulerConfig
 from engine.core.engine_core import EngineCore
 from engine.kv.block_ledger import BlockLedger
 from engine.kv.block_manager import BlockManager
@@ -32,6 +32,18 @@ class EngineParts:
     block_manager: BlockManager | None
 
 
+def build_core(
+    scheduler: SchedulerConfig,
+    blocks: KVCacheManager,
+    eos_token_ids: frozenset[int] = frozenset(),
+    preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE,
+    attention_backend: str = "",
+) -> EngineCore:
+    """The one place an `EngineCore` is built: for the engines (`build_engine`) and for
+    the simulator (`engine.sim`, its block tables paged or contiguous)."""
+    return EngineCore(scheduler, blocks, eos_token_ids, preemption_mode, attention_backend)
+
+
 def build_engine(
     config: EngineConfig,
     ready: WorkerReady,
@@ -44,7 +56,7 @@ def build_engine(
     tables = (ready.num_blocks, ready.block_size, cache.enable_prefix_caching, 0)
     tables += (ready.num_cpu_blocks,)
     blocks = BlockLedger(*tables) if with_block_manager else KVCacheManager(*tables)
-    core = EngineCore(
+    core = build_core(
         config.scheduler,
         blocks,
         model.eos_token_ids,

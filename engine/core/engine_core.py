@@ -187,7 +187,7 @@ class EngineCore:
         blocks = self.blocks
         stored = sum(r.num_computed_tokens for r in self.scheduler.running)
         self.utilization.record(stored, blocks.num_allocated_slots())
-        self.sharing.record(blocks.num_table_blocks(), blocks.pool.num_used)
+        self.sharing.record(blocks.num_table_blocks(), blocks.num_used_blocks)
 
     def stats(self) -> EngineStats:
         """The one stats source (`LLM.stats()`, `AsyncEngine.stats()`, `/metrics`)."""
@@ -204,8 +204,8 @@ class EngineCore:
             num_waiting=len(scheduler.waiting),
             prefix_cache_queried_tokens=scheduler.prefix_stats.queried_tokens,
             prefix_cache_hit_tokens=scheduler.prefix_stats.hit_tokens,
-            num_cached_blocks=blocks.pool.num_cached,
-            num_cache_evictions=blocks.pool.num_evictions,
+            num_cached_blocks=blocks.num_cached_blocks,
+            num_cache_evictions=blocks.num_cache_evictions,
             num_swaps=scheduler.num_swaps,
             num_swapped_blocks=blocks.num_swapped_blocks,
             kv_sharing_saving=self.sharing.last,

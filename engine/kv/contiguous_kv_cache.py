@@ -103,6 +103,19 @@ class ContiguousKVCacheManager:
     def largest_free_run(self) -> int:
         return self.buddy.largest_free_run
 
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks of every run handed out (a reservation's unused rest included)."""
+        return self.buddy.num_allocated
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return 0  # no prefix caching
+
+    @property
+    def num_cache_evictions(self) -> int:
+        return 0
+
     def blocks_for(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
 

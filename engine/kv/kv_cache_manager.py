@@ -57,6 +57,19 @@ class KVCacheManager:
     def num_free_blocks(self) -> int:
         return self.pool.num_free
 
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks some table holds (cached blocks no table holds are not counted)."""
+        return self.pool.num_used
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return self.pool.num_cached
+
+    @property
+    def num_cache_evictions(self) -> int:
+        return self.pool.num_evictions
+
     def blocks_for(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
 

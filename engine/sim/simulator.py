@@ -21,13 +21,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from engine.config import PreemptionMode, SchedulerConfig
-from engine.core.engine_core import EngineCore
+from engine.core.sequence_group import sequence_id
 from engine.core.stats import EngineStats
+from engine.kv.contiguous_kv_cache import ContiguousKVCacheManager
 from engine.kv.kv_cache_manager import KVCacheManager
+from engine.kv.memory_shares import KVMemoryShares
+from engine.kv.reservation import ReservationPolicy
 from engine.messages import AddRequest, StepPlan, StepResult
 from engine.sampling_params import SamplingParams
 from engine.sim.cost_model import CostModel, StepShape
 from engine.sim.trace import SYNTHETIC_VOCAB, TraceRequest, hashed_prompt
+from engine.wiring import build_core
 from engine.worker.worker import NullWorker
 
 SAMPLED_TOKEN = 7  # what the model-free worker "samples" (no request stops on it)
@@ -37,8 +41,10 @@ SAMPLED_TOKEN = 7  # what the model-free worker "samples" (no request stops on i
 class SimulatorConfig:
     """The engine being simulated: its scheduler budgets, KV cache (`num_blocks` of
     `block_size` tokens; `num_cpu_blocks` of swap space), prefix caching, preemption
-    mode and pipeline depth (1: each result before the next plan, as the simulator's
-    clock assumes; 2: one step ahead, as the server runs)."""
+    mode, pipeline depth (1: each result before the next plan, as the simulator's clock
+    assumes; 2: one step ahead, as the server runs) and KV allocator: None for ours
+    (paged), or a `ReservationPolicy` for the paper's Orca baselines (one contiguous
+    region per request, placed by a buddy allocator; recompute preemption only)."""
 
     scheduler: SchedulerConfig
     num_blocks: int
@@ -47,6 +53,24 @@ class SimulatorConfig:
     preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE
     num_cpu_blocks: int = 0
     pipeline_depth: int = 1
+    allocator: ReservationPolicy | None = None
+
+    def build_blocks(self) -> KVCacheManager | ContiguousKVCacheManager:
+        if self.allocator is None:
+            return KVCacheManager(
+                self.num_blocks,
+                self.block_size,
+                self.enable_prefix_caching,
+                num_cpu_blocks=self.num_cpu_blocks,
+            )
+        return ContiguousKVCacheManager(
+            self.num_blocks,
+            self.block_size,
+            self.allocator,
+            self.scheduler.max_model_len,
+            enable_prefix_caching=self.enable_prefix_caching,
+            num_cpu_blocks=self.num_cpu_blocks,
+        )
 
 
 @dataclass
@@ -94,6 +118,21 @@ class SimulationResult:
     steps: list[StepRecord] = field(default_factory=list)
     stats: EngineStats | None = None
     end_s: float = 0.0
+    memory_sums: list[int] = field(default_factory=lambda: [0] * 5)  # KVMemoryShares fields
+
+    def mean_memory_shares(self) -> dict[str, float]:
+        """Each share of the KV cache's slots (token, reserved, internal, external,
+        free), averaged over the steps."""
+        total = sum(self.memory_sums)
+        names = ("token", "reserved", "internal", "external", "free")
+        return {n: v / total for n, v in zip(names, self.memory_sums, strict=True)} if total else {}
+
+    def used_by_tokens(self) -> float:
+        """The share of allocated KV slots holding tokens, over the run (the paper's
+        "memory usage" of Fig. 2: 20.4-38.2% for the prior systems)."""
+        token, *_rest, free = self.memory_sums
+        allocated = sum(self.memory_sums) - free
+        return token / allocated if allocated else 0.0
 
     @property
     def num_preemptions(self) -> int:
@@ -126,13 +165,8 @@ class Simulator:
         if config.pipeline_depth not in (1, 2):
             raise ValueError(f"pipeline_depth must be 1 or 2, got {config.pipeline_depth}")
         self.config, self.cost, self.record_batches = config, cost, record_batches
-        blocks = KVCacheManager(
-            config.num_blocks,
-            config.block_size,
-            config.enable_prefix_caching,
-            num_cpu_blocks=config.num_cpu_blocks,
-        )
-        self.core = EngineCore(config.scheduler, blocks, frozenset(), config.preemption_mode)
+        self.blocks = config.build_blocks()
+        self.core = build_core(config.scheduler, self.blocks, frozenset(), config.preemption_mode)
         self.worker = NullWorker(token_id=SAMPLED_TOKEN)
         self.clock = 0.0
 
@@ -163,6 +197,9 @@ class Simulator:
     def _admit(self, pending: deque[TraceRequest]) -> None:
         while pending and pending[0].arrival_s <= self.clock:
             request = pending.popleft()
+            if isinstance(self.blocks, ContiguousKVCacheManager):  # reserves for the truth
+                for seq_id in _sequence_ids(request):
+                    self.blocks.expect(seq_id, request.prompt_len, request.output_len)
             self.core.add_request(_add_request(request))
 
     def _execute(self, plan: StepPlan, result: SimulationResult) -> tuple[StepResult, float]:
@@ -186,8 +223,25 @@ class Simulator:
                 plan.scheduled_ids if self.record_batches else (),
             )
         )
+        shares = self._memory_shares()
+        for i, value in enumerate(
+            (shares.token, shares.reserved, shares.internal, shares.external, shares.free)
+        ):
+            result.memory_sums[i] += value
         self.clock += duration
         return self.worker.execute(plan), self.clock
+
+    def _memory_shares(self) -> KVMemoryShares:
+        """Where the KV slots are after planning this step. Paged: the running requests'
+        computed tokens (less than a block per table is slack, counted as
+        the allocator's rounding, external; nothing is reserved ahead)."""
+        if isinstance(self.blocks, ContiguousKVCacheManager):
+            return self.blocks.memory_shares()
+        size = self.config.block_size
+        used = self.blocks.num_used_blocks * size
+        stored = sum(r.num_computed_tokens for r in self.core.scheduler.running)
+        token = min(stored, used)
+        return KVMemoryShares(token, 0, 0, used - token, self.blocks.num_blocks * size - used)
 
     def _deliver(self, step: StepResult, done_s: float, times: dict[str, RequestTimes]) -> None:
         deltas = self.core.on_result(step)
@@ -197,6 +251,13 @@ class Simulator:
                 entry.first_token_s = done_s
         for finish in deltas.finished:
             times[_request_of(finish.request_id)].finish_s = done_s
+
+
+def _sequence_ids(request: TraceRequest) -> list[str]:
+    """The scheduler's ids for a trace request's sequences."""
+    if request.n == 1 and request.beam_width == 1:
+        return [request.request_id]
+    return [sequence_id(request.request_id, i) for i in range(max(request.n, request.beam_width))]
 
 
 def _request_of(sequence_id: str) -> str:
