@@ -44,7 +44,6 @@ MAX_MODEL_LEN = 2048
 BLOCK_SIZE = 16
 BASELINES = tuple(ReservationPolicy)  # contiguous-max, -pow2, -oracle
 SYSTEMS = ("paged", "paged-swap", "paged-prefix", *BASELINES)
-MOONCAKE = "data/mooncake_conversation_trace.jsonl"
 
 
 def dataset_lengths(dataset: str) -> list[tuple[int, int]]:
@@ -66,7 +65,7 @@ def mooncake_records(limit: int) -> list[tuple[float, int, int, tuple[int, ...]]
     from bench.workload import shared_path
 
     records = []
-    with open(shared_path(MOONCAKE)) as f:
+    with open(shared_path("mooncake")) as f:
         for line in f:
             row = json.loads(line)
             hashes = tuple(row["hash_ids"])

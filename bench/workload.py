@@ -42,6 +42,7 @@ _FILES = {
     "sharegpt": "data/sharegpt_v3_filtered_1000.json",
     "alpaca": "data/alpaca_data_first1727.json",
     "azure": "data/azure_llm_trace_2023_conv.csv",
+    "mooncake": "data/mooncake_conversation_trace.jsonl",
     "tokenizer": "tokenizers/llama2/tokenizer.json",
 }
 

@@ -7,6 +7,7 @@ longer, memory or compute, plus a fixed per-step overhead (kernel launches, samp
 the scheduler's host work), and with tensor parallelism two all-reduces per layer:
 
     step_s = overhead_s + max(bytes / bandwidth, flops / peak_flops) + allreduce_s
+             + swapped KV bytes / pcie_bandwidth
 
 Presets follow the paper's Table 1 (OPT-13B on one A100-40GB with 15.7K KV slots,
 OPT-66B on 4, OPT-175B on 8 A100-80GB) and its LLaMA-13B runs. Without a measured GPU
@@ -26,11 +27,13 @@ A100_FP16_FLOPS = 312e12  # dense fp16 tensor-core peak
 
 @dataclass(frozen=True)
 class StepShape:
-    """What a step does: tokens computed (prefill chunks and decodes), and the KV
-    tokens its attention reads (each scheduled request's context)."""
+    """What a step does: tokens computed (prefill chunks and decodes), the KV tokens its
+    attention reads (each scheduled request's context), and the KV tokens it moves
+    between GPU and CPU memory (swap out and in, over PCIe, before it computes)."""
 
     num_tokens: int
     num_context_tokens: int
+    num_swapped_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,7 @@ class CostModel:
     overhead_s: float = 0.002
     efficiency: float = 0.8
     allreduce_s_per_layer: float = 0.0  # tensor parallelism: per layer, two reductions
+    pcie_bandwidth: float = 25e9  # bytes/s each GPU swaps at (PCIe 4.0 x16, achieved)
 
     def __post_init__(self) -> None:
         for name in ("num_params", "weight_bytes", "memory_bandwidth", "peak_flops"):
@@ -68,7 +72,9 @@ class CostModel:
         memory_s = moved / (self.memory_bandwidth * self.efficiency)
         compute_s = 2 * self.num_params * step.num_tokens / (self.peak_flops * self.efficiency)
         reduce_s = 2 * self.num_layers * self.allreduce_s_per_layer if self.num_gpus > 1 else 0
-        return self.overhead_s + max(memory_s, compute_s) + reduce_s
+        swap_bytes = step.num_swapped_tokens * self.kv_bytes_per_token
+        swap_s = swap_bytes / (self.pcie_bandwidth * self.num_gpus)
+        return self.overhead_s + max(memory_s, compute_s) + reduce_s + swap_s
 
     def num_blocks(self, block_size: int) -> int:
         """The KV cache's blocks of `block_size` tokens."""

@@ -210,7 +210,8 @@ class Simulator:
             return self.worker.execute(plan), self.clock
         requests = self.core.scheduler.requests
         contexts = sum(requests[r].num_computed_tokens for r in plan.scheduled_ids)
-        shape = StepShape(sum(plan.num_scheduled_tokens), contexts)
+        swapped = (len(plan.swap_out_src) + len(plan.swap_in_src)) * self.config.block_size
+        shape = StepShape(sum(plan.num_scheduled_tokens), contexts, swapped)
         duration = self.cost.step_seconds(shape)
         result.steps.append(
             StepRecord(

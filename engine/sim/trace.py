@@ -92,13 +92,14 @@ def replayed_trace(
     max_len: int,
 ) -> list[TraceRequest]:
     """A recorded trace's requests ((arrival s, prompt len, output len, prefix hashes)),
-    arriving `speedup` times faster, prompts cut to `max_len - 1` tokens and outputs to
-    fit `max_len`."""
+    arriving `speedup` times faster. To fit `max_len`, a prompt keeps its first tokens,
+    leaving room for its output up to a quarter of `max_len`, and the output is cut to
+    what is left."""
     if not speedup > 0:
         raise ValueError(f"speedup must be > 0, got {speedup}")
     trace = []
     for i, (arrival, prompt, output, hashes) in enumerate(records):
-        prompt = min(prompt, max_len - 1)
+        prompt = min(prompt, max_len - max(1, min(output, max_len // 4)))
         output = max(1, min(output, max_len - prompt))
         trace.append(TraceRequest(f"m{i}", arrival / speedup, prompt, output, prefix_hashes=hashes))
     return trace

@@ -158,3 +158,10 @@ def test_paged_batches_more_requests_than_any_baseline_under_load():
         batch[allocator] = Simulator(config, preset("opt-13b-a100")).run(trace).mean_batch_size()
     assert batch[None] > batch[ReservationPolicy.ORACLE] > batch[ReservationPolicy.MAX]
     assert batch[ReservationPolicy.POW2] > batch[ReservationPolicy.MAX]
+
+
+def test_swapping_costs_pcie_time():
+    opt13 = preset("opt-13b-a100")
+    plain, swapping = StepShape(8, 4000), StepShape(8, 4000, num_swapped_tokens=1000)
+    extra = opt13.step_seconds(swapping) - opt13.step_seconds(plain)
+    assert extra == pytest.approx(1000 * opt13.kv_bytes_per_token / opt13.pcie_bandwidth)
