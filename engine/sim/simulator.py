@@ -18,7 +18,7 @@ from __future__ import annotations
 import zlib
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
 
 from engine.config import PreemptionMode, SchedulerConfig
 from engine.core.sequence_group import sequence_id
@@ -224,10 +224,7 @@ class Simulator:
                 plan.scheduled_ids if self.record_batches else (),
             )
         )
-        shares = self._memory_shares()
-        for i, value in enumerate(
-            (shares.token, shares.reserved, shares.internal, shares.external, shares.free)
-        ):
+        for i, value in enumerate(astuple(self._memory_shares())):
             result.memory_sums[i] += value
         self.clock += duration
         return self.worker.execute(plan), self.clock
@@ -256,9 +253,9 @@ class Simulator:
 
 def _sequence_ids(request: TraceRequest) -> list[str]:
     """The scheduler's ids for a trace request's sequences."""
-    if request.n == 1 and request.beam_width == 1:
+    if request.n == 1:
         return [request.request_id]
-    return [sequence_id(request.request_id, i) for i in range(max(request.n, request.beam_width))]
+    return [sequence_id(request.request_id, i) for i in range(request.n)]
 
 
 def _request_of(sequence_id: str) -> str:
@@ -267,13 +264,9 @@ def _request_of(sequence_id: str) -> str:
 
 
 def _add_request(request: TraceRequest) -> AddRequest:
+    temperature = 1.0 if request.n > 1 else 0.0  # n > 1 samples (the tokens are fixed anyway)
     params = SamplingParams(
-        n=request.n,
-        max_tokens=request.output_len,
-        ignore_eos=True,
-        temperature=0 if request.beam_width == 1 and request.n == 1 else 1.0,
-        use_beam_search=request.beam_width > 1,
-        best_of=request.beam_width if request.beam_width > 1 else None,
+        n=request.n, max_tokens=request.output_len, ignore_eos=True, temperature=temperature
     )
     if request.prefix_hashes:
         ids = hashed_prompt(request.prefix_hashes, request.prompt_len)

@@ -17,7 +17,7 @@ class TraceRequest:
     """One request: `arrival_s` on the virtual clock, its prompt (`prompt_len` tokens;
     `prompt_token_ids` when a test or a prefix-sharing workload needs real ids, else
     synthetic distinct ids are made), and `output_len` tokens to generate (EOS ignored).
-    `n`/`beam_width` for parallel sampling and beam search (1: plain). With
+    `n` > 1: parallel sampling, n sequences sharing the prompt. With
     `prefix_hashes`, the prompt is `hashed_prompt(prefix_hashes, prompt_len)`, made when
     the request is admitted (a long trace holds no token ids until then)."""
 
@@ -27,7 +27,6 @@ class TraceRequest:
     output_len: int
     prompt_token_ids: tuple[int, ...] | None = None
     n: int = 1
-    beam_width: int = 1
     prefix_hashes: tuple[int, ...] = ()  # `hashed_prompt` blocks (a trace's shared prefixes)
 
     def __post_init__(self) -> None:

@@ -165,3 +165,16 @@ def test_swapping_costs_pcie_time():
     plain, swapping = StepShape(8, 4000), StepShape(8, 4000, num_swapped_tokens=1000)
     extra = opt13.step_seconds(swapping) - opt13.step_seconds(plain)
     assert extra == pytest.approx(1000 * opt13.kv_bytes_per_token / opt13.pcie_bandwidth)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("allocator", [None, ReservationPolicy.ORACLE])
+def test_parallel_samples_finish_together_and_paged_shares_their_prompt(allocator):
+    trace = [TraceRequest(f"s{i}", i * 0.01, 200, 20, n=4) for i in range(6)]
+    config = SimulatorConfig(SchedulerConfig(64, 2048, 512), 400, 16, allocator=allocator)
+    simulator = Simulator(config, preset("opt-13b-a100"))
+    result = simulator.run(trace)
+    assert all(r.finish_s is not None for r in result.requests.values())
+    assert set(result.requests) == {f"s{i}" for i in range(6)}
+    if allocator is None:  # four sequences, one copy of the prompt's full blocks
+        assert result.stats.mean_kv_sharing_saving > 0.3
