@@ -22,6 +22,7 @@ JSON and a PNG beside it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import platform
@@ -43,7 +44,7 @@ from engine.sim.trace import TraceRequest, poisson_trace, replayed_trace  # noqa
 MAX_MODEL_LEN = 2048
 BLOCK_SIZE = 16
 BASELINES = tuple(ReservationPolicy)  # contiguous-max, -pow2, -oracle
-SYSTEMS = ("paged", "paged-swap", "paged-prefix", *BASELINES)
+SYSTEMS = ("paged", "paged-swap", "paged-prefix", "paged-no-sharing", *BASELINES)
 
 
 def dataset_lengths(dataset: str) -> list[tuple[int, int]]:
@@ -80,8 +81,9 @@ def mooncake_records(limit: int) -> list[tuple[float, int, int, tuple[int, ...]]
 def simulator_config(system: str, cost: CostModel) -> SimulatorConfig:
     """The engine each system name stands for (iteration-level scheduling for all):
     `paged` recomputes preempted requests, `paged-swap` swaps them to a CPU space as
-    large as the GPU cache, `paged-prefix` also caches prefixes; `contiguous-*` are the
-    paper's Orca baselines (`engine/kv/contiguous_kv_cache.py`)."""
+    large as the GPU cache, `paged-prefix` also caches prefixes, `paged-no-sharing`
+    copies what parallel samples would share; `contiguous-*` are the paper's Orca
+    baselines (`engine/kv/contiguous_kv_cache.py`)."""
     if system not in SYSTEMS:
         raise ValueError(f"system must be one of {SYSTEMS}, got {system!r}")
     scheduler = SchedulerConfig(256, MAX_MODEL_LEN, MAX_MODEL_LEN)
@@ -89,6 +91,8 @@ def simulator_config(system: str, cost: CostModel) -> SimulatorConfig:
     if system in BASELINES:
         policy = ReservationPolicy(system)
         return SimulatorConfig(scheduler, num_blocks, BLOCK_SIZE, allocator=policy)
+    if system == "paged-no-sharing":
+        return SimulatorConfig(scheduler, num_blocks, BLOCK_SIZE, share_blocks=False)
     if system == "paged-swap":
         swap = PreemptionMode.SWAP
         return SimulatorConfig(scheduler, num_blocks, BLOCK_SIZE, False, swap, num_blocks)
@@ -99,7 +103,8 @@ def make_trace(lengths, rate: float, args) -> list[TraceRequest]:
     """A Poisson trace over `args.duration` s of dataset lengths, or the Mooncake trace
     replayed fast enough to average `rate` requests/s."""
     if args.dataset != "mooncake":
-        return poisson_trace(lengths, rate, int(rate * args.duration), args.seed, MAX_MODEL_LEN)
+        trace = poisson_trace(lengths, rate, int(rate * args.duration), args.seed, MAX_MODEL_LEN)
+        return [dataclasses.replace(r, n=args.n) for r in trace] if args.n > 1 else trace
     native = len(lengths) / (lengths[-1][0] - lengths[0][0])
     return replayed_trace(lengths, rate / native, MAX_MODEL_LEN)
 
@@ -126,6 +131,7 @@ def summarize(system: str, rate: float, result: SimulationResult, wall_s: float)
         "num_swaps": result.stats.num_swaps,
         "kv_used_by_tokens": result.used_by_tokens(),
         "kv_memory_shares": result.mean_memory_shares(),
+        "kv_sharing_saving": result.stats.mean_kv_sharing_saving,
         "prefix_hit_rate": result.stats.prefix_cache_hit_tokens
         / max(1, result.stats.prefix_cache_queried_tokens),
         "num_steps": len(result.steps),
@@ -200,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         choices=SYSTEMS,
         help="default: ours and the three Orca baselines",
     )
+    p.add_argument("--n", type=int, default=1, help="parallel samples per request")
     p.add_argument("--slo", type=float, default=0.2, help="s/token for the sustained rate")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench/results/simulate.json")

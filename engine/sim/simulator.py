@@ -27,6 +27,7 @@ from engine.kv.contiguous_kv_cache import ContiguousKVCacheManager
 from engine.kv.kv_cache_manager import KVCacheManager
 from engine.kv.memory_shares import KVMemoryShares
 from engine.kv.reservation import ReservationPolicy
+from engine.kv.unshared_kv_cache import UnsharedKVCacheManager
 from engine.messages import AddRequest, StepPlan, StepResult
 from engine.sampling_params import SamplingParams
 from engine.sim.cost_model import CostModel, StepShape
@@ -54,10 +55,12 @@ class SimulatorConfig:
     num_cpu_blocks: int = 0
     pipeline_depth: int = 1
     allocator: ReservationPolicy | None = None
+    share_blocks: bool = True  # paged only: False copies what forks share (an ablation)
 
     def build_blocks(self) -> KVCacheManager | ContiguousKVCacheManager:
         if self.allocator is None:
-            return KVCacheManager(
+            paged = KVCacheManager if self.share_blocks else UnsharedKVCacheManager
+            return paged(
                 self.num_blocks,
                 self.block_size,
                 self.enable_prefix_caching,

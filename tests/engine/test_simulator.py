@@ -178,3 +178,19 @@ def test_parallel_samples_finish_together_and_paged_shares_their_prompt(allocato
     assert set(result.requests) == {f"s{i}" for i in range(6)}
     if allocator is None:  # four sequences, one copy of the prompt's full blocks
         assert result.stats.mean_kv_sharing_saving > 0.3
+
+
+@pytest.mark.timeout(60)
+def test_without_sharing_parallel_samples_copy_their_prompt():
+    trace = [TraceRequest(f"s{i}", i * 0.01, 200, 20, n=4) for i in range(6)]
+    used = {}
+    for share in (True, False):
+        config = SimulatorConfig(SchedulerConfig(64, 2048, 512), 400, 16, share_blocks=share)
+        simulator = Simulator(config, preset("opt-13b-a100"))
+        result = simulator.run(trace)
+        simulator.core.check_integrity()
+        assert all(r.finish_s is not None for r in result.requests.values())
+        used[share] = max(s.num_used_blocks for s in result.steps)
+        saving = result.stats.mean_kv_sharing_saving
+        assert saving > 0.3 if share else saving == 0
+    assert used[False] > 2 * used[True]
