@@ -54,7 +54,7 @@ def dataset_lengths(dataset: str) -> list[tuple[int, int]]:
     if dataset == "sharegpt":
         wl = sample_workload("sharegpt", 1000, max_model_len=MAX_MODEL_LEN, output_source="azure")
     elif dataset == "alpaca":
-        wl = sample_workload("alpaca", 1727, max_model_len=MAX_MODEL_LEN)
+        wl = sample_workload("alpaca", 1700, max_model_len=MAX_MODEL_LEN)
     else:
         raise ValueError(f"dataset must be sharegpt or alpaca, got {dataset!r}")
     return [(len(p), o) for p, o in zip(wl.prompts, wl.output_lens, strict=True)]
@@ -131,7 +131,7 @@ def summarize(system: str, rate: float, result: SimulationResult, wall_s: float)
         "num_swaps": result.stats.num_swaps,
         "kv_used_by_tokens": result.used_by_tokens(),
         "kv_memory_shares": result.mean_memory_shares(),
-        "kv_sharing_saving": result.stats.mean_kv_sharing_saving,
+        "kv_sharing_saving": None if system in BASELINES else result.stats.mean_kv_sharing_saving,
         "prefix_hit_rate": result.stats.prefix_cache_hit_tokens
         / max(1, result.stats.prefix_cache_queried_tokens),
         "num_steps": len(result.steps),
