@@ -78,7 +78,7 @@ def mooncake_records(limit: int) -> list[tuple[float, int, int, tuple[int, ...]]
     return records
 
 
-def simulator_config(system: str, cost: CostModel) -> SimulatorConfig:
+def simulator_config(system: str, cost: CostModel, block_size: int = BLOCK_SIZE) -> SimulatorConfig:
     """The engine each system name stands for (iteration-level scheduling for all):
     `paged` recomputes preempted requests, `paged-swap` swaps them to a CPU space as
     large as the GPU cache, `paged-prefix` also caches prefixes, `paged-no-sharing`
@@ -87,16 +87,16 @@ def simulator_config(system: str, cost: CostModel) -> SimulatorConfig:
     if system not in SYSTEMS:
         raise ValueError(f"system must be one of {SYSTEMS}, got {system!r}")
     scheduler = SchedulerConfig(256, MAX_MODEL_LEN, MAX_MODEL_LEN)
-    num_blocks = cost.num_blocks(BLOCK_SIZE)
+    num_blocks = cost.num_blocks(block_size)
     if system in BASELINES:
         policy = ReservationPolicy(system)
-        return SimulatorConfig(scheduler, num_blocks, BLOCK_SIZE, allocator=policy)
+        return SimulatorConfig(scheduler, num_blocks, block_size, allocator=policy)
     if system == "paged-no-sharing":
-        return SimulatorConfig(scheduler, num_blocks, BLOCK_SIZE, share_blocks=False)
+        return SimulatorConfig(scheduler, num_blocks, block_size, share_blocks=False)
     if system == "paged-swap":
         swap = PreemptionMode.SWAP
-        return SimulatorConfig(scheduler, num_blocks, BLOCK_SIZE, False, swap, num_blocks)
-    return SimulatorConfig(scheduler, num_blocks, BLOCK_SIZE, system == "paged-prefix")
+        return SimulatorConfig(scheduler, num_blocks, block_size, False, swap, num_blocks)
+    return SimulatorConfig(scheduler, num_blocks, block_size, system == "paged-prefix")
 
 
 def make_trace(lengths, rate: float, args) -> list[TraceRequest]:
@@ -109,11 +109,15 @@ def make_trace(lengths, rate: float, args) -> list[TraceRequest]:
     return replayed_trace(lengths, rate / native, MAX_MODEL_LEN)
 
 
-def run_point(system: str, cost: CostModel, lengths, rate: float, args) -> dict:
+def run_point(
+    system: str, cost: CostModel, lengths, rate: float, args, block_size: int, label: str
+) -> dict:
+    """One system at one rate and block size (`label` names the series)."""
     trace = make_trace(lengths, rate, args)
     start = time.perf_counter()
-    result = Simulator(simulator_config(system, cost), cost).run(trace)
-    return summarize(system, rate, result, time.perf_counter() - start)
+    result = Simulator(simulator_config(system, cost, block_size), cost).run(trace)
+    point = summarize(system, rate, result, time.perf_counter() - start)
+    return {**point, "system": label, "allocator": system, "block_size": block_size}
 
 
 def summarize(system: str, rate: float, result: SimulationResult, wall_s: float) -> dict:
@@ -207,6 +211,9 @@ def main(argv: list[str] | None = None) -> int:
         help="default: ours and the three Orca baselines",
     )
     p.add_argument("--n", type=int, default=1, help="parallel samples per request")
+    p.add_argument(
+        "--block-sizes", type=int, nargs="+", default=[BLOCK_SIZE], help="tokens per KV block"
+    )
     p.add_argument("--slo", type=float, default=0.2, help="s/token for the sustained rate")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench/results/simulate.json")
@@ -218,10 +225,14 @@ def main(argv: list[str] | None = None) -> int:
         lengths = dataset_lengths(ns.dataset)
     started = time.perf_counter()
     points = []
+    labels = []
     for system in ns.systems:
-        for rate in ns.rates:
-            points.append(run_point(system, cost, lengths, rate, ns))
-            print(json.dumps(points[-1]), flush=True)
+        for block_size in ns.block_sizes:
+            label = system if len(ns.block_sizes) == 1 else f"{system} b={block_size}"
+            labels.append(label)
+            for rate in ns.rates:
+                points.append(run_point(system, cost, lengths, rate, ns, block_size, label))
+                print(json.dumps(points[-1]), flush=True)
     report = {
         "command": "python bench/simulate.py " + " ".join(argv or sys.argv[1:]),
         "machine": platform.machine(),
@@ -230,9 +241,9 @@ def main(argv: list[str] | None = None) -> int:
         "dataset": ns.dataset,
         "mean_lengths": _mean_lengths(lengths, ns.dataset),
         "slo_s_per_token": ns.slo,
-        "systems": ns.systems,
+        "systems": labels,
         "points": points,
-        "sustained_rate": {s: sustained_rate(points, s, ns.slo) for s in ns.systems},
+        "sustained_rate": {s: sustained_rate(points, s, ns.slo) for s in labels},
         "wall_s": time.perf_counter() - started,
     }
     out = Path(ns.out)

@@ -155,27 +155,21 @@ async def test_chat_page_streams_stops_and_continues(builtin_server, browser: Br
         assert await page.eval("document.getElementById('error').hidden")
 
         # Greedy decoding from this prompt runs the builtin model to max_tokens (no EOS),
-        # a few seconds of streaming on a CPU: stopped as soon as it is seen to grow (the
-        # fused kernels made it fast enough to finish while a busy machine polled on).
+        # a second or two of streaming on a CPU: stopped as soon as it is seen to grow.
+        # The whole reply can still outrun the click on a busy machine (it ends without
+        # "(stopped)"): then the scenario is played again on a fresh page, up to 3 times.
         await page.fill("#temperature", "0")
         await page.fill("#max-tokens", "1900")
-        await page.fill("#prompt", "hello there")
-        await page.click("#send")
-        lengths: list[int] = []
-
-        async def grew() -> bool:
-            assert await page.eval(STREAMING), f"reply ended before it streamed: {lengths}"
-            length = await page.eval(f"({LAST_REPLY}?.textContent ?? '').length")
-            assert not lengths or length >= lengths[-1]
-            lengths.append(length)
-            return len(set(lengths)) >= 2
-
-        await eventually(grew, 10, lambda: f"reply did not stream: lengths {lengths}")
-        assert lengths[-1] > 0
-
-        await page.click("#stop")
-        await page.wait_for(f"!({STREAMING})", timeout=5)
-        assert "(stopped)" in await page.eval(f"{LAST_REPLY}.textContent")
+        stopped = False
+        for _ in range(3):
+            stopped = await _send_and_stop(page, "hello there")
+            if stopped:
+                break
+            await page.call("Page.navigate", url=builtin_server.http + "/")
+            await page.wait_for("document.readyState === 'complete'")
+            await page.fill("#temperature", "0")
+            await page.fill("#max-tokens", "1900")
+        assert stopped, "the whole reply outran the stop click 3 times"
         await eventually(
             lambda: builtin_server.metric("pagedserve_kv_blocks_used") == 0,
             5,
@@ -192,6 +186,29 @@ async def test_chat_page_streams_stops_and_continues(builtin_server, browser: Br
         assert await page.eval("document.getElementById('error').hidden")
         roles = await page.eval("transcript.map((m) => m.role)")
         assert roles == ["user", "assistant", "user", "assistant"]
+
+
+async def _send_and_stop(page: Page, prompt: str) -> bool:
+    """Sends `prompt`, clicks stop once the reply is seen to grow, waits for the stream
+    to end; True if the reply says "(stopped)" (False: it ended before the click)."""
+    await page.fill("#prompt", prompt)
+    await page.click("#send")
+    lengths: list[int] = []
+
+    async def grew() -> bool:
+        streaming = await page.eval(STREAMING)
+        length = await page.eval(f"({LAST_REPLY}?.textContent ?? '').length")
+        assert not lengths or length >= lengths[-1]
+        lengths.append(length)
+        if not streaming:  # not begun yet, or already over (the race this retries)
+            return length > 0
+        return len(set(lengths)) >= 2
+
+    await eventually(grew, 10, lambda: f"reply did not stream: lengths {lengths}")
+    assert lengths[-1] > 0
+    await page.click("#stop")
+    await page.wait_for(f"!({STREAMING})", timeout=5)
+    return "(stopped)" in await page.eval(f"{LAST_REPLY}.textContent")
 
 
 @pytest.fixture(scope="module")
