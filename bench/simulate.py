@@ -170,13 +170,31 @@ def _mean_lengths(lengths, dataset: str) -> tuple[float, float]:
     return statistics.fmean(p for p, _ in lengths), statistics.fmean(o for _, o in lengths)
 
 
+def _plot_memory_shares(ax, report: dict) -> None:
+    """Where each system's KV slots went at the highest rate run (paper Fig. 2)."""
+    shares = ("token", "reserved", "internal", "external", "free")
+    top = {}
+    for point in report["points"]:
+        if point["rate"] >= top.get(point["system"], {}).get("rate", -1):
+            top[point["system"]] = point
+    bottom = [0.0] * len(top)
+    for share in shares:
+        values = [100 * top[s]["kv_memory_shares"].get(share, 0) for s in top]
+        ax.bar(list(top), values, bottom=bottom, label=share)
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    ax.set_ylabel("% of KV slots")
+    ax.set_title("KV slots at the highest rate (paper Fig. 2)")
+    ax.tick_params(axis="x", labelrotation=20)
+    ax.legend(fontsize=7)
+
+
 def plot(report: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(16, 4))
     for system in report["systems"]:
         points = [p for p in report["points"] if p["system"] == system]
         rates = [p["rate"] for p in points]
@@ -189,6 +207,7 @@ def plot(report: dict, path: Path) -> None:
     a.set_title(f"{report['preset']}, {report['dataset']} (paper Fig. 12)")
     b.set_xlabel("request rate (req/s)")
     b.set_title("average batched requests (paper Fig. 13)")
+    _plot_memory_shares(c, report)
     for ax in (a, b):
         ax.legend()
     fig.suptitle(report["command"], fontsize=8)
