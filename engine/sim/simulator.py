@@ -15,10 +15,9 @@ scheduled request ids when `record_batches`, for comparing with the real engine)
 
 from __future__ import annotations
 
-import zlib
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import astuple, dataclass, field
+from dataclasses import astuple, dataclass, field, fields
 
 from engine.config import PreemptionMode, SchedulerConfig
 from engine.core.sequence_group import sequence_id
@@ -31,7 +30,7 @@ from engine.kv.unshared_kv_cache import UnsharedKVCacheManager
 from engine.messages import AddRequest, StepPlan, StepResult
 from engine.sampling_params import SamplingParams
 from engine.sim.cost_model import CostModel, StepShape
-from engine.sim.trace import SYNTHETIC_VOCAB, TraceRequest, hashed_prompt
+from engine.sim.trace import TraceRequest
 from engine.wiring import build_core
 from engine.worker.worker import NullWorker
 
@@ -127,7 +126,7 @@ class SimulationResult:
         """Each share of the KV cache's slots (token, reserved, internal, external,
         free), averaged over the steps."""
         total = sum(self.memory_sums)
-        names = ("token", "reserved", "internal", "external", "free")
+        names = [f.name for f in fields(KVMemoryShares)]
         return {n: v / total for n, v in zip(names, self.memory_sums, strict=True)} if total else {}
 
     def used_by_tokens(self) -> float:
@@ -271,16 +270,4 @@ def _add_request(request: TraceRequest) -> AddRequest:
     params = SamplingParams(
         n=request.n, max_tokens=request.output_len, ignore_eos=True, temperature=temperature
     )
-    if request.prefix_hashes:
-        ids = hashed_prompt(request.prefix_hashes, request.prompt_len)
-    else:
-        ids = request.prompt_token_ids or _synthetic_prompt(request)
-    return AddRequest(request.request_id, ids, params, request.arrival_s)
-
-
-def _synthetic_prompt(request: TraceRequest) -> tuple[int, ...]:
-    """Distinct ids per request (no accidental prefix sharing), never the sampled one."""
-    seed = zlib.crc32(request.request_id.encode())
-    return tuple(
-        100 + (seed * 7919 + i * 104_729) % SYNTHETIC_VOCAB for i in range(request.prompt_len)
-    )
+    return AddRequest(request.request_id, request.token_ids(), params, request.arrival_s)

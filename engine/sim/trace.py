@@ -36,6 +36,18 @@ class TraceRequest:
                 f"got {self.prompt_len} and {self.output_len}"
             )
 
+    def token_ids(self) -> tuple[int, ...]:
+        """The prompt's token ids: the given ones; else `hashed_prompt` of its prefix
+        hashes; else ids distinct per request (no accidental prefix sharing)."""
+        if self.prefix_hashes:
+            return hashed_prompt(self.prefix_hashes, self.prompt_len)
+        if self.prompt_token_ids:
+            return self.prompt_token_ids
+        seed = zlib.crc32(self.request_id.encode())
+        return tuple(
+            100 + (seed * 7919 + i * 104_729) % SYNTHETIC_VOCAB for i in range(self.prompt_len)
+        )
+
 
 def poisson_trace(
     lengths: Sequence[tuple[int, int]],
