@@ -9,14 +9,15 @@ For each system and request rate: a Poisson trace of `rate * duration` requests 
 (the real `EngineCore`, a model-free worker, step times from the preset's `CostModel`).
 Reported per point: mean normalized latency (end-to-end latency / output tokens, the
 paper's Fig. 12), the average number of requests in a batch (Fig. 13), p50/p90
-latency, preemptions, and the simulated and wall seconds. A system's sustained rate is
-the rate at which its mean normalized latency reaches `--slo` s/token (interpolated
-between the rates run).
+latency, TTFT, preemptions, KV memory shares, sharing savings, prefix hits, and the
+simulated and wall seconds. A system's sustained rate is the rate at which its mean
+normalized latency reaches `--slo` s/token, interpolated between the rates run
+(`--refine K` first bisects the bracket around it K more times).
 
-Datasets (lengths under the Llama 2 tokenizer, `bench/workload.py`): `sharegpt`, the
-ShareGPT V3 prompts with output lengths from the Azure conversation trace (the ShareGPT
-file here keeps no replies); `alpaca`, Alpaca prompts with their own answers. Writes the
-JSON and a PNG beside it.
+Workloads (`--dataset`, see `bench/sim_workloads.py`): sharegpt, alpaca, mooncake,
+prefix-1shot, prefix-5shot and chatbot; `--n` parallel samples or `--beam-width` beam
+search per request. `--overhead-ms` replaces the preset's per-step overhead (a guess
+until a GPU run calibrates it). Writes the JSON and a PNG beside it.
 """
 
 from __future__ import annotations
@@ -35,47 +36,16 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from bench.sim_workloads import WORKLOADS, make_trace, mean_lengths, workload_lengths  # noqa: E402
 from engine.config import PreemptionMode, SchedulerConfig  # noqa: E402
 from engine.kv.reservation import ReservationPolicy  # noqa: E402
 from engine.sim.cost_model import PRESETS, CostModel, preset  # noqa: E402
 from engine.sim.simulator import SimulationResult, Simulator, SimulatorConfig  # noqa: E402
-from engine.sim.trace import TraceRequest, poisson_trace, replayed_trace  # noqa: E402
 
 MAX_MODEL_LEN = 2048
 BLOCK_SIZE = 16
 BASELINES = tuple(ReservationPolicy)  # contiguous-max, -pow2, -oracle
 SYSTEMS = ("paged", "paged-swap", "paged-prefix", "paged-no-sharing", *BASELINES)
-
-
-def dataset_lengths(dataset: str) -> list[tuple[int, int]]:
-    """(prompt_len, output_len) pairs of every request the dataset offers here."""
-    from bench.workload import sample_workload
-
-    if dataset == "sharegpt":
-        wl = sample_workload("sharegpt", 1000, max_model_len=MAX_MODEL_LEN, output_source="azure")
-    elif dataset == "alpaca":
-        wl = sample_workload("alpaca", 1700, max_model_len=MAX_MODEL_LEN)
-    else:
-        raise ValueError(f"dataset must be sharegpt or alpaca, got {dataset!r}")
-    return [(len(p), o) for p, o in zip(wl.prompts, wl.output_lens, strict=True)]
-
-
-def mooncake_records(limit: int) -> list[tuple[float, int, int, tuple[int, ...]]]:
-    """The Mooncake conversation trace's first `limit` requests: (arrival s, prompt
-    len, output len, 512-token prefix hashes)."""
-    from bench.workload import shared_path
-
-    records = []
-    with open(shared_path("mooncake")) as f:
-        for line in f:
-            row = json.loads(line)
-            hashes = tuple(row["hash_ids"])
-            records.append(
-                (row["timestamp"] / 1000, row["input_length"], row["output_length"], hashes)
-            )
-            if len(records) == limit:
-                break
-    return records
 
 
 def simulator_config(system: str, cost: CostModel, block_size: int = BLOCK_SIZE) -> SimulatorConfig:
@@ -99,21 +69,20 @@ def simulator_config(system: str, cost: CostModel, block_size: int = BLOCK_SIZE)
     return SimulatorConfig(scheduler, num_blocks, block_size, system == "paged-prefix")
 
 
-def make_trace(lengths, rate: float, args) -> list[TraceRequest]:
-    """A Poisson trace over `args.duration` s of dataset lengths, or the Mooncake trace
-    replayed fast enough to average `rate` requests/s."""
-    if args.dataset != "mooncake":
-        trace = poisson_trace(lengths, rate, int(rate * args.duration), args.seed, MAX_MODEL_LEN)
-        return [dataclasses.replace(r, n=args.n) for r in trace] if args.n > 1 else trace
-    native = len(lengths) / (lengths[-1][0] - lengths[0][0])
-    return replayed_trace(lengths, rate / native, MAX_MODEL_LEN)
-
-
 def run_point(
     system: str, cost: CostModel, lengths, rate: float, args, block_size: int, label: str
 ) -> dict:
     """One system at one rate and block size (`label` names the series)."""
-    trace = make_trace(lengths, rate, args)
+    trace = make_trace(
+        args.dataset,
+        lengths,
+        rate,
+        args.duration,
+        seed=args.seed,
+        n=args.n,
+        beam_width=args.beam_width,
+        max_model_len=MAX_MODEL_LEN,
+    )
     start = time.perf_counter()
     result = Simulator(simulator_config(system, cost, block_size), cost).run(trace)
     point = summarize(system, rate, result, time.perf_counter() - start)
@@ -163,11 +132,35 @@ def sustained_rate(points: list[dict], system: str, slo: float) -> float | None:
     return r1 + (r2 - r1) * math.log(slo / l1) / math.log(l2 / l1)
 
 
-def _mean_lengths(lengths, dataset: str) -> tuple[float, float]:
-    """Mean prompt and output lengths of the dataset's requests (before clipping)."""
-    if dataset == "mooncake":
-        return statistics.fmean(r[1] for r in lengths), statistics.fmean(r[2] for r in lengths)
-    return statistics.fmean(p for p, _ in lengths), statistics.fmean(o for _, o in lengths)
+def refine(series: list[dict], slo: float, times: int, run) -> list[dict]:
+    """`times` more points of one system, each at the middle of the bracket around its
+    sustained rate (the last rate under `slo` and the next one over it); none when the
+    rates run do not bracket it."""
+    added: list[dict] = []
+    for _ in range(times):
+        curve = sorted(
+            ((p["rate"], p["mean_normalized_latency_s"]) for p in series + added),
+        )
+        under = [r for r, lat in curve if lat <= slo]
+        over = [r for r, lat in curve if under and r > under[-1] and lat > slo]
+        if not over:
+            break
+        added.append(run(round((under[-1] + over[0]) / 2, 4)))
+    return added
+
+
+def capacity_search(run, slo: float, start: float, bisections: int, max_doublings: int = 8):
+    """One system's points from `run(rate)`: from `start`, doubling (or halving) the
+    rate until the mean normalized latency brackets `slo`, then `bisections` more in the
+    bracket; `sustained_rate` of the points is the capacity."""
+    points = [run(start)]
+    step = 2.0 if points[0]["mean_normalized_latency_s"] <= slo else 0.5
+    for _ in range(max_doublings):
+        rate = round(points[-1]["rate"] * step, 4)
+        points.append(run(rate))
+        if (points[-1]["mean_normalized_latency_s"] <= slo) != (step == 2.0):
+            break
+    return points + refine(points, slo, bisections, run)
 
 
 def _plot_memory_shares(ax, report: dict) -> None:
@@ -215,10 +208,11 @@ def plot(report: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="opt-13b-a100", choices=sorted(PRESETS))
-    p.add_argument("--dataset", default="sharegpt", choices=["sharegpt", "alpaca", "mooncake"])
+    p.add_argument("--overhead-ms", type=float, help="per-step overhead (default: the preset's)")
+    p.add_argument("--dataset", default="sharegpt", choices=WORKLOADS)
     p.add_argument("--mooncake-requests", type=int, default=3000)
     p.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0, 1.5, 2.0])
     p.add_argument("--duration", type=float, default=3600.0, help="trace seconds per rate")
@@ -230,18 +224,32 @@ def main(argv: list[str] | None = None) -> int:
         help="default: ours and the three Orca baselines",
     )
     p.add_argument("--n", type=int, default=1, help="parallel samples per request")
+    p.add_argument("--beam-width", type=int, default=0, help="beam search of this width")
     p.add_argument(
         "--block-sizes", type=int, nargs="+", default=[BLOCK_SIZE], help="tokens per KV block"
     )
     p.add_argument("--slo", type=float, default=0.2, help="s/token for the sustained rate")
+    p.add_argument(
+        "--refine", type=int, default=0, help="bisections of each sustained rate's bracket"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench/results/simulate.json")
     ns = p.parse_args(argv)
+    if ns.n < 1 or ns.beam_width < 0 or (ns.n > 1 and ns.beam_width):
+        p.error("--n must be >= 1 and --beam-width >= 0, and only one of them may be set")
+    if ns.refine < 0:
+        p.error(f"--refine must be >= 0, got {ns.refine}")
+    if ns.overhead_ms is not None and ns.overhead_ms < 0:
+        p.error(f"--overhead-ms must be >= 0, got {ns.overhead_ms}")
+    return ns
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = parse_args(argv)
     cost = preset(ns.preset)
-    if ns.dataset == "mooncake":
-        lengths = mooncake_records(ns.mooncake_requests)
-    else:
-        lengths = dataset_lengths(ns.dataset)
+    if ns.overhead_ms is not None:
+        cost = dataclasses.replace(cost, overhead_s=ns.overhead_ms / 1000)
+    lengths = workload_lengths(ns.dataset, ns.mooncake_requests, MAX_MODEL_LEN)
     started = time.perf_counter()
     points = []
     labels = []
@@ -249,16 +257,24 @@ def main(argv: list[str] | None = None) -> int:
         for block_size in ns.block_sizes:
             label = system if len(ns.block_sizes) == 1 else f"{system} b={block_size}"
             labels.append(label)
-            for rate in ns.rates:
-                points.append(run_point(system, cost, lengths, rate, ns, block_size, label))
-                print(json.dumps(points[-1]), flush=True)
+
+            def run(rate: float, system=system, block_size=block_size, label=label) -> dict:
+                point = run_point(system, cost, lengths, rate, ns, block_size, label)
+                print(json.dumps(point), flush=True)
+                return point
+
+            series = [run(rate) for rate in ns.rates]
+            series += refine(series, ns.slo, ns.refine, run)
+            points += sorted(series, key=lambda p: p["rate"])
     report = {
         "command": "python bench/simulate.py " + " ".join(argv or sys.argv[1:]),
         "machine": platform.machine(),
         "preset": ns.preset,
         "cost_model": cost.__dict__,
         "dataset": ns.dataset,
-        "mean_lengths": _mean_lengths(lengths, ns.dataset),
+        "n": ns.n,
+        "beam_width": ns.beam_width,
+        "mean_lengths": mean_lengths(ns.dataset, lengths),
         "slo_s_per_token": ns.slo,
         "systems": labels,
         "points": points,

@@ -2,9 +2,10 @@
 checks) driven on a virtual clock by a model-free worker.
 
 Each step is what the engine would run: arrivals up to the clock are added, the core
-plans a step, a `NullWorker` applies the plan to its own request cache and "samples" a
+plans a step, a `SimWorker` applies the plan to its own request cache and "samples" a
 fixed token for every sampling row (requests ignore EOS and stop at their trace's
-output length), and the clock advances by the cost model's time for that step's shape.
+output length; beams get synthetic offers to search over), and the clock advances by
+the cost model's time for that step's shape.
 When nothing can run, the clock jumps to the next arrival. Nothing here sleeps or reads
 a wall clock, so a run is a pure function of its trace, configuration and cost model.
 
@@ -30,9 +31,9 @@ from engine.kv.unshared_kv_cache import UnsharedKVCacheManager
 from engine.messages import AddRequest, StepPlan, StepResult
 from engine.sampling_params import SamplingParams
 from engine.sim.cost_model import CostModel, StepShape
+from engine.sim.sim_worker import SimWorker
 from engine.sim.trace import TraceRequest
 from engine.wiring import build_core
-from engine.worker.worker import NullWorker
 
 SAMPLED_TOKEN = 7  # what the model-free worker "samples" (no request stops on it)
 
@@ -169,7 +170,7 @@ class Simulator:
         self.config, self.cost, self.record_batches = config, cost, record_batches
         self.blocks = config.build_blocks()
         self.core = build_core(config.scheduler, self.blocks, frozenset(), config.preemption_mode)
-        self.worker = NullWorker(token_id=SAMPLED_TOKEN)
+        self.worker = SimWorker(token_id=SAMPLED_TOKEN)
         self.clock = 0.0
 
     def run(self, trace: Sequence[TraceRequest]) -> SimulationResult:
@@ -251,10 +252,16 @@ class Simulator:
                 entry.first_token_s = done_s
         for finish in deltas.finished:
             times[_request_of(finish.request_id)].finish_s = done_s
+        for ranked in deltas.ranked:  # a beam search returns its beams when it ends
+            entry = times[ranked.request_id]
+            entry.first_token_s = entry.finish_s = done_s
 
 
 def _sequence_ids(request: TraceRequest) -> list[str]:
-    """The scheduler's ids for a trace request's sequences."""
+    """The scheduler's ids for a trace request's sequences (a beam search's first beam;
+    the others are forked from it)."""
+    if request.use_beam_search:
+        return [sequence_id(request.request_id, 0)]
     if request.n == 1:
         return [request.request_id]
     return [sequence_id(request.request_id, i) for i in range(request.n)]
@@ -266,8 +273,13 @@ def _request_of(sequence_id: str) -> str:
 
 
 def _add_request(request: TraceRequest) -> AddRequest:
-    temperature = 1.0 if request.n > 1 else 0.0  # n > 1 samples (the tokens are fixed anyway)
+    beam, n = request.use_beam_search, request.n
+    temperature = 1.0 if n > 1 and not beam else 0.0  # n > 1 samples (the tokens are fixed)
     params = SamplingParams(
-        n=request.n, max_tokens=request.output_len, ignore_eos=True, temperature=temperature
+        n=n,
+        max_tokens=request.output_len,
+        ignore_eos=True,
+        temperature=temperature,
+        use_beam_search=beam,
     )
     return AddRequest(request.request_id, request.token_ids(), params, request.arrival_s)

@@ -3,6 +3,7 @@ how many tokens they will generate (the true output length, known to the trace).
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import zlib
 from collections.abc import Sequence
@@ -17,7 +18,8 @@ class TraceRequest:
     """One request: `arrival_s` on the virtual clock, its prompt (`prompt_len` tokens;
     `prompt_token_ids` when a test or a prefix-sharing workload needs real ids, else
     synthetic distinct ids are made), and `output_len` tokens to generate (EOS ignored).
-    `n` > 1: parallel sampling, n sequences sharing the prompt. With
+    `n` > 1: parallel sampling, n sequences sharing the prompt; with `use_beam_search`,
+    a beam search of width `n` for `output_len` tokens instead. With
     `prefix_hashes`, the prompt is `hashed_prompt(prefix_hashes, prompt_len)`, made when
     the request is admitted (a long trace holds no token ids until then)."""
 
@@ -28,6 +30,7 @@ class TraceRequest:
     prompt_token_ids: tuple[int, ...] | None = None
     n: int = 1
     prefix_hashes: tuple[int, ...] = ()  # `hashed_prompt` blocks (a trace's shared prefixes)
+    use_beam_search: bool = False
 
     def __post_init__(self) -> None:
         if self.prompt_len < 1 or self.output_len < 1:
@@ -95,6 +98,21 @@ def hashed_prompt(
     if len(ids) < length:  # longer than its hashes cover: a tail of its own
         ids.extend(_hash_block(-1 - len(hashes) * 1_000_003 - length, length - len(ids)))
     return tuple(ids[:length])
+
+
+def with_shared_prefix(trace: Sequence[TraceRequest], prefix_len: int) -> list[TraceRequest]:
+    """The requests of `trace` with the same `prefix_len` tokens (a few-shot prompt)
+    put before each one's own prompt (`prompt_len` grows by `prefix_len`)."""
+    if prefix_len < 1:
+        raise ValueError(f"prefix_len must be >= 1, got {prefix_len}")
+    seed = zlib.crc32(b"shared prefix")
+    prefix = tuple(100 + (seed + i * 7919) % SYNTHETIC_VOCAB for i in range(prefix_len))
+    return [
+        dataclasses.replace(
+            r, prompt_len=prefix_len + r.prompt_len, prompt_token_ids=prefix + r.token_ids()
+        )
+        for r in trace
+    ]
 
 
 def replayed_trace(
