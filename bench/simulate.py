@@ -8,11 +8,12 @@ For each system and request rate: a Poisson trace of `rate * duration` requests 
 (prompt, output) lengths are drawn from the dataset, run through `engine.sim.Simulator`
 (the real `EngineCore`, a model-free worker, step times from the preset's `CostModel`).
 Reported per point: mean normalized latency (end-to-end latency / output tokens, the
-paper's Fig. 12), the average number of requests in a batch (Fig. 13), p50/p90
-latency, TTFT, preemptions, KV memory shares, sharing savings, prefix hits, and the
-simulated and wall seconds. A system's sustained rate is the rate at which its mean
-normalized latency reaches `--slo` s/token, interpolated between the rates run
-(`--refine K` first bisects the bracket around it K more times).
+paper's Fig. 12), the average number of requests in a batch (Fig. 13), the mean step's
+duration and tokens computed, p50/p90 latency, TTFT, preemptions, KV memory shares,
+sharing savings, prefix hits, and the simulated and wall seconds. A system's sustained
+rate is the rate at which its mean normalized latency reaches `--slo` s/token,
+interpolated between the rates run (`--refine K` first bisects the bracket around it K
+more times).
 
 Workloads (`--dataset`, see `bench/sim_workloads.py`): sharegpt, alpaca, mooncake,
 prefix-1shot, prefix-5shot and chatbot; `--n` parallel samples or `--beam-width` beam
@@ -45,6 +46,7 @@ from engine.sim.simulator import SimulationResult, Simulator, SimulatorConfig  #
 MAX_MODEL_LEN = 2048
 BLOCK_SIZE = 16
 BASELINES = tuple(ReservationPolicy)  # contiguous-max, -pow2, -oracle
+PAPER_FIGURES = {"prefix-1shot": "Fig. 16", "prefix-5shot": "Fig. 16", "chatbot": "Fig. 17"}
 SYSTEMS = ("paged", "paged-swap", "paged-prefix", "paged-no-sharing", *BASELINES)
 
 
@@ -108,6 +110,8 @@ def summarize(system: str, rate: float, result: SimulationResult, wall_s: float)
         "prefix_hit_rate": result.stats.prefix_cache_hit_tokens
         / max(1, result.stats.prefix_cache_queried_tokens),
         "num_steps": len(result.steps),
+        "mean_step_s": sum(s.duration_s for s in result.steps) / max(1, len(result.steps)),
+        "mean_step_tokens": sum(s.num_tokens for s in result.steps) / max(1, len(result.steps)),
         "simulated_s": result.end_s,
         "wall_s": wall_s,
     }
@@ -197,7 +201,8 @@ def plot(report: dict, path: Path) -> None:
     a.set_ylabel("normalized latency (s/token)")
     a.set_yscale("log")
     a.axhline(report["slo_s_per_token"], color="grey", linestyle=":", linewidth=1)
-    a.set_title(f"{report['preset']}, {report['dataset']} (paper Fig. 12)")
+    figure = PAPER_FIGURES.get(report["dataset"], "Fig. 12")
+    a.set_title(f"{report['preset']}, {report['dataset']} (paper {figure})")
     b.set_xlabel("request rate (req/s)")
     b.set_title("average batched requests (paper Fig. 13)")
     _plot_memory_shares(c, report)

@@ -72,14 +72,17 @@ _RATIO_WEIGHTS = {
 
 
 class SlotUtilization:
-    """Accumulates (tokens stored, slots allocated) once per step."""
+    """Accumulates (tokens stored, slots allocated) once per step; `last_tokens` is the
+    latest step's tokens stored."""
 
     def __init__(self) -> None:
         self.tokens = 0
         self.slots = 0
         self.last = 1.0
+        self.last_tokens = 0
 
     def record(self, tokens: int, slots: int) -> None:
+        self.last_tokens = tokens
         if slots:
             self.tokens += tokens
             self.slots += slots

@@ -22,9 +22,10 @@ class SimWorker(NullWorker):
     logprobs, which sample their best offer and report K offers: the token ids
     FIRST_OFFER_ID.. in rank order, with logprobs drawn from a seeded generator in plan
     order: the best one -Exp(mean `top_gap`), each next one a further -Exp(mean
-    `next_gap`) lower (the defaults give the best offer about 60% of the probability,
-    the second about 20%). The same plans give the same offers; how often beams fork
-    and share follows from these draws, not from a model.
+    `next_gap`) lower (with the defaults the best offer's probability averages 0.67 and
+    the second's 0.33; the offers are not normalized, since the search only ranks sums of
+    logprobs). The same plans give the same offers; how often beams fork and share
+    follows from these draws, not from a model.
     """
 
     def __init__(

@@ -240,8 +240,7 @@ class Simulator:
             return self.blocks.memory_shares()
         size = self.config.block_size
         used = self.blocks.num_used_blocks * size
-        stored = sum(r.num_computed_tokens for r in self.core.scheduler.running)
-        token = min(stored, used)
+        token = min(self.core.utilization.last_tokens, used)  # this step's, as recorded
         return KVMemoryShares(token, 0, 0, used - token, self.blocks.num_blocks * size - used)
 
     def _deliver(self, step: StepResult, done_s: float, times: dict[str, RequestTimes]) -> None:
