@@ -213,6 +213,17 @@ def plot(report: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def report_header(script: str, argv: list[str] | None, ns, cost: CostModel) -> dict:
+    """What every simulation report starts with: how it was made and on what setup."""
+    return {
+        "command": f"python {script} " + " ".join(argv or sys.argv[1:]),
+        "machine": platform.machine(),
+        "preset": ns.preset,
+        "cost_model": cost.__dict__,
+        "dataset": ns.dataset,
+    }
+
+
 def parse_args(argv: list[str] | None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="opt-13b-a100", choices=sorted(PRESETS))
@@ -272,11 +283,7 @@ def main(argv: list[str] | None = None) -> int:
             series += refine(series, ns.slo, ns.refine, run)
             points += sorted(series, key=lambda p: p["rate"])
     report = {
-        "command": "python bench/simulate.py " + " ".join(argv or sys.argv[1:]),
-        "machine": platform.machine(),
-        "preset": ns.preset,
-        "cost_model": cost.__dict__,
-        "dataset": ns.dataset,
+        **report_header("bench/simulate.py", argv, ns, cost),
         "n": ns.n,
         "beam_width": ns.beam_width,
         "mean_lengths": mean_lengths(ns.dataset, lengths),

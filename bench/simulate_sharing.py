@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import time
 from pathlib import Path
@@ -31,6 +30,7 @@ from bench.simulate import (  # noqa: E402
     BLOCK_SIZE,
     MAX_MODEL_LEN,
     capacity_search,
+    report_header,
     run_point,
     sustained_rate,
 )
@@ -103,11 +103,7 @@ def main(argv: list[str] | None = None) -> int:
             summaries.append(summary(points, kind, value, ns.systems, ns.slo))
             print(json.dumps(summaries[-1]), flush=True)
     report = {
-        "command": "python bench/simulate_sharing.py " + " ".join(argv or sys.argv[1:]),
-        "machine": platform.machine(),
-        "preset": ns.preset,
-        "cost_model": cost.__dict__,
-        "dataset": ns.dataset,
+        **report_header("bench/simulate_sharing.py", argv, ns, cost),
         "slo_s_per_token": ns.slo,
         "systems": ns.systems,
         "summaries": summaries,
