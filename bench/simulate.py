@@ -1,8 +1,10 @@
 """Reproduce the paper at its own scale: the real scheduler and block manager on a
-virtual clock, with a calibrated cost model for the model step (E11).
+virtual clock, with a cost model for the model step (E11; calibrated once a GPU run
+exists, the presets' guesses until then).
 
     python bench/simulate.py --preset opt-13b-a100 --dataset sharegpt \
-        --rates 0.5 1 1.5 2 2.5 3 --duration 3600 --out bench/results/simulate_sharegpt.json
+        --rates 1 2 3 4 5 6 --refine 3 --duration 3600 \
+        --out bench/results/simulate_sharegpt.json
 
 For each system and request rate: a Poisson trace of `rate * duration` requests whose
 (prompt, output) lengths are drawn from the dataset, run through `engine.sim.Simulator`

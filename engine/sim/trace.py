@@ -109,7 +109,10 @@ def with_shared_prefix(trace: Sequence[TraceRequest], prefix_len: int) -> list[T
     prefix = tuple(100 + (seed + i * 7919) % SYNTHETIC_VOCAB for i in range(prefix_len))
     return [
         dataclasses.replace(
-            r, prompt_len=prefix_len + r.prompt_len, prompt_token_ids=prefix + r.token_ids()
+            r,
+            prompt_len=prefix_len + r.prompt_len,
+            prompt_token_ids=prefix + r.token_ids(),
+            prefix_hashes=(),  # the ids above already hold them
         )
         for r in trace
     ]
