@@ -4,6 +4,9 @@
 - `sharegpt`: ShareGPT V3 prompts with output lengths from the Azure conversation trace
   (the ShareGPT files here keep no replies); `alpaca`: Alpaca prompts with their own
   answers (lengths under the Llama 2 tokenizer, `bench/workload.py`).
+- `sharegpt-paper-lengths`: the same requests with prompt and output lengths scaled so
+  their means are the paper's (161 and 338 tokens; its ShareGPT kept the replies), for
+  the gap its longer outputs make.
 - `mooncake`: the Mooncake conversation trace replayed, its 512-token prefix hashes
   becoming equal token runs (for prefix caching).
 - `prefix-1shot`, `prefix-5shot` (paper Fig. 16): every prompt starts with the same
@@ -23,7 +26,16 @@ import json
 
 from engine.sim.trace import TraceRequest, poisson_trace, replayed_trace, with_shared_prefix
 
-WORKLOADS = ("sharegpt", "alpaca", "mooncake", "prefix-1shot", "prefix-5shot", "chatbot")
+WORKLOADS = (
+    "sharegpt",
+    "sharegpt-paper-lengths",
+    "alpaca",
+    "mooncake",
+    "prefix-1shot",
+    "prefix-5shot",
+    "chatbot",
+)
+PAPER_SHAREGPT_MEANS = (161.31, 337.99)  # the paper's Fig. 11: prompt, output tokens
 PREFIX_LENS = {"prefix-1shot": 80, "prefix-5shot": 341}  # the paper's few-shot prefixes
 CHAT_WINDOW = 1024  # chatbot: the last tokens of the history kept, and the output cap
 
@@ -33,6 +45,8 @@ def workload_lengths(workload: str, mooncake_requests: int = 3000, max_model_len
     the first `mooncake_requests` records (arrival s, prompt len, output len, hashes)."""
     from bench.workload import sample_workload
 
+    if workload == "sharegpt-paper-lengths":
+        return scaled_to_means(workload_lengths("sharegpt"), PAPER_SHAREGPT_MEANS)
     if workload == "sharegpt":
         wl = sample_workload("sharegpt", 1000, max_model_len=max_model_len, output_source="azure")
     elif workload == "alpaca":
@@ -47,6 +61,16 @@ def workload_lengths(workload: str, mooncake_requests: int = 3000, max_model_len
     else:
         raise ValueError(f"workload must be one of {WORKLOADS}, got {workload!r}")
     return [(len(p), o) for p, o in zip(wl.prompts, wl.output_lens, strict=True)]
+
+
+def scaled_to_means(
+    lengths: list[tuple[int, int]], means: tuple[float, float]
+) -> list[tuple[int, int]]:
+    """`lengths` with prompts and outputs each scaled (rounded, at least 1) so their
+    means are `means`."""
+    prompt_scale = means[0] * len(lengths) / sum(p for p, _ in lengths)
+    output_scale = means[1] * len(lengths) / sum(o for _, o in lengths)
+    return [(max(1, round(p * prompt_scale)), max(1, round(o * output_scale))) for p, o in lengths]
 
 
 def chatbot_lengths() -> list[tuple[int, int]]:

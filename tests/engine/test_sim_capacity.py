@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from bench.sim_workloads import CHAT_WINDOW, PREFIX_LENS, make_trace, workload_lengths
+from bench.sim_workloads import (
+    CHAT_WINDOW,
+    PREFIX_LENS,
+    make_trace,
+    scaled_to_means,
+    workload_lengths,
+)
 from bench.simulate import capacity_search, refine, sustained_rate
 from tests.conftest import shared_path
 
@@ -55,3 +61,10 @@ def test_workload_traces():
     assert all(r.use_beam_search and r.n == 3 for r in beams)
     with pytest.raises(ValueError, match="workload must be one of"):
         workload_lengths("wmt16")
+
+
+def test_lengths_scale_to_the_means_asked_for():
+    scaled = scaled_to_means([(10, 100), (30, 300), (1, 1)], (20.0, 50.0))
+    assert sum(p for p, _ in scaled) / 3 == pytest.approx(20.0, abs=0.5)
+    assert sum(o for _, o in scaled) / 3 == pytest.approx(50.0, abs=0.5)
+    assert min(min(pair) for pair in scaled) >= 1
