@@ -45,22 +45,26 @@ def workload_lengths(workload: str, mooncake_requests: int = 3000, max_model_len
     the first `mooncake_requests` records (arrival s, prompt len, output len, hashes)."""
     from bench.workload import sample_workload
 
-    if workload == "sharegpt-paper-lengths":
-        return scaled_to_means(workload_lengths("sharegpt"), PAPER_SHAREGPT_MEANS)
+    def pairs(workload) -> list[tuple[int, int]]:
+        return [(len(p), o) for p, o in zip(workload.prompts, workload.output_lens, strict=True)]
+
     if workload == "sharegpt":
-        wl = sample_workload("sharegpt", 1000, max_model_len=max_model_len, output_source="azure")
-    elif workload == "alpaca":
-        wl = sample_workload("alpaca", 1700, max_model_len=max_model_len)
-    elif workload in PREFIX_LENS:
-        wl = sample_workload("alpaca", 1700, max_model_len=max_model_len)
-        return [(len(p), len(p)) for p in wl.prompts]
-    elif workload == "chatbot":
+        return pairs(
+            sample_workload("sharegpt", 1000, max_model_len=max_model_len, output_source="azure")
+        )
+    if workload == "sharegpt-paper-lengths":
+        sharegpt = workload_lengths("sharegpt", max_model_len=max_model_len)
+        return scaled_to_means(sharegpt, PAPER_SHAREGPT_MEANS)
+    if workload == "alpaca":
+        return pairs(sample_workload("alpaca", 1700, max_model_len=max_model_len))
+    if workload in PREFIX_LENS:  # a translation is about as long as its sentence
+        alpaca = sample_workload("alpaca", 1700, max_model_len=max_model_len)
+        return [(len(p), len(p)) for p in alpaca.prompts]
+    if workload == "chatbot":
         return chatbot_lengths()
-    elif workload == "mooncake":
+    if workload == "mooncake":
         return mooncake_records(mooncake_requests)
-    else:
-        raise ValueError(f"workload must be one of {WORKLOADS}, got {workload!r}")
-    return [(len(p), o) for p, o in zip(wl.prompts, wl.output_lens, strict=True)]
+    raise ValueError(f"workload must be one of {WORKLOADS}, got {workload!r}")
 
 
 def scaled_to_means(
