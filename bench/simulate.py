@@ -41,6 +41,7 @@ if str(REPO) not in sys.path:
 
 from bench.sim_workloads import WORKLOADS, make_trace, mean_lengths, workload_lengths  # noqa: E402
 from engine.config import PreemptionMode, SchedulerConfig  # noqa: E402
+from engine.kv.memory_shares import KVMemoryShares  # noqa: E402
 from engine.kv.reservation import ReservationPolicy  # noqa: E402
 from engine.sim.cost_model import PRESETS, CostModel, preset  # noqa: E402
 from engine.sim.simulator import SimulationResult, Simulator, SimulatorConfig  # noqa: E402
@@ -171,7 +172,7 @@ def capacity_search(run, slo: float, start: float, bisections: int, max_doubling
 
 def _plot_memory_shares(ax, report: dict) -> None:
     """Where each system's KV slots went at the highest rate run (paper Fig. 2)."""
-    shares = ("token", "reserved", "internal", "external", "free")
+    shares = [f.name for f in dataclasses.fields(KVMemoryShares)]
     top = {}
     for point in report["points"]:
         if point["rate"] >= top.get(point["system"], {}).get("rate", -1):

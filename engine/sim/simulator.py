@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import astuple, dataclass, field, fields
+from dataclasses import astuple, dataclass, field
 
 from engine.config import PreemptionMode, SchedulerConfig
 from engine.core.sequence_group import sequence_id
@@ -126,16 +126,13 @@ class SimulationResult:
     def mean_memory_shares(self) -> dict[str, float]:
         """Each share of the KV cache's slots (token, reserved, internal, external,
         free), averaged over the steps."""
-        total = sum(self.memory_sums)
-        names = [f.name for f in fields(KVMemoryShares)]
-        return {n: v / total for n, v in zip(names, self.memory_sums, strict=True)} if total else {}
+        summed = KVMemoryShares(*self.memory_sums)
+        return summed.fractions() if summed.total else {}
 
     def used_by_tokens(self) -> float:
         """The share of allocated KV slots holding tokens, over the run (the paper's
         "memory usage" of Fig. 2: 20.4-38.2% for the prior systems)."""
-        token, *_rest, free = self.memory_sums
-        allocated = sum(self.memory_sums) - free
-        return token / allocated if allocated else 0.0
+        return KVMemoryShares(*self.memory_sums).used_by_tokens
 
     @property
     def num_preemptions(self) -> int:

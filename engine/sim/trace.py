@@ -78,10 +78,15 @@ def poisson_trace(
     return trace
 
 
+def _synthetic_run(label: str, length: int) -> tuple[int, ...]:
+    """`length` synthetic token ids, the same for the same `label`."""
+    seed = zlib.crc32(label.encode())
+    return tuple(100 + (seed + i * 7919) % SYNTHETIC_VOCAB for i in range(length))
+
+
 @lru_cache(maxsize=65_536)
 def _hash_block(hash_id: int, tokens_per_hash: int) -> tuple[int, ...]:
-    seed = zlib.crc32(f"block {hash_id}".encode())
-    return tuple(100 + (seed + i * 7919) % SYNTHETIC_VOCAB for i in range(tokens_per_hash))
+    return _synthetic_run(f"block {hash_id}", tokens_per_hash)
 
 
 def hashed_prompt(
@@ -105,8 +110,7 @@ def with_shared_prefix(trace: Sequence[TraceRequest], prefix_len: int) -> list[T
     put before each one's own prompt (`prompt_len` grows by `prefix_len`)."""
     if prefix_len < 1:
         raise ValueError(f"prefix_len must be >= 1, got {prefix_len}")
-    seed = zlib.crc32(b"shared prefix")
-    prefix = tuple(100 + (seed + i * 7919) % SYNTHETIC_VOCAB for i in range(prefix_len))
+    prefix = _synthetic_run("shared prefix", prefix_len)
     return [
         dataclasses.replace(
             r,
