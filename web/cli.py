@@ -75,6 +75,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "why are logged and in /v1/info)",
     )
     p.add_argument(
+        "--linear-kernel",
+        default="auto",
+        choices=["auto", "onednn", "torch"],
+        help="the linear layers' GEMM: auto prepacks the weights once for oneDNN on a CPU "
+        "where it can (else torch's linear); torch keeps torch's plain linear",
+    )
+    p.add_argument(
         "--compile-model",
         action="store_true",
         help="run the model's forward pass through torch.compile (the first steps of each "
@@ -288,6 +295,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         "preemption_mode": args.preemption_mode,
         "attention_backend": args.attention_backend,
         "compile_model": args.compile_model,
+        "linear_kernel": args.linear_kernel,
         "tokenizer": args.tokenizer,
         "chat_template": args.chat_template,
         "tensor_parallel_size": args.tensor_parallel_size,

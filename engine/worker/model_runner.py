@@ -25,6 +25,7 @@ from engine.worker.kv_cache import (
 )
 from engine.worker.logprobs import Logprob, TokenLogprobs, compute_token_logprobs, to_dicts
 from engine.worker.model_loader import load_model
+from engine.worker.models.prepack import prepack_linears
 from engine.worker.parallel.group import TensorParallelGroup
 from engine.worker.parallel.layers import kv_heads_per_rank
 from engine.worker.sampler import Sampler
@@ -96,6 +97,7 @@ class ModelRunner:
         choice = select_backend(device_config.attention_backend, self.device, model_config.dtype)
         self.backend, self.backend_reason = choice.backend, choice.reason
         self.model = load_model(model_config, self.backend, self.device, self.group)
+        self.linear_kernel = prepack_linears(self.model, device_config.linear_kernel, self.device)
         if device_config.compile_model:
             compile_model(self.model)
             logger.info("the model's forward pass runs through torch.compile")

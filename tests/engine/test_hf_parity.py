@@ -33,6 +33,7 @@ SETTINGS = {
     "block32": dict(block_size=32),
     "chunked": dict(block_size=4, max_num_batched_tokens=5),
     "reference-backend": dict(block_size=16, attention_backend="reference"),
+    "torch-linear": dict(block_size=16, linear_kernel="torch"),  # the default packs for oneDNN
 }
 
 

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cuda_ext.packed_gemm import PackedWeight
 from engine.worker.parallel.group import TensorParallelGroup
 
 
@@ -102,6 +103,7 @@ class ColumnParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(shape))
         self.bias = nn.Parameter(torch.empty(out)) if bias else None
         self.checkpoint_parts = len(parts) if separate_in_checkpoint else None
+        self.packed: PackedWeight | None = None  # set by `prepack`, after loading
 
     def split(self, out: torch.Tensor) -> tuple[torch.Tensor, ...]:  # [..., sum] -> parts
         return out.split(self.sizes, dim=-1)
@@ -130,7 +132,10 @@ class ColumnParallelLinear(nn.Module):
         return 1 if name == "weight" and self.transposed else 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, in] -> [n, sum(sizes)]
-        return _matmul(x, self.weight, self.bias, self.transposed)
+        return _linear(self, x, self.bias)
+
+    def prepack(self, keep_plain: bool) -> PackedWeight:
+        return _prepack(self, keep_plain)
 
 
 class RowParallelLinear(nn.Module):
@@ -154,6 +159,7 @@ class RowParallelLinear(nn.Module):
         shape = (local, out_features) if transposed else (out_features, local)
         self.weight = nn.Parameter(torch.empty(shape))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.packed: PackedWeight | None = None  # set by `prepack`, after loading
 
     def load(self, name: str, tensor: torch.Tensor, part: int | None = None) -> None:
         with torch.no_grad():
@@ -169,9 +175,12 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, in / world] -> [n, out]
         if not self.group.is_parallel:
-            return _matmul(x, self.weight, self.bias, self.transposed)
-        y = self.group.all_reduce(_matmul(x, self.weight, None, self.transposed))
+            return _linear(self, x, self.bias)
+        y = self.group.all_reduce(_linear(self, x, None))
         return y if self.bias is None else y + self.bias
+
+    def prepack(self, keep_plain: bool) -> PackedWeight:
+        return _prepack(self, keep_plain)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -207,15 +216,41 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits of this rank's vocabulary slice, gathered: [n, dim] -> [n, vocab_size]."""
 
+    packed: PackedWeight | None = None  # set by `prepack`, after loading
+    transposed = False
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)  # [n, padded vocab / world]
+        logits = _linear(self, hidden, None)  # [n, padded vocab / world]
         if not self.group.is_parallel:
             return logits
         return self.group.all_gather(logits, dim=-1)[..., : self.vocab_size]
 
+    def prepack(self, keep_plain: bool) -> PackedWeight:
+        return _prepack(self, keep_plain)
+
 
 # The layers whose `load(name, tensor, part)` takes whole checkpoint tensors.
 SLICING_LAYERS = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
+# The layers whose weight `prepack` can hand to a PackedWeight (engine/worker/models/prepack.py).
+PACKABLE_LAYERS = (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)
+
+
+def _linear(layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [n, in] through `layer`'s packed weight when it has one, else its plain one."""
+    if layer.packed is not None:
+        return layer.packed(x, bias)
+    return _matmul(x, layer.weight, bias, layer.transposed)
+
+
+def _prepack(layer, keep_plain: bool) -> PackedWeight:
+    """Packs `layer.weight` (as `[out, in]`) for oneDNN; without `keep_plain` the plain
+    weight is dropped (an empty tensor of its dtype), so the layer holds its weight once.
+    Call after loading: `load` writes into the plain weight."""
+    weight = layer.weight.detach()
+    layer.packed = PackedWeight(weight.t() if layer.transposed else weight)
+    if not keep_plain:
+        layer.weight = nn.Parameter(weight.new_empty(0), requires_grad=False)
+    return layer.packed
 
 
 def _matmul(x, weight, bias, transposed: bool) -> torch.Tensor:
