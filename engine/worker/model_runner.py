@@ -97,7 +97,9 @@ class ModelRunner:
         choice = select_backend(device_config.attention_backend, self.device, model_config.dtype)
         self.backend, self.backend_reason = choice.backend, choice.reason
         self.model = load_model(model_config, self.backend, self.device, self.group)
-        self.linear_kernel = prepack_linears(self.model, device_config.linear_kernel, self.device)
+        self.linear_kernel = prepack_linears(
+            self.model, device_config.linear_kernel, self.device, device_config.compile_model
+        )
         if device_config.compile_model:
             compile_model(self.model)
             logger.info("the model's forward pass runs through torch.compile")

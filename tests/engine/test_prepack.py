@@ -74,6 +74,13 @@ def test_onednn_that_cannot_run_says_why():
     assert choice.name == "torch" and "CPUs" in choice.reason
 
 
+def test_a_compiled_model_keeps_torchs_linear():
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="torch.compile"):
+        prepack_linears(model, "onednn", "cpu", compiled=True)
+    assert prepack_linears(model, "auto", "cpu", compiled=True).name == "torch"
+
+
 def test_unknown_kernel_is_refused():
     with pytest.raises(ValueError, match="linear_kernel must be one of"):
         DeviceConfig(linear_kernel="mkl")

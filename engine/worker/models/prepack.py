@@ -31,11 +31,15 @@ class LinearKernelChoice:
     packed_bytes: int = 0
 
 
-def prepack_linears(model: nn.Module, kernel: str, device: str) -> LinearKernelChoice:
-    """Packs `model`'s linear layers for the kernel `kernel` resolves to (see module doc)."""
+def prepack_linears(
+    model: nn.Module, kernel: str, device: str, compiled: bool = False
+) -> LinearKernelChoice:
+    """Packs `model`'s linear layers for the kernel `kernel` resolves to (see module doc).
+    A model that goes through torch.compile (`compiled`) keeps torch's linear: inductor
+    cannot trace the opaque packed weights, and packs for its own kernels."""
     if kernel == "torch":
         return _chosen(LinearKernelChoice("torch", "linear_kernel='torch' was asked for"))
-    why_not = _why_not_onednn(model, device)
+    why_not = _why_not_onednn(model, device, compiled)
     if why_not is not None:
         if kernel == "onednn":
             raise ValueError(f"linear_kernel='onednn' cannot run: {why_not}")
@@ -51,7 +55,9 @@ def prepack_linears(model: nn.Module, kernel: str, device: str) -> LinearKernelC
     return _chosen(LinearKernelChoice("onednn", reason, len(layers), packed_bytes))
 
 
-def _why_not_onednn(model: nn.Module, device: str) -> str | None:
+def _why_not_onednn(model: nn.Module, device: str, compiled: bool) -> str | None:
+    if compiled:
+        return "the model goes through torch.compile (compile_model=True)"
     if torch.device(device).type != "cpu":
         return f"oneDNN packing is for CPUs, the model runs on {device}"
     dtype = next(model.parameters()).dtype
