@@ -19,6 +19,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
+from actors.pending_reply import PendingReply
 from actors.transport import Inbox, Outbox
 from engine.codec import DecodeError, InboxDecoder, encode
 from engine.errors import describe
@@ -28,6 +29,7 @@ log = logging.getLogger(__name__)
 
 Handler = Callable[[Any], Awaitable[None] | None]
 M = TypeVar("M")
+_ANSWER_DUE = object()  # _recv: the expected answer is in, or past its deadline
 
 
 class ActorStartupError(RuntimeError):
@@ -51,8 +53,15 @@ class Actor:
       dropped (`num_dropped`), and fails the request it names, if it names one. Any
       other exception (a handler of a message about no single request, `after_message`,
       `fail_request` itself) ends the loop, leaving it in `crash` and `is_alive` False.
-    - A handler may await an answer on one of its `reply_inboxes` (a request/answer
-      exchange with a peer); no other message is handled meanwhile.
+    - An answer from a peer arrives on one of the `reply_inboxes`. After sending its
+      request, a handler either awaits the answer there itself (no other message is
+      handled meanwhile), or registers it with `expect(reply, on_reply)` and returns: the
+      loop then waits for that answer beside the inbox and, as soon as it is in, calls
+      `on_reply(frame)` (before any inbox frame that is also waiting), then
+      `after_message()`. `settle()` handles it at once instead (a handler that must not
+      go on before it). At most one answer is expected at a time. If its deadline
+      passes first, the loop ends with the reply's timeout error; like an exception in
+      `on_reply`, that is about no single request.
     - When the loop ends, the actor closes its inbox and the `outboxes` and
       `reply_inboxes` it was given.
     """
@@ -80,6 +89,8 @@ class Actor:
         self._stopping = False
         self._receiving = False
         self._closed = False
+        self._expected: tuple[PendingReply, Handler] | None = None
+        self._next_frame: asyncio.Task | None = None  # the inbox's, while an answer is due
 
     @property
     def is_alive(self) -> bool:
@@ -93,9 +104,12 @@ class Actor:
                 frame = await self._recv()
                 if frame is None:
                     break
-                message = await self._decode(frame)
-                if message is not None:
-                    await self._dispatch(message)
+                if frame is _ANSWER_DUE:
+                    await self.settle()
+                else:
+                    message = await self._decode(frame)
+                    if message is not None:
+                        await self._dispatch(message)
                 if not self._stopping:
                     await self.after_message()
         except Exception as exc:
@@ -143,6 +157,27 @@ class Actor:
     async def after_message(self) -> None:
         """Runs after every message, outside any request's guard; no-op here."""
 
+    def expect(self, reply: PendingReply, on_reply: Handler) -> None:
+        """The loop handles `reply` with `on_reply(frame)` when it arrives (see the
+        contract); raises RuntimeError while another answer is expected."""
+        if self._expected is not None:
+            raise RuntimeError(f"actor {self.name} already expects an answer")
+        self._expected = (reply, on_reply)
+
+    @property
+    def expects_reply(self) -> bool:
+        """An answer is registered with `expect` and not yet handled."""
+        return self._expected is not None
+
+    async def settle(self) -> None:
+        """Handles the expected answer now, waiting for it until its deadline (raising its
+        timeout error after); returns at once when no answer is expected."""
+        if self._expected is None:
+            return
+        reply, on_reply = self._expected
+        self._expected = None
+        await _call(on_reply, await reply.frame())
+
     @contextlib.asynccontextmanager
     async def guard(self, request_id: str, message: Any = None) -> AsyncIterator[None]:
         """An exception inside ends request `request_id` (see the failure rule)."""
@@ -159,17 +194,37 @@ class Actor:
         )
         await self.fail_request(request_id, describe(exc), message)
 
-    async def _recv(self) -> bytes | None:
-        """The next frame, or None when stop() interrupted the wait."""
+    async def _recv(self) -> Any:
+        """The next frame, `_ANSWER_DUE`, or None when stop() interrupted the wait."""
         self._receiving = True
         try:
-            return await self.inbox.recv()
+            if self._expected is None and self._next_frame is None:
+                return await self.inbox.recv()
+            return await self._recv_or_answer()
         except asyncio.CancelledError:
             if self._stopping:
                 return None
             raise
         finally:
             self._receiving = False
+
+    async def _recv_or_answer(self) -> Any:
+        """The inbox's next frame, unless the expected answer is in or overdue first."""
+        if self._next_frame is None:
+            self._next_frame = asyncio.ensure_future(self.inbox.recv())
+        if self._expected is not None:
+            reply = self._expected[0]
+            if not (reply.arrived or self._next_frame.done()):
+                await asyncio.wait(
+                    {self._next_frame, reply.task},
+                    timeout=reply.seconds_left,
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
+            if reply.arrived or not reply.seconds_left or not self._next_frame.done():
+                return _ANSWER_DUE
+        frame = await self._next_frame
+        self._next_frame = None
+        return frame
 
     async def _decode(self, frame: bytes) -> Any | None:
         self.num_received += 1
@@ -201,6 +256,10 @@ class Actor:
         if self._closed:
             return
         self._closed = True
+        if self._expected is not None:
+            self._expected[0].cancel()
+        if self._next_frame is not None:
+            self._next_frame.cancel()
         self.inbox.close()
         for inbox in self.reply_inboxes:
             inbox.close()

@@ -18,9 +18,11 @@ out as a new request with its parent's tokens.
 The block tables are injected. In-process (the offline `LLM`) they are a plain
 `KVCacheManager` and a step is `schedule()` then `build_plan()`. Where a block-manager
 actor holds the authoritative tables, the core plans on a `BlockLedger`, a replica that
-knows every block id at once and logs its changes, and a step is `schedule()`, one
-exchange of `block_traffic()` for the block manager's `BlockOpsApplied`
-(`on_block_ops_applied` checks it), and `build_plan()`.
+knows every block id at once and logs its changes, and a step is `schedule()`,
+`block_traffic()` sent to the block manager, and `build_plan()`. The plan needs nothing
+from the block manager's `BlockOpsApplied`: it is an audit, checked whenever it arrives
+(`on_block_ops_applied`), and one exchange is open at a time (its answer is checked
+before the next `block_traffic()`).
 """
 
 from __future__ import annotations
@@ -163,7 +165,8 @@ class EngineCore:
 
     def schedule(self) -> SchedulerOutput | None:
         """The next step, its tokens counted as computed (None: nothing to tell the
-        workers until a result arrives). Its new blocks are pending until the exchange."""
+        workers until a result arrives). Its block changes are in the next
+        `block_traffic()`."""
         output = self.scheduler.schedule()
         if output.is_empty and not self._finished_ids:
             return None
@@ -173,13 +176,19 @@ class EngineCore:
             self._record_usage()
         return output
 
-    def block_traffic(self) -> ApplyBlockOps | None:
-        """The block ops since the last exchange, or None when there are none (always
-        None on local block tables: there is nobody to tell)."""
+    @property
+    def has_block_traffic(self) -> bool:
+        """There are block ops to send (never on local block tables: nobody to tell)."""
         ledger = self._ledger
-        return ledger.take_traffic() if ledger is not None and ledger.has_traffic else None
+        return ledger is not None and ledger.has_traffic
+
+    def block_traffic(self) -> ApplyBlockOps | None:
+        """The block ops since the last exchange, or None when there are none. Raises
+        BlockLedgerError while the last exchange's answer is unchecked."""
+        return self._ledger.take_traffic() if self.has_block_traffic else None
 
     def on_block_ops_applied(self, reply: BlockOpsApplied) -> None:
+        """Checks the answer to the open exchange (BlockLedgerError if it disagrees)."""
         self._ledger.apply(reply)
 
     def _record_usage(self) -> None:
@@ -237,7 +246,8 @@ class EngineCore:
         return None if output is None else self.build_plan(output)
 
     def build_plan(self, output: SchedulerOutput) -> StepPlan:
-        """The worker message of `output`, once its blocks are exchanged."""
+        """The worker message of `output` (its block ids are the ledger's own: it need
+        not wait for the block manager's answer)."""
         message = self.builder.build(output, self._finished_ids)  # tables are live: resolved
         self._finished_ids = []
         return message

@@ -21,7 +21,10 @@ class BlockLedger(KVCacheManager):
     `take_traffic()` packs the ops since the last exchange into ONE `ApplyBlockOps` for
     the block manager, which replays them on its own tables and answers with the block
     ids they produced; `apply(reply)` raises BlockLedgerError unless those ids and the
-    free and cached block counts are the replica's own.
+    free and cached block counts are the replica's own at `take_traffic()` time. So the
+    answer is an audit that may come any time later (the ledger goes on planning
+    meanwhile), but one exchange is open at a time: `take_traffic()` raises while the
+    last answer is unchecked.
     """
 
     def __init__(self, *args, **kwargs) -> None:  # KVCacheManager's arguments
