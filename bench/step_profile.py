@@ -26,6 +26,7 @@ import argparse
 import json
 import subprocess
 import sys
+import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -126,42 +127,52 @@ def ours(model_dir: Path, args) -> dict:
         str(model_dir), skip_tokenizer_init=True, seed=0, dtype=args.dtype,
         max_num_seqs=max(args.batch), max_num_batched_tokens=2048,
         kv_cache_memory=args.kv_gib * 2**30, enable_prefix_caching=False,
+        linear_kernel=args.linear_kernel,
     )  # fmt: skip
     engine = llm.engine
     out = {"linear_kernel": engine.worker.runner.linear_kernel.name, "decode": {}, "prefill": {}}
     for batch in args.batch:
         prompts = _prompts(batch, args.context, seed=batch)
-        out["decode"][batch] = _ours_phase(engine, timers, prompts, 1 + args.steps, skip=1)
+        out["decode"][batch] = _ours_phase(engine, timers, prompts, args.steps, decode=True)
         prompts = _prompts(batch, args.prompt_len, seed=1000 + batch)
-        out["prefill"][batch] = _ours_phase(engine, timers, prompts, 1, skip=0)
+        out["prefill"][batch] = _ours_phase(engine, timers, prompts, 0, decode=False)
         out["prefill"][batch]["tokens_per_step"] = min(2048, batch * args.prompt_len)
-        log(f"ours batch {batch}: decode {out['decode'][batch]['step_ms']} ms/step")
+        log(f"ours batch {batch}: decode {out['decode'][batch]}")
+        log(f"ours batch {batch}: prefill {out['prefill'][batch]}")
     return out
 
 
-def _ours_phase(engine, timers: ExclusiveTimers, prompts, max_tokens: int, skip: int) -> dict:
-    """Runs the requests to the end; times the steps after the first `skip` + prefill ones
-    (decode: every step once all prompts are in; prefill: every step)."""
+def _ours_phase(engine, timers: ExclusiveTimers, prompts, steps: int, decode: bool) -> dict:
+    """Decode: fills the batch (every prompt computed), then times `steps` steps where every
+    sequence decodes, then aborts the requests. Prefill: times every step of one-token
+    requests (their prompts' chunks, up to 2,048 tokens a step)."""
     from engine import SamplingParams
 
+    fill_steps = -(-len(prompts) * len(prompts[0]) // 2048) + 2
+    max_tokens = fill_steps + steps + 2 if decode else 1
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        engine.add_request(f"p{len(p)}-{i}-{time.monotonic_ns()}", p, params)
-    prefill_steps = 0 if skip == 0 else _steps_to_fill(engine, len(prompts))
+    ids = [f"r{i}-{time.monotonic_ns()}" for i in range(len(prompts))]
+    for rid, p in zip(ids, prompts, strict=True):
+        engine.add_request(rid, p, params)
+    filled = _steps_to_fill(engine, len(prompts)) if decode else 0
     timers.reset()
-    steps, started = 0, time.perf_counter()
+    done, started = 0, time.perf_counter()
+    while engine.has_unfinished_requests() and (not decode or done < steps):
+        engine.step()
+        done += 1
+    wall = time.perf_counter() - started
+    for rid in ids:
+        engine.abort_request(rid)
     while engine.has_unfinished_requests():
         engine.step()
-        steps += 1
-    wall = time.perf_counter() - started
     engine.flush()
-    pieces = {k: round(v / max(steps, 1) * 1e3, 3) for k, v in timers.seconds.items()}
-    return {"steps": steps, "prefill_steps_before": prefill_steps,
-            "step_ms": round(wall / max(steps, 1) * 1e3, 3), "pieces_ms": pieces}  # fmt: skip
+    pieces = {k: round(v / max(done, 1) * 1e3, 3) for k, v in timers.seconds.items()}
+    return {"steps": done, "fill_steps": filled,
+            "step_ms": round(wall / max(done, 1) * 1e3, 3), "pieces_ms": pieces}  # fmt: skip
 
 
 def _steps_to_fill(engine, batch: int) -> int:
-    """Steps until every request has its first token (prefill done)."""
+    """Steps until every request has its prompt computed (each then decodes)."""
     steps = 0
     while engine.stats().num_running < batch or _any_prefilling(engine):
         engine.step()
@@ -190,14 +201,15 @@ def vllm(model_dir: Path, args) -> dict:
     }  # fmt: skip
     env = vllm_peer.environment(args.threads, args.kv_gib * 2**30)
     cmd = [str(python), str(BENCH / "peers" / "vllm_step_child.py"), "--model", str(model_dir)]
-    cmd += ["--spec", json.dumps(spec)]
+    result_file = Path(tempfile.mkdtemp(prefix="step-profile-")) / "vllm.json"
+    cmd += ["--spec", json.dumps(spec), "--result-file", str(result_file)]
     import os
 
     done = subprocess.run(cmd, env=dict(os.environ, **env), capture_output=True, text=True)
     if done.returncode != 0:
         tail = "\n".join(done.stderr.splitlines()[-15:])
         raise RuntimeError(f"vllm_step_child failed:\n{tail}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return json.loads(result_file.read_text())
 
 
 def parse_args(argv):
@@ -209,7 +221,8 @@ def parse_args(argv):
     p.add_argument("--steps", type=int, default=16, help="decode steps timed per batch")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--kv-gib", type=int, default=1)
+    p.add_argument("--kv-gib", type=int, default=2)
+    p.add_argument("--linear-kernel", default="auto", choices=["auto", "onednn", "torch"])
     p.add_argument("--vllm", action="store_true", help="also time vLLM's steps")
     p.add_argument("--vllm-venv", type=Path, default=vllm_peer.DEFAULT_VENV)
     p.add_argument("--models-dir", type=Path, default=models.DEFAULT_DIR)
@@ -229,6 +242,7 @@ def main(argv=None) -> int:
 
     report = {"command": invocation(__file__), "machine": machine_info(), "model": args.model,
               "dtype": args.dtype, "threads": args.threads, "context": args.context,
+              "linear_kernel": args.linear_kernel,
               "prompt_len": args.prompt_len, "pagedserve": ours(ckpt.hf_dir, args)}  # fmt: skip
     if args.vllm:
         report["vllm"] = vllm(ckpt.hf_dir, args)

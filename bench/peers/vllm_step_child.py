@@ -5,7 +5,7 @@
 Per batch B, decode: B prompts of `context` tokens generated to 1 token, then again to
 1 + `steps` tokens (prefix caching off, so both compute the prompts); the difference over
 `steps` is one decode step at batch B. Prefill: B prompts of `prompt_len` tokens to 1
-token, over the number of 2,048-token steps that takes. Prints one JSON line.
+token, over the number of 2,048-token steps that takes. Writes JSON to --result-file.
 """
 
 import argparse
@@ -18,6 +18,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", required=True)
     p.add_argument("--spec", required=True)
+    p.add_argument("--result-file", required=True)
     args = p.parse_args()
     spec = json.loads(args.spec)
     from vllm import LLM, SamplingParams
@@ -46,7 +47,8 @@ def main() -> None:
             "step_ms": round(run(prompts, 1) / steps * 1e3, 3),
             "steps": steps,
         }
-    print(json.dumps(out))
+    with open(args.result_file, "w") as f:
+        json.dump(out, f)
 
 
 def _prompts(batch, length, seed):

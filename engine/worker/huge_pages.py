@@ -36,7 +36,11 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if nbytes < HUGE_PAGE or not sys.platform.startswith("linux"):
         return torch.zeros(shape, dtype=dtype)
-    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE)  # anonymous, private, zero-filled
+    # Private: Python's default for an anonymous map is MAP_SHARED, which Linux backs
+    # with shmem, where huge pages follow `shmem_enabled` (often "never"), not the
+    # madvise below: the cache then silently stayed on 4 KiB pages.
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=flags)  # zero-filled
     raw = torch.frombuffer(mapping, dtype=torch.uint8)  # holds `mapping` alive
     offset = -raw.data_ptr() % HUGE_PAGE
     region = raw[offset : offset + nbytes]
