@@ -37,7 +37,6 @@ import json
 import os
 import platform
 import shlex
-import subprocess
 import sys
 import tempfile
 import time
@@ -50,6 +49,7 @@ BENCH = Path(__file__).resolve().parent
 sys.path[:0] = [str(REPO), str(BENCH)]
 
 from peers import llamacpp, models, toolenv, vllm_peer  # noqa: E402
+from peers.child_result import run_for_result  # noqa: E402
 from peers.http_load import healthy, peak_rss_mib, post_json, process_tree, send_all  # noqa: E402
 from peers.synthetic import sharegpt_shaped  # noqa: E402
 from systems import BLOCK_SIZE, default_kv_cache_memory, kv_bytes_per_token  # noqa: E402
@@ -222,17 +222,7 @@ def _child(args, case: Case, system: str, kv_cache_memory: int) -> dict:
     cmd += ["--hf-cb-page-size", str(args.hf_cb_page_size)]
     cmd += ["--hf-cb-max-requests", str(args.hf_cb_max_requests)]
     cmd += ["--hf-cb-max-batch-tokens", str(args.hf_cb_max_batch_tokens)]
-    done = subprocess.run(
-        cmd,
-        env=dict(os.environ, **_thread_vars(args)),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    if done.returncode != 0 or not result_file.is_file():
-        tail = "\n".join(done.stderr.replace("\r", "\n").splitlines()[-15:])
-        raise RuntimeError(f"{system} failed (exit {done.returncode}):\n{tail}")
-    data = json.loads(result_file.read_text())
+    data = run_for_result(cmd, _thread_vars(args), result_file, system)
     r = data["result"]
     return {
         "wall_s": r["wall_s"],

@@ -10,7 +10,6 @@ GiB, at least 1). Their outputs are checked token for token against pagedserve's
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
 import subprocess
@@ -20,6 +19,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from peers.child_result import run_for_result
 from peers.http_load import healthy, peak_rss_mib, post_json, process_tree, send_all
 from web.launch import free_port
 
@@ -62,17 +62,7 @@ def run_offline(
     cmd = [str(python), str(HERE / "vllm_offline_child.py"), "--model", str(model_dir)]
     cmd += ["--workload", str(workdir / "workload.json"), "--result-file", str(result_file)]
     cmd += ["--dtype", dtype, "--max-num-seqs", str(max_num_seqs)]
-    done = subprocess.run(
-        cmd,
-        env=dict(os.environ, **env),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    if done.returncode != 0 or not result_file.is_file():
-        tail = "\n".join(done.stderr.replace("\r", "\n").splitlines()[-15:])
-        raise RuntimeError(f"vllm_offline failed (exit {done.returncode}):\n{tail}")
-    data = json.loads(result_file.read_text())
+    data = run_for_result(cmd, env, result_file, "vllm_offline")
     return {**data, "command": shlex.join(cmd), "env": env}
 
 

@@ -161,7 +161,10 @@ async def test_the_remote_rank_exits_when_the_head_is_gone(tmp_path):
     engine._launch.abandon()  # the local rank killed, the store stopped, no Shutdown sent
     assert worker.wait(20) == 1
     log = (tmp_path / "worker.log").read_text()
-    assert "the head at 127.0.0.1" in log or "Connection reset by peer" in log
+    # the store look's own words, or gloo's for a collective whose peer is gone (two
+    # wordings, by which side of the socket notices first)
+    gone = ("the head at 127.0.0.1", "Connection reset by peer", "remote worker crashing")
+    assert any(words in log for words in gone), log[-2000:]
     await engine.shutdown()
 
 
