@@ -5,8 +5,8 @@ every call and goes through the BLAS torch was built with (MKL on x86, which pic
 code paths on AMD CPUs). oneDNN instead reorders the weight once into the blocked layout
 its JIT micro-kernels stream (the "prepacked" weight vLLM's CPU build uses through its own
 oneDNN handle), and picks AVX2 / AVX-512 / AMX kernels by CPU feature, not vendor.
-Measured on 2-core AMD EPYCs (docs/performance.md, "Prepacked GEMM"): 1.3-3x faster at
-16-256 rows, 2-3x on a 32,000-row LM head.
+Measured on a 2-core AMD EPYC (`bench/gemm.py`; docs/performance.md, "Against vLLM's own
+CPU build"): 1.4-2.9x faster on the LM heads, up to 1.9x on the layers' GEMMs.
 
 The packed tensor is opaque (an mkldnn tensor): it can only be multiplied, so a layer
 that packs its weight keeps the plain one only where something else reads it (a tied
