@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -203,8 +204,6 @@ def vllm(model_dir: Path, args) -> dict:
     cmd = [str(python), str(BENCH / "peers" / "vllm_step_child.py"), "--model", str(model_dir)]
     result_file = Path(tempfile.mkdtemp(prefix="step-profile-")) / "vllm.json"
     cmd += ["--spec", json.dumps(spec), "--result-file", str(result_file)]
-    import os
-
     done = subprocess.run(cmd, env=dict(os.environ, **env), capture_output=True, text=True)
     if done.returncode != 0:
         tail = "\n".join(done.stderr.splitlines()[-15:])

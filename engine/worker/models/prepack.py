@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from cuda_ext.packed_gemm import packed_gemm_support
-from engine.worker.parallel.layers import PACKABLE_LAYERS
+from engine.worker.parallel.layers import PACKABLE_LAYERS, prepack_layer
 
 logger = logging.getLogger(__name__)
 
@@ -50,8 +50,11 @@ def prepack_linears(
     with torch.no_grad():
         for layer in layers:
             keep_plain = shared[layer.weight.data_ptr()] > 1
-            packed_bytes += layer.prepack(keep_plain).nbytes
-    reason = f"linear_kernel={kernel!r}: weights prepacked once for oneDNN's blocked GEMM"
+            packed_bytes += prepack_layer(layer, keep_plain).nbytes
+    reason = (
+        f"linear_kernel={kernel!r}: {len(layers)} weights ({packed_bytes / 2**20:.1f} MiB) "
+        "prepacked once for oneDNN's blocked GEMM"
+    )
     return _chosen(LinearKernelChoice("onednn", reason, len(layers), packed_bytes))
 
 

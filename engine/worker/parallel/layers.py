@@ -103,7 +103,7 @@ class ColumnParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(shape))
         self.bias = nn.Parameter(torch.empty(out)) if bias else None
         self.checkpoint_parts = len(parts) if separate_in_checkpoint else None
-        self.packed: PackedWeight | None = None  # set by `prepack`, after loading
+        self.packed: PackedWeight | None = None  # set by `prepack_layer`, after loading
 
     def split(self, out: torch.Tensor) -> tuple[torch.Tensor, ...]:  # [..., sum] -> parts
         return out.split(self.sizes, dim=-1)
@@ -134,9 +134,6 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, in] -> [n, sum(sizes)]
         return _linear(self, x, self.bias)
 
-    def prepack(self, keep_plain: bool) -> PackedWeight:
-        return _prepack(self, keep_plain)
-
 
 class RowParallelLinear(nn.Module):
     """y = (sum over ranks of x[:, in slice] @ W[:, in slice].T) + b: [n, in / world]
@@ -159,7 +156,7 @@ class RowParallelLinear(nn.Module):
         shape = (local, out_features) if transposed else (out_features, local)
         self.weight = nn.Parameter(torch.empty(shape))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-        self.packed: PackedWeight | None = None  # set by `prepack`, after loading
+        self.packed: PackedWeight | None = None  # set by `prepack_layer`, after loading
 
     def load(self, name: str, tensor: torch.Tensor, part: int | None = None) -> None:
         with torch.no_grad():
@@ -178,9 +175,6 @@ class RowParallelLinear(nn.Module):
             return _linear(self, x, self.bias)
         y = self.group.all_reduce(_linear(self, x, None))
         return y if self.bias is None else y + self.bias
-
-    def prepack(self, keep_plain: bool) -> PackedWeight:
-        return _prepack(self, keep_plain)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -216,7 +210,7 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits of this rank's vocabulary slice, gathered: [n, dim] -> [n, vocab_size]."""
 
-    packed: PackedWeight | None = None  # set by `prepack`, after loading
+    packed: PackedWeight | None = None  # set by `prepack_layer`, after loading
     transposed = False
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -225,13 +219,10 @@ class ParallelLMHead(VocabParallelEmbedding):
             return logits
         return self.group.all_gather(logits, dim=-1)[..., : self.vocab_size]
 
-    def prepack(self, keep_plain: bool) -> PackedWeight:
-        return _prepack(self, keep_plain)
-
 
 # The layers whose `load(name, tensor, part)` takes whole checkpoint tensors.
 SLICING_LAYERS = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
-# The layers whose weight `prepack` can hand to a PackedWeight (engine/worker/models/prepack.py).
+# The layers whose weight `prepack_layer` can hand to a PackedWeight (models/prepack.py).
 PACKABLE_LAYERS = (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)
 
 
@@ -242,7 +233,7 @@ def _linear(layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return _matmul(x, layer.weight, bias, layer.transposed)
 
 
-def _prepack(layer, keep_plain: bool) -> PackedWeight:
+def prepack_layer(layer, keep_plain: bool) -> PackedWeight:
     """Packs `layer.weight` (as `[out, in]`) for oneDNN; without `keep_plain` the plain
     weight is dropped (an empty tensor of its dtype), so the layer holds its weight once.
     Call after loading: `load` writes into the plain weight."""
