@@ -106,5 +106,12 @@ def _chat_logprob(row: LogprobRow, top: list) -> dict[str, Any]:
     return {**entry(row[0]), "top_logprobs": [entry(c) for c in top]}
 
 
+# Characters that JSON leaves raw but `str.splitlines` (and so httpx's `aiter_lines`)
+# treats as line breaks: a generated U+2028 would cut an event in two for such clients.
+_LINE_BREAKS_JSON_KEEPS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def sse(obj: dict[str, Any]) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+    """One server-sent event: a single `data:` line that every line splitter keeps whole."""
+    data = json.dumps(obj, ensure_ascii=False).translate(_LINE_BREAKS_JSON_KEEPS)
+    return f"data: {data}\n\n"
