@@ -99,6 +99,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--num-prompts", type=int, default=200, help="sharegpt requests")
     p.add_argument("--max-output-len", type=int, default=None, help="cap outputs (64 in --quick)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every system this many times, interleaved, and keep each one's fastest",
+    )
     p.add_argument("--dtype", choices=sorted(llamacpp.GGUF_TYPES), default="float32")
     p.add_argument("--threads", type=int, default=2, help="CPU threads of every system")
     p.add_argument("--max-num-seqs", type=int, default=128, help="pagedserve, both paths")
@@ -131,6 +137,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.synthetic_requests = min(args.synthetic_requests, 16)
         args.num_prompts = min(args.num_prompts, 16)
         args.max_output_len = args.max_output_len or 64
+    if args.rounds < 1:
+        p.error(f"--rounds: {args.rounds}; give 1 or more")
     args.out = args.out or (QUICK_OUT if args.quick else DEFAULT_OUT)
     for name, given, known in (
         ("--models", args.models, MODEL_KEYS),
@@ -455,6 +463,30 @@ def measure(args, case: Case, name: str, run: Callable) -> dict:
     return out
 
 
+def best_round(rounds: list[dict]) -> dict:
+    """A system's least disturbed round (the most output tokens/s: on a shared machine
+    interference only slows a run down, so the fastest round is the closest to what the
+    system can do, as `timeit` takes the minimum), with every round's figure beside it.
+    A round that failed, or gave wrong token counts or other tokens than the kept one,
+    is named, never hidden."""
+    ok = [r for r in rounds if "output_tokens_per_s" in r]
+    if not ok:
+        return rounds[0]
+    best = dict(max(ok, key=lambda r: r["output_tokens_per_s"]))
+    if len(rounds) == 1:
+        return best
+    best["rounds_output_tokens_per_s"] = [r.get("output_tokens_per_s") for r in rounds]
+    if failed := [i for i, r in enumerate(rounds) if "error" in r]:
+        best["failed_rounds"] = failed
+    best["requests_with_wrong_token_count"] = max(
+        r["requests_with_wrong_token_count"] for r in ok
+    )
+    kept = best.get("_tokens")
+    if kept is not None:
+        best["rounds_token_identical"] = all(r.get("_tokens") == kept for r in ok)
+    return best
+
+
 def _field_order(key: str) -> int:
     first = ["output_tokens_per_s", "wall_s", "output_tokens", "requested_output_tokens"]
     return first.index(key) if key in first else len(first)
@@ -619,7 +651,11 @@ def main(argv: list[str] | None = None) -> int:
             with tempfile.TemporaryDirectory(prefix="pagedserve-e2e-") as tmp:
                 case = make_case(args, ckpt, wl, Path(tmp), lcpp, python, vllm_python)
                 table = systems_to_run(args, case)
-                cell = {name: measure(args, case, name, run) for name, run in table.items()}
+                rounds: dict[str, list[dict]] = {name: [] for name in table}
+                for _ in range(args.rounds):  # interleaved: a slow spell hits every system
+                    for name, run in table.items():
+                        rounds[name].append(measure(args, case, name, run))
+                cell = {name: best_round(rs) for name, rs in rounds.items()}
                 tokens = {k: v.pop("_tokens") for k, v in cell.items() if "_tokens" in v}
                 identical_to_pagedserve(cell, tokens)
             runs.setdefault(ckpt.key, {})[wname] = cell
@@ -631,6 +667,8 @@ def main(argv: list[str] | None = None) -> int:
             "threads": args.threads,
             "quick": args.quick,
             "seed": args.seed,
+            "rounds": args.rounds,
+            "figure": "each system's fastest of `rounds` interleaved runs (all listed)",
             "context": CONTEXT,
             "pagedserve": {
                 "max_num_seqs": args.max_num_seqs,
@@ -686,7 +724,10 @@ def main(argv: list[str] | None = None) -> int:
         for m, ws in runs.items()
         for w, cell in ws.items()
         for s, r in cell.items()
-        if "error" in r or r.get("requests_with_wrong_token_count")
+        if "error" in r
+        or r.get("requests_with_wrong_token_count")
+        or r.get("failed_rounds")
+        or r.get("rounds_token_identical") is False
     ]
     if failed:
         log(f"failed or wrong token counts: {', '.join(failed)}")
