@@ -600,7 +600,9 @@ def plot(report: dict, path: Path) -> None:
     c = report["config"]
     fig.suptitle(
         f"End to end vs vLLM and llama.cpp: {c['dtype']}, {c['threads']} CPU threads, "
-        "all requests at t=0" + (" (--quick)" if c["quick"] else ""),
+        "all requests at t=0"
+        + (f", each system's fastest of {c['rounds']} rounds" if c.get("rounds", 1) > 1 else "")
+        + (" (--quick)" if c["quick"] else ""),
         fontsize=10,
     )
     fig.tight_layout()
