@@ -478,9 +478,7 @@ def best_round(rounds: list[dict]) -> dict:
     best["rounds_output_tokens_per_s"] = [r.get("output_tokens_per_s") for r in rounds]
     if failed := [i for i, r in enumerate(rounds) if "error" in r]:
         best["failed_rounds"] = failed
-    best["requests_with_wrong_token_count"] = max(
-        r["requests_with_wrong_token_count"] for r in ok
-    )
+    best["requests_with_wrong_token_count"] = max(r["requests_with_wrong_token_count"] for r in ok)
     kept = best.get("_tokens")
     if kept is not None:
         best["rounds_token_identical"] = all(r.get("_tokens") == kept for r in ok)

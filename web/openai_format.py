@@ -108,7 +108,9 @@ def _chat_logprob(row: LogprobRow, top: list) -> dict[str, Any]:
 
 # Characters that JSON leaves raw but `str.splitlines` (and so httpx's `aiter_lines`)
 # treats as line breaks: a generated U+2028 would cut an event in two for such clients.
-_LINE_BREAKS_JSON_KEEPS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+_LINE_BREAKS_JSON_KEEPS = str.maketrans(
+    {"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"}
+)
 
 
 def sse(obj: dict[str, Any]) -> str:
