@@ -13,9 +13,7 @@ is faster).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -24,6 +22,7 @@ sys.path[:0] = [str(REPO), str(Path(__file__).resolve().parent)]
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from report import invocation, write_report  # noqa: E402
+from timing import median_seconds  # noqa: E402
 
 from cuda_ext.packed_gemm import PackedWeight, packed_gemm_support  # noqa: E402
 
@@ -40,14 +39,7 @@ SHAPES = {  # name -> [out, in]
 
 
 def median_ms(fn, repeats: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return round(statistics.median(times) * 1e3, 4)
+    return round(median_seconds(fn, repeats, warmup=3) * 1e3, 4)
 
 
 def main(argv=None) -> int:

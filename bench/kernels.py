@@ -16,9 +16,7 @@ bandwidth (K/V bytes read / time) beside the device's peak copy bandwidth.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -27,6 +25,7 @@ sys.path[:0] = [str(REPO)]
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from report import invocation, machine, write_report  # noqa: E402
+from timing import median_seconds  # noqa: E402
 
 from engine.worker.huge_pages import zeros_on_huge_pages  # noqa: E402
 
@@ -35,16 +34,6 @@ BLOCK_SIZE = 16
 
 def log(msg: str) -> None:
     print(f"[kernels] {msg}", file=sys.stderr, flush=True)
-
-
-def median_s(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def case(ops, batch: int, context: int, heads: int, kv_heads: int, head: int, dtype, repeats):
@@ -78,7 +67,7 @@ def case(ops, batch: int, context: int, heads: int, kv_heads: int, head: int, dt
     paged()
     expected = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=heads != kv_heads)
     error = (out.float() - expected.squeeze(2).float()).abs().max().item()
-    t_paged, t_dense = median_s(paged, repeats), median_s(contiguous, repeats)
+    t_paged, t_dense = median_seconds(paged, repeats), median_seconds(contiguous, repeats)
     kv_bytes = 2 * batch * context * kv_heads * head * key_cache.element_size()
     return dict(
         batch=batch,

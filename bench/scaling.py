@@ -37,6 +37,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench.systems import MODEL_SHAPE  # noqa: E402
+from bench.timing import median_seconds  # noqa: E402
 
 TOKENS = (1, 8, 64, 256)
 
@@ -89,13 +90,7 @@ def _collective_rank(rank: int, init: str, results) -> None:
 
 
 def _median_us(fn, repeats: int = 50) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e6
+    return median_seconds(fn, repeats) * 1e6
 
 
 def run_collectives() -> list[dict]:
