@@ -41,7 +41,7 @@ def case(ops, batch: int, context: int, heads: int, kv_heads: int, head: int, dt
     gen = torch.Generator().manual_seed(batch * 100_003 + context)
     per_seq = -(-context // BLOCK_SIZE)
     num_blocks = batch * per_seq + 1
-    shape = (num_blocks, BLOCK_SIZE, kv_heads, head)
+    shape = (num_blocks, kv_heads, BLOCK_SIZE, head)  # the CPU kernels' head-major layout
     # Both layouts on 2 MiB pages, as the engine allocates its CPU cache.
     key_cache = zeros_on_huge_pages(shape, dtype).copy_(torch.randn(shape, generator=gen))
     value_cache = zeros_on_huge_pages(shape, dtype).copy_(torch.randn(shape, generator=gen))
@@ -55,10 +55,14 @@ def case(ops, batch: int, context: int, heads: int, kv_heads: int, head: int, dt
         ops.paged_attention_decode(out, query, key_cache, value_cache, tables, seq_lens, scale)
 
     # The same K/V, contiguous per sequence and head: [B, KVH, context, D].
-    k = key_cache[tables].reshape(batch, per_seq * BLOCK_SIZE, kv_heads, head)[:, :context]
-    v = value_cache[tables].reshape(batch, per_seq * BLOCK_SIZE, kv_heads, head)[:, :context]
+    k, v = (  # [B, per_seq, KVH, BS, D] -> [B, KVH, context, D]
+        c[tables]
+        .transpose(1, 2)
+        .reshape(batch, kv_heads, per_seq * BLOCK_SIZE, head)[:, :, :context]
+        for c in (key_cache, value_cache)
+    )
     dense_shape = (batch, kv_heads, context, head)
-    k, v = (zeros_on_huge_pages(dense_shape, dtype).copy_(x.transpose(1, 2)) for x in (k, v))
+    k, v = (zeros_on_huge_pages(dense_shape, dtype).copy_(x) for x in (k, v))
     q = query.unsqueeze(2)  # [B, H, 1, D]
 
     def contiguous():

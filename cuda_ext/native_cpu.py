@@ -25,10 +25,14 @@ and returns None:
     ops.silu_and_mul(out, gate_up)
     ops.rotary_embedding(positions, query, key, cos, sin)  # in place: query, key
 
-Layouts (one layer): key_cache, value_cache `[num_blocks, block_size, num_kv_heads,
-head_size]`, contiguous; a slot is `block_id * block_size + offset`. query/out/key/value
-rows may be strided views, with unit stride in the last dim. Index tensors are int64
-(block tables int32 or int64), contiguous. Everything lives on the CPU. The attention
+Layouts (one layer): key_cache, value_cache head-major, `[num_blocks, num_kv_heads,
+block_size, head_size]`, contiguous (each KV head's rows of a block lie together, so
+what one attention task reads is one contiguous run per block); a slot is `block_id *
+block_size + offset`. `cuda_ext.reference` and the CUDA kernels take the token-major
+house layout `[num_blocks, block_size, num_kv_heads, head_size]`;
+`cuda_ext.reference.head_major()` turns one into the other. query/out/key/value rows
+may be strided views, with unit stride in the last dim. Index tensors are int64 (block
+tables int32 or int64), contiguous. Everything lives on the CPU. The attention
 ops take float32 or bfloat16 (query, out and caches one dtype; math in float32); the copy
 ops take any dtype their tensors share. The elementwise ops (the last four) take
 float32 or bfloat16 rows `[num_tokens, d]` (query/key `[num_tokens, heads, head_size]`)
@@ -85,8 +89,8 @@ class NativeCpuOps:
         self,
         out: torch.Tensor,  # [num_seqs, num_heads, head_size]
         query: torch.Tensor,  # [num_seqs, num_heads, head_size], each sequence's last token
-        key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
-        value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
+        key_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_size]
+        value_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_size]
         block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32 or int64
         seq_lens: torch.Tensor,  # [num_seqs] int64, context lengths including the query
         scale: float,
@@ -105,8 +109,8 @@ class NativeCpuOps:
         self,
         out: torch.Tensor,  # [num_tokens, num_heads, head_size]
         query: torch.Tensor,  # [num_tokens, num_heads, head_size], sequences back to back
-        key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
-        value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
+        key_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_size]
+        value_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_size]
         block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32 or int64
         query_start_loc: torch.Tensor,  # [num_seqs + 1] int64, cumulative query lengths
         seq_lens: torch.Tensor,  # [num_seqs] int64, context lengths including the query
@@ -133,8 +137,8 @@ class NativeCpuOps:
         self,
         key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
         value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
-        key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
-        value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
+        key_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_size]
+        value_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_size]
         slot_mapping: torch.Tensor,  # [num_tokens] int64; < 0 is padding, skipped
     ) -> None:
         """Writes each token's K and V rows into its slot."""
@@ -286,7 +290,7 @@ def _check_caches(key_cache: torch.Tensor, value_cache: torch.Tensor, *, attenti
         _check_cpu(name, cache)
         if cache.dim() != 4 or not cache.is_contiguous():
             raise ValueError(
-                f"{name} must be contiguous [num_blocks, block_size, num_kv_heads, head_size]; "
+                f"{name} must be contiguous [num_blocks, num_kv_heads, block_size, head_size]; "
                 f"got {_describe(cache)}"
             )
     if value_cache.shape != key_cache.shape or value_cache.dtype != key_cache.dtype:
@@ -304,7 +308,7 @@ def _check_rows(name: str, t: torch.Tensor, key_cache: torch.Tensor, *, is_query
     """t: [num_tokens, heads, head_size] rows of the cache's dtype, unit last stride;
     heads is a multiple of the cache's KV heads for a query, equal to them for K/V."""
     _check_cpu(name, t)
-    _, _, num_kv_heads, head_size = key_cache.shape
+    _, num_kv_heads, _, head_size = key_cache.shape
     if is_query:
         shape_ok = t.dim() == 3 and num_kv_heads > 0 and t.shape[1] % num_kv_heads == 0
         expected = f"[num_tokens, num_heads (a multiple of {num_kv_heads}), {head_size}]"

@@ -1,7 +1,10 @@
 """Pure-torch reference kernels: the test oracle and the fallback.
 
 The paged KV cache ops: cache layout (one layer) key_cache, value_cache `[num_blocks,
-block_size, num_kv_heads, head_size]`; a slot is `block_id * block_size + offset`.
+block_size, num_kv_heads, head_size]` (token-major, the house layout); a slot is
+`block_id * block_size + offset`. The native CPU kernels take the head-major layout
+`[num_blocks, num_kv_heads, block_size, head_size]`: `head_major` and `token_major`
+convert a cache between the two.
 
 The elementwise ops of a Llama decoder layer (RMSNorm, the residual add before it,
 SwiGLU's activation, rotary): Hugging Face's math op for op, so each intermediate is
@@ -13,6 +16,18 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+
+def head_major(cache: torch.Tensor) -> torch.Tensor:
+    """[num_blocks, block_size, num_kv_heads, head_size] -> a contiguous
+    [num_blocks, num_kv_heads, block_size, head_size] copy."""
+    return cache.transpose(1, 2).contiguous()
+
+
+def token_major(cache: torch.Tensor) -> torch.Tensor:
+    """[num_blocks, num_kv_heads, block_size, head_size] -> a contiguous
+    [num_blocks, block_size, num_kv_heads, head_size] copy."""
+    return cache.transpose(1, 2).contiguous()
 
 
 def reshape_and_cache(

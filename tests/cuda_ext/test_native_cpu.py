@@ -49,6 +49,8 @@ class PagedContexts:
     Later sequences share their first blocks with sequence 0 (a common prefix), block
     tables are int32 or int64 with garbage past each context, and cache slots no
     sequence uses hold NaN, so reading outside a context shows up in the output.
+    `key_cache` / `value_cache` are in the house (token-major) layout the reference
+    reads; `native_caches()` gives the same K/V head-major, as the kernels take them.
     """
 
     def __init__(self, seq_lens, block_size, num_kv_heads, head_size, dtype, rng, *, index):
@@ -83,6 +85,9 @@ class PagedContexts:
         pos = torch.arange(length)
         return self.block_tables[seq].long()[pos // block_size] * block_size + pos % block_size
 
+    def native_caches(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return reference.head_major(self.key_cache), reference.head_major(self.value_cache)
+
     def reference(self, query, query_lens, scale):
         return reference.paged_attention_reference(
             query, self.key_cache, self.value_cache, self.block_tables.long(), query_lens,
@@ -107,7 +112,7 @@ def run_decode(seq_lens, dtype, head_size, block_size, heads, seed, index=torch.
     out = torch.full_like(query, float("nan"))
     scale = head_size**-0.5
     OPS.paged_attention_decode(
-        out, query, ctx.key_cache, ctx.value_cache, ctx.block_tables, ctx.seq_lens_tensor(), scale
+        out, query, *ctx.native_caches(), ctx.block_tables, ctx.seq_lens_tensor(), scale
     )
     assert_close(out, ctx.reference(query, [1] * len(seq_lens), scale))
 
@@ -171,7 +176,7 @@ def test_decode_reads_strided_query_and_writes_strided_out():
     out_buffer = torch.zeros(2, 6, 64)
     out = out_buffer[:, 1:5]
     OPS.paged_attention_decode(
-        out, query, ctx.key_cache, ctx.value_cache, ctx.block_tables, ctx.seq_lens_tensor(), 0.1
+        out, query, *ctx.native_caches(), ctx.block_tables, ctx.seq_lens_tensor(), 0.1
     )
     assert_close(out, ctx.reference(query, [1, 1], 0.1))
     assert out_buffer[:, 0].count_nonzero() == 0 and out_buffer[:, 5].count_nonzero() == 0
@@ -197,8 +202,8 @@ def run_prefill(prefixes, query_lens, dtype, head_size, block_size, heads, seed)
     starts = torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int64)
     scale = head_size**-0.5
     OPS.paged_attention_prefill(
-        out, query, ctx.key_cache, ctx.value_cache, ctx.block_tables, starts,
-        ctx.seq_lens_tensor(), scale,
+        out, query, *ctx.native_caches(), ctx.block_tables, starts, ctx.seq_lens_tensor(),
+        scale,
     )  # fmt: skip
     assert_close(out, ctx.reference(query, query_lens, scale))
 
@@ -233,7 +238,7 @@ def test_prefill_with_one_token_per_sequence_equals_decode():
     query = random_query(3, 8, 96, torch.bfloat16, rng)
     decoded, prefilled = torch.empty_like(query), torch.empty_like(query)
     lens = ctx.seq_lens_tensor()
-    args = (ctx.key_cache, ctx.value_cache, ctx.block_tables)
+    args = (*ctx.native_caches(), ctx.block_tables)
     OPS.paged_attention_decode(decoded, query, *args, lens, 0.1)
     OPS.paged_attention_prefill(prefilled, query, *args, torch.arange(4), lens, 0.1)
     assert torch.equal(decoded, prefilled)
@@ -250,22 +255,24 @@ def test_reshape_and_cache_matches_reference_with_strided_rows_and_padding(dtype
     key, value = qkv[:, 4 : 4 + kv_heads], qkv[:, 4 + kv_heads :]  # strided views
     slots = torch.randperm(num_blocks * block_size, generator=rng)[:num_tokens]
     slots[[0, 5, 36]] = -1  # padding
-    caches = [torch.randn(num_blocks, block_size, kv_heads, head_size).to(dtype) for _ in "kv"]
-    expected = [c.clone() for c in caches]
+    expected = [torch.randn(num_blocks, block_size, kv_heads, head_size).to(dtype) for _ in "kv"]
+    caches = [reference.head_major(c) for c in expected]
     OPS.reshape_and_cache(key, value, *caches, slots)
     reference.reshape_and_cache(key, value, *expected, slots)
-    assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
+    for cache, want in zip(caches, expected, strict=True):
+        assert torch.equal(reference.token_major(cache), want)
 
 
 def test_reshape_and_cache_with_head_stride_unlike_head_size():
     key_buffer = torch.randn(5, 3, 16)
     key, value = key_buffer[:, :, :8], key_buffer[:, :, 8:]  # heads 16 apart, rows of 8
-    caches = [torch.zeros(4, 2, 3, 8) for _ in "kv"]
-    expected = [c.clone() for c in caches]
+    caches = [torch.zeros(4, 3, 2, 8) for _ in "kv"]  # head-major: 4 blocks of 2 slots
+    expected = [torch.zeros(4, 2, 3, 8) for _ in "kv"]
     slots = torch.tensor([7, 0, -1, 3, 4])
     OPS.reshape_and_cache(key, value, *caches, slots)
     reference.reshape_and_cache(key, value, *expected, slots)
-    assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
+    for cache, want in zip(caches, expected, strict=True):
+        assert torch.equal(reference.token_major(cache), want)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -313,8 +320,8 @@ def decode_args(**overrides):
     ctx = PagedContexts([10, 20], 8, 2, 64, torch.float32, rng, index=torch.int64)
     query = torch.randn(2, 4, 64)
     args = dict(
-        out=torch.empty_like(query), query=query, key_cache=ctx.key_cache,
-        value_cache=ctx.value_cache, block_tables=ctx.block_tables,
+        out=torch.empty_like(query), query=query, key_cache=ctx.native_caches()[0],
+        value_cache=ctx.native_caches()[1], block_tables=ctx.block_tables,
         seq_lens=ctx.seq_lens_tensor(), scale=0.125,
     )  # fmt: skip
     args.update(overrides)
@@ -359,7 +366,7 @@ def test_decode_rejects_bad_arguments(override, message):
 
 
 def test_attention_rejects_head_sizes_over_the_limit():
-    cache = torch.zeros(2, 4, 1, 520)
+    cache = torch.zeros(2, 1, 4, 520)
     query = torch.zeros(1, 1, 520)
     with pytest.raises(ValueError, match="head_size 520 is over the native CPU kernels' limit"):
         OPS.paged_attention_decode(
@@ -390,7 +397,7 @@ def test_prefill_rejects_bad_query_layouts():
 
 
 def test_reshape_and_cache_rejects_bad_arguments():
-    cache = torch.zeros(4, 2, 3, 8)
+    cache = torch.zeros(4, 3, 2, 8)  # 4 blocks, 3 KV heads, 2 slots a block
     key = torch.randn(5, 3, 8)
     slots = torch.arange(5)
     with pytest.raises(ValueError, match="slot_mapping must be contiguous int64 \\[5\\]"):

@@ -2,13 +2,19 @@
 // online softmax, over a range of one sequence's keys read in place through its block
 // table.
 //
+// The caches are head-major, `[num_blocks, num_kv_heads, block_size, head_size]`: a tile
+// reads one KV head, so each block it visits is one contiguous run of block_size rows
+// (4 KiB at 16 rows of 64 floats) rather than rows scattered a whole slot apart.
+//
 // A tile is the `group` query heads that share one KV head (GQA), for one or more
 // consecutive query tokens of one sequence: row r is head r % group of the tile's query
 // token r / group. Keys are taken kChunk at a time: scores for the chunk, one max and
 // rescale per row, then the V accumulation. The K pass loads each K row from memory once
 // (into registers, as float) and scores every row of the tile with it; the V pass keeps
 // one output row in registers while a block's V rows add into it, so the block comes
-// from memory for the first row and from cache for the others.
+// from memory for the first row and from cache for the others. Both passes ask for the
+// row kPrefetchAhead positions ahead (through the block table) while they work, so the
+// next blocks stream in during the arithmetic instead of after it.
 #pragma once
 
 #include <cmath>
@@ -20,6 +26,7 @@ namespace pagedserve {
 
 constexpr int64_t kChunk = 128;  // keys per softmax step; a multiple of kVec
 constexpr int64_t kTileRows = 32;  // query rows a prefill tile aims for
+constexpr int64_t kPrefetchAhead = 32;  // positions between a row read and the row asked for
 
 // The arguments both attention ops take, as raw pointers and strides.
 template <typename T>
@@ -28,7 +35,7 @@ struct PagedAttentionArgs {
   int64_t out_stride0, out_stride1;
   const T* query;  // [num_tokens, num_heads, head_size], unit stride in the last dim
   int64_t query_stride0, query_stride1;
-  const T* key_cache;  // [num_blocks, block_size, num_kv_heads, head_size], contiguous
+  const T* key_cache;  // [num_blocks, num_kv_heads, block_size, head_size], contiguous
   const T* value_cache;
   int64_t block_size, num_kv_heads, head_size, group;
   float scale;
@@ -43,10 +50,10 @@ struct PagedAttentionArgs {
         query_stride1(query_t.stride(1)),
         key_cache(key_t.data_ptr<T>()),
         value_cache(value_t.data_ptr<T>()),
-        block_size(key_t.size(1)),
-        num_kv_heads(key_t.size(2)),
+        block_size(key_t.size(2)),
+        num_kv_heads(key_t.size(1)),
         head_size(key_t.size(3)),
-        group(query_t.size(1) / key_t.size(2)),
+        group(query_t.size(1) / key_t.size(1)),
         scale(static_cast<float>(scale_)) {}
 
   const T* query_row(int64_t token, int64_t head) const {
@@ -86,7 +93,6 @@ class TileAttention {
   TileAttention(const PagedAttentionArgs<T>& args, TileScratch& scratch)
       : a_(args),
         s_(scratch),
-        row_stride_(args.num_kv_heads * args.head_size),
         full_(args.head_size / kVec),
         tail_(args.head_size % kVec) {}
 
@@ -94,7 +100,7 @@ class TileAttention {
   void start(int64_t rows, int64_t pos0, int64_t kv_head) {
     rows_ = rows;
     pos0_ = pos0;
-    kv_offset_ = kv_head * a_.head_size;
+    kv_head_ = kv_head;
     std::fill(s_.acc, s_.acc + rows * s_.padded, 0.f);
     std::fill(s_.m, s_.m + rows, kNegInf);
     std::fill(s_.l, s_.l + rows, 0.f);
@@ -109,11 +115,12 @@ class TileAttention {
 
   // Attends to keys at positions [begin, end), each row up to its own causal limit.
   void attend(const BlockTableRow& table, int64_t begin, int64_t end) {
+    end_ = end;
     for (int64_t c = begin; c < end; c += kChunk) {
       const int64_t n = std::min(kChunk, end - c);
       const int64_t first = row_begin(c);
       if (first >= rows_) break;  // no row sees this chunk, nor any later one
-      scores(table, c, n, first, end);
+      scores(table, c, n, first);
       softmax_step(n, first);
       accumulate_values(table, c, n, first);
     }
@@ -146,33 +153,41 @@ class TileAttention {
     return (tail > 0 && i == full) ? load_f(row + i * kVec, tail) : load_f(row + i * kVec);
   }
 
+  // The first of a run of rows of this tile's KV head in `cache`, from its slot; the
+  // run's rows are head_size apart, up to the end of the slot's block.
+  const T* rows(const T* cache, int64_t slot) const {
+    const int64_t block = slot / a_.block_size;
+    const int64_t offset = slot - block * a_.block_size;
+    return cache + ((block * a_.num_kv_heads + kv_head_) * a_.block_size + offset) * a_.head_size;
+  }
+
+  // Asks for the row of `cache` at position pos + kPrefetchAhead (if it is attended).
+  void prefetch_ahead(const T* cache, const BlockTableRow& table, int64_t pos) const {
+    const int64_t ahead = pos + kPrefetchAhead;
+    if (ahead >= end_) return;
+    const int64_t block = ahead / a_.block_size;
+    prefetch_rows<3>(rows(cache, table[block] * a_.block_size + ahead - block * a_.block_size),
+                     1, 0, a_.head_size * static_cast<int64_t>(sizeof(T)));
+  }
+
   // The K pass over positions [c, c + n): logits of every row that sees each key.
   //
-  // While a block's keys are scored, the next block's keys are prefetched into L1 and
-  // this block's values into L2 (for the V pass). Decode, batch 32, context 1024, 8/8
-  // heads of 64, float32, 1 thread (throwaway script, the figure in the E7 report):
-  // 9.3 ms without prefetch, 8.5 ms with both into L1, 8.2 ms as here; SDPA on
-  // contiguous K/V 8.7 ms.
-  void scores(const BlockTableRow& table, int64_t c, int64_t n, int64_t first, int64_t end) {
+  // Decode, batch 64, context 256, 9 query / 3 KV heads of 64, 30 layers' caches (out of
+  // cache), float32, 2 threads (throwaway script): the K/V read at 8-10 GB/s with the
+  // token-major layout and the next block prefetched whole, 14-15 GB/s head-major with
+  // the rolling prefetch (a plain sum streams 19 GB/s).
+  void scores(const BlockTableRow& table, int64_t c, int64_t n, int64_t first) {
     const int nvec = nv();
-    const int64_t row_bytes = a_.head_size * static_cast<int64_t>(sizeof(T));
     for_each_block(table, a_.block_size, c, c + n, [&](int64_t pos, int64_t slot, int64_t cnt) {
-      const T* keys = a_.key_cache + slot * row_stride_ + kv_offset_;
-      prefetch_rows<2>(a_.value_cache + slot * row_stride_ + kv_offset_, cnt, row_stride_,
-                       row_bytes);
-      const int64_t next = pos + cnt;
-      if (next < end && next % a_.block_size == 0) {
-        const int64_t next_slot = table[next / a_.block_size] * a_.block_size;
-        prefetch_rows<3>(a_.key_cache + next_slot * row_stride_ + kv_offset_,
-                         std::min(a_.block_size, end - next), row_stride_, row_bytes);
-      }
+      const T* keys = rows(a_.key_cache, slot);
       for (int64_t t = 0; t < cnt; ++t) {
+        prefetch_ahead(a_.key_cache, table, pos + t);
         const int64_t j = pos + t - c;
         const int64_t visible = row_begin(pos + t);
         for (int64_t r = first; r < visible; ++r) s_.logits[r * kChunk + j] = kNegInf;
         fvec k[kRowVecs];
         _Pragma("GCC unroll 32")
-        for (int i = 0; i < nvec; ++i) k[i] = load_vec(keys + t * row_stride_, i);
+        for (int i = 0; i < nvec; ++i) k[i] = load_vec(keys + t * a_.head_size, i);
         for (int64_t r = visible; r < rows_; ++r) {
           const float* q = s_.q + r * s_.padded;
           fvec dot(0.f);
@@ -213,12 +228,14 @@ class TileAttention {
   }
 
   // The V pass over positions [c, c + n): per block and row, the row's output stays in
-  // registers while the block's values (hot in cache after the first row) add into it.
+  // registers while the block's values (hot in cache after the first row) add into it;
+  // the first row's pass asks for the values ahead.
   void accumulate_values(const BlockTableRow& table, int64_t c, int64_t n, int64_t first) {
     const int nvec = nv();
     for_each_block(table, a_.block_size, c, c + n, [&](int64_t pos, int64_t slot, int64_t cnt) {
-      const T* values = a_.value_cache + slot * row_stride_ + kv_offset_;
-      for (int64_t r = std::max(first, row_begin(pos)); r < rows_; ++r) {
+      const T* values = rows(a_.value_cache, slot);
+      const int64_t first_row = std::max(first, row_begin(pos));
+      for (int64_t r = first_row; r < rows_; ++r) {
         // Row r sees keys up to position pos0 + r / group.
         const int64_t seen = std::min(cnt, pos0_ + r / a_.group + 1 - pos);
         const float* p = s_.logits + r * kChunk + (pos - c);
@@ -227,10 +244,11 @@ class TileAttention {
         _Pragma("GCC unroll 32")
         for (int i = 0; i < nvec; ++i) acc[i] = fvec::loadu(out + i * kVec);
         for (int64_t t = 0; t < seen; ++t) {
+          if (r == first_row) prefetch_ahead(a_.value_cache, table, pos + t);
           const fvec w(p[t]);
           _Pragma("GCC unroll 32")
           for (int i = 0; i < nvec; ++i) {
-            acc[i] = at::vec::fmadd(w, load_vec(values + t * row_stride_, i), acc[i]);
+            acc[i] = at::vec::fmadd(w, load_vec(values + t * a_.head_size, i), acc[i]);
           }
         }
         _Pragma("GCC unroll 32")
@@ -241,9 +259,9 @@ class TileAttention {
 
   const PagedAttentionArgs<T>& a_;
   TileScratch& s_;
-  const int64_t row_stride_;  // elements between consecutive slots of a cache
   const int full_, tail_;     // whole vectors and leftover elements of a row
-  int64_t rows_ = 0, pos0_ = 0, kv_offset_ = 0;
+  int64_t rows_ = 0, pos0_ = 0, kv_head_ = 0;
+  int64_t end_ = 0;  // the end of the positions attend() covers: nothing past it is asked for
 };
 
 }  // namespace pagedserve

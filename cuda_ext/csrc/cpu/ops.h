@@ -8,8 +8,8 @@
 
 namespace pagedserve {
 
-// out, query: [num_seqs, num_heads, head_size]; caches: [num_blocks, block_size,
-// num_kv_heads, head_size]; block_tables: [num_seqs, max_blocks] int32/int64;
+// out, query: [num_seqs, num_heads, head_size]; caches: head-major, [num_blocks,
+// num_kv_heads, block_size, head_size]; block_tables: [num_seqs, max_blocks] int32/int64;
 // seq_lens: [num_seqs] int64, context lengths including the query token.
 void paged_attention_decode(const at::Tensor& out, const at::Tensor& query,
                             const at::Tensor& key_cache, const at::Tensor& value_cache,

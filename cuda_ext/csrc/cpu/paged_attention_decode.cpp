@@ -130,8 +130,8 @@ void check_args(const at::Tensor& out, const at::Tensor& query, const at::Tensor
                         key_cache.scalar_type() == query.scalar_type() &&
                         value_cache.scalar_type() == query.scalar_type(),
                     "paged_attention_decode: out, query and caches must share a dtype");
-  TORCH_CHECK_VALUE(key_cache.size(3) == query.size(2) && key_cache.size(2) > 0 &&
-                        query.size(1) % key_cache.size(2) == 0,
+  TORCH_CHECK_VALUE(key_cache.size(3) == query.size(2) && key_cache.size(1) > 0 &&
+                        query.size(1) % key_cache.size(1) == 0,
                     "paged_attention_decode: head sizes or head counts disagree");
   TORCH_CHECK_VALUE(key_cache.size(3) <= kMaxHeadSize, "paged_attention_decode: head_size ",
                     key_cache.size(3), " is over the native CPU kernels' limit of ",
@@ -162,10 +162,10 @@ void paged_attention_decode(const at::Tensor& out, const at::Tensor& query,
     max_len = std::max(max_len, lens[s]);
   }
   check_block_tables("paged_attention_decode", block_tables, lens, num_seqs,
-                     key_cache.size(1), key_cache.size(0));
+                     key_cache.size(2), key_cache.size(0));
   if (num_seqs == 0) return;
   const int threads = at::get_num_threads();
-  const int64_t partitions = num_partitions(num_seqs * key_cache.size(2), max_len, threads);
+  const int64_t partitions = num_partitions(num_seqs * key_cache.size(1), max_len, threads);
   dispatch_dtype(query.scalar_type(), "paged_attention_decode", [&](auto tag) {
     using T = decltype(tag);
     const PagedAttentionArgs<T> args(out, query, key_cache, value_cache, scale);

@@ -71,8 +71,8 @@ void check_args(const at::Tensor& out, const at::Tensor& query, const at::Tensor
                         key_cache.scalar_type() == query.scalar_type() &&
                         value_cache.scalar_type() == query.scalar_type(),
                     "paged_attention_prefill: out, query and caches must share a dtype");
-  TORCH_CHECK_VALUE(key_cache.size(3) == query.size(2) && key_cache.size(2) > 0 &&
-                        query.size(1) % key_cache.size(2) == 0,
+  TORCH_CHECK_VALUE(key_cache.size(3) == query.size(2) && key_cache.size(1) > 0 &&
+                        query.size(1) % key_cache.size(1) == 0,
                     "paged_attention_prefill: head sizes or head counts disagree");
   TORCH_CHECK_VALUE(key_cache.size(3) <= kMaxHeadSize, "paged_attention_prefill: head_size ",
                     key_cache.size(3), " is over the native CPU kernels' limit of ",
@@ -120,8 +120,8 @@ void paged_attention_prefill(const at::Tensor& out, const at::Tensor& query,
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   check_query_layout(starts, lens, num_seqs, query.size(0));
   check_block_tables("paged_attention_prefill", block_tables, lens, num_seqs,
-                     key_cache.size(1), key_cache.size(0));
-  const int64_t group = query.size(1) / key_cache.size(2);
+                     key_cache.size(2), key_cache.size(0));
+  const int64_t group = query.size(1) / key_cache.size(1);
   const int64_t tile_tokens = std::max<int64_t>(1, kTileRows / group);
   const std::vector<PrefillTile> tiles = make_tiles(starts, num_seqs, tile_tokens);
   if (tiles.empty()) return;

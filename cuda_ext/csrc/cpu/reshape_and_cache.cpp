@@ -1,5 +1,7 @@
 // Writes each token's K and V rows into its cache slot (slot < 0: padding, skipped).
-// Parallel over tokens; byte copies, so any dtype the caches share.
+// The caches are head-major, [num_blocks, num_kv_heads, block_size, head_size]: a token's
+// heads land block_size rows apart. Parallel over tokens; byte copies, so any dtype the
+// caches share.
 #include "common.h"  // first: it picks the vector ISA
 #include "ops.h"
 
@@ -15,7 +17,7 @@ void check_args(const at::Tensor& key, const at::Tensor& value, const at::Tensor
                         value_cache.sizes() == key_cache.sizes() && value_cache.is_contiguous(),
                     "reshape_and_cache: caches must be contiguous and alike");
   TORCH_CHECK_VALUE(key.dim() == 3 && value.sizes() == key.sizes() &&
-                        key.size(1) == key_cache.size(2) && key.size(2) == key_cache.size(3) &&
+                        key.size(1) == key_cache.size(1) && key.size(2) == key_cache.size(3) &&
                         key.stride(2) == 1 && value.stride(2) == 1,
                     "reshape_and_cache: key/value must be [num_tokens, num_kv_heads, head_size]");
   TORCH_CHECK_VALUE(key.scalar_type() == key_cache.scalar_type() &&
@@ -28,22 +30,19 @@ void check_args(const at::Tensor& key, const at::Tensor& value, const at::Tensor
 }
 
 // Copies token t's rows of `src` (strided [num_tokens, heads, head_size]) into slot s of
-// `cache` (contiguous [num_slots, heads, head_size]).
+// `cache` (contiguous [num_blocks, heads, block_size, head_size]).
 struct RowCopy {
   const char* src;
   int64_t token_stride, head_stride;  // bytes
   char* cache;
-  int64_t heads, row_bytes;
+  int64_t heads, block_size, row_bytes;
 
   void operator()(int64_t t, int64_t slot) const {
     const char* from = src + t * token_stride;
-    char* to = cache + slot * heads * row_bytes;
-    if (head_stride == row_bytes) {
-      std::memcpy(to, from, heads * row_bytes);
-    } else {
-      for (int64_t h = 0; h < heads; ++h) {
-        std::memcpy(to + h * row_bytes, from + h * head_stride, row_bytes);
-      }
+    const int64_t block = slot / block_size, offset = slot - block * block_size;
+    char* to = cache + (block * heads * block_size + offset) * row_bytes;
+    for (int64_t h = 0; h < heads; ++h) {
+      std::memcpy(to + h * block_size * row_bytes, from + h * head_stride, row_bytes);
     }
   }
 };
@@ -52,7 +51,7 @@ RowCopy row_copy(const at::Tensor& src, const at::Tensor& cache) {
   const int64_t elem = src.element_size();
   return {static_cast<const char*>(src.data_ptr()), src.stride(0) * elem,
           src.stride(1) * elem, static_cast<char*>(cache.data_ptr()), src.size(1),
-          src.size(2) * elem};
+          cache.size(2), src.size(2) * elem};
 }
 
 }  // namespace
@@ -62,7 +61,7 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value,
                        const at::Tensor& slot_mapping) {
   check_args(key, value, key_cache, value_cache, slot_mapping);
   const int64_t num_tokens = key.size(0);
-  const int64_t num_slots = key_cache.size(0) * key_cache.size(1);
+  const int64_t num_slots = key_cache.size(0) * key_cache.size(2);
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   for (int64_t t = 0; t < num_tokens; ++t) {
     TORCH_CHECK_VALUE(slots[t] < num_slots, "reshape_and_cache: slot_mapping[", t, "] = ",

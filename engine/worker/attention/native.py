@@ -1,11 +1,13 @@
 """The native CPU backend: cuda_ext's C++ kernels reading K/V blocks in place.
 
-Cache layout: the house layout `[num_blocks, block_size, num_kv_heads, head_size]` per
-layer (what the kernels and `cuda_ext/reference.py` read). A step writes its new K/V
-through the slot mapping (`reshape_and_cache`), then attends: the decode rows (query
-length 1, first in the batch) in one `paged_attention_decode` call, the prefill chunks
-in one `paged_attention_prefill` call; no gathering, no per-sequence Python loop.
-Copy-on-write copies every layer's blocks in one call.
+Cache layout, per layer: head-major `[num_blocks, num_kv_heads, block_size, head_size]`
+on the CPU (each KV head's rows of a block together: the decode kernel reads them as one
+run, about 1.5x the K/V bandwidth of the token-major layout on a 2-core AVX2 machine);
+the house layout `[num_blocks, block_size, num_kv_heads, head_size]` on CUDA. A step
+writes its new K/V through the slot mapping (`reshape_and_cache`), then attends: the
+decode rows (query length 1, first in the batch) in one `paged_attention_decode` call,
+the prefill chunks in one `paged_attention_prefill` call; no gathering, no per-sequence
+Python loop. Copy-on-write copies every layer's blocks in one call.
 """
 
 from __future__ import annotations
@@ -25,6 +27,12 @@ class NativeCpuBackend(AttentionBackend):
 
     def __init__(self, ops) -> None:
         self.ops = ops
+
+    @staticmethod
+    def kv_cache_shape(
+        num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
+    ) -> tuple[int, ...]:
+        return (num_blocks, num_kv_heads, block_size, head_size)
 
     def write(self, key, value, key_cache, value_cache, slot_mapping) -> None:
         self.ops.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
@@ -76,6 +84,7 @@ class NativeCudaBackend(NativeCpuBackend):
 
     name = "native-cuda"
     index_dtype = torch.int32
+    kv_cache_shape = staticmethod(AttentionBackend.kv_cache_shape)  # the house layout
 
     def _decode(self, out, query, key_cache, value_cache, tables, seq_lens, scale, metadata):
         max_len = max(metadata.seq_lens_cpu[: metadata.num_decodes])  # host-side: no sync
