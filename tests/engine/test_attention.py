@@ -96,3 +96,43 @@ def test_copy_blocks_copies_whole_blocks_in_each_backends_layout(backend):
                 assert torch.equal(new.select(dim, d), old.select(dim, s))
             for untouched in (1, 2, 4, 5):
                 assert torch.equal(new.select(dim, untouched), old.select(dim, untouched))
+
+
+def native_cpu_backend():
+    """The native CPU backend, or a skip with the loader's reason."""
+    from cuda_ext.build import load_cpu_ops
+    from cuda_ext.native_cpu import NativeCpuOps
+    from engine.worker.attention.native import NativeCpuBackend
+
+    loaded = load_cpu_ops()
+    if not loaded.ok:
+        pytest.skip(f"native CPU kernels unavailable: {loaded.reason}")
+    return NativeCpuBackend(NativeCpuOps(loaded.module))
+
+
+def test_native_cpu_backend_keeps_its_cache_head_major():
+    backend = native_cpu_backend()
+    assert backend.kv_cache_shape(6, 4, 2, 8) == (6, 2, 4, 8)  # blocks, KV heads, slots, head
+    key, value = torch.randn(3, 2, 8), torch.randn(3, 2, 8)  # [tokens, kv_heads, head]
+    caches = [torch.zeros(6, 2, 4, 8) for _ in "kv"]
+    backend.write(key, value, *caches, torch.tensor([5, 0, 23]))  # block 1 slot 1, ...
+    for cache, rows in zip(caches, (key, value), strict=True):
+        assert torch.equal(cache[1, :, 1], rows[0]) and torch.equal(cache[0, :, 0], rows[1])
+        assert torch.equal(cache[5, :, 3], rows[2])
+        assert cache.count_nonzero() == rows.count_nonzero()
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+@pytest.mark.parametrize(("kvh", "group"), [(4, 1), (2, 4), (1, 8)])
+def test_native_cpu_backend_matches_reference(block_size, kvh, group):
+    backend = native_cpu_backend()
+    rng = random.Random(block_size * 1000 + kvh * 10 + group)
+    for trial in range(2):
+        metadata, num_blocks = random_batch(rng, block_size, kvh, group)
+        args = (metadata, num_blocks, block_size, kvh, group, 16, trial)
+        expected = run_backend(ReferenceBackend(), *args)
+        torch.testing.assert_close(run_backend(backend, *args), expected, atol=2e-5, rtol=1e-4)
+
+
+def test_native_cpu_backend_copies_whole_blocks():
+    test_copy_blocks_copies_whole_blocks_in_each_backends_layout(native_cpu_backend())
