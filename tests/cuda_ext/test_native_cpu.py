@@ -319,9 +319,10 @@ def decode_args(**overrides):
     rng = torch.Generator().manual_seed(0)
     ctx = PagedContexts([10, 20], 8, 2, 64, torch.float32, rng, index=torch.int64)
     query = torch.randn(2, 4, 64)
+    key_cache, value_cache = ctx.native_caches()
     args = dict(
-        out=torch.empty_like(query), query=query, key_cache=ctx.native_caches()[0],
-        value_cache=ctx.native_caches()[1], block_tables=ctx.block_tables,
+        out=torch.empty_like(query), query=query, key_cache=key_cache,
+        value_cache=value_cache, block_tables=ctx.block_tables,
         seq_lens=ctx.seq_lens_tensor(), scale=0.125,
     )  # fmt: skip
     args.update(overrides)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from engine.worker.attention import AttentionMetadata, ReferenceBackend, SdpaBackend
+from tests.engine.native_backend import native_backend
 
 
 def random_batch(rng: random.Random, block_size: int, num_kv_heads: int, group: int):
@@ -81,8 +82,8 @@ def test_sdpa_workspace_is_reused_across_calls():
     assert {n: b.data_ptr() for n, b in backend.workspace._buffers.items()} == buffers
 
 
-@pytest.mark.parametrize("backend", [ReferenceBackend(), SdpaBackend()])
-def test_copy_blocks_copies_whole_blocks_in_each_backends_layout(backend):
+def assert_copies_whole_blocks(backend) -> None:
+    """copy_blocks moves whole blocks along the backend's block dimension, nothing else."""
     shape = backend.kv_cache_shape(6, 4, 2, 8)
     gen = torch.Generator().manual_seed(0)
     kv_cache = [(torch.randn(shape, generator=gen), torch.randn(shape, generator=gen))]
@@ -98,20 +99,13 @@ def test_copy_blocks_copies_whole_blocks_in_each_backends_layout(backend):
                 assert torch.equal(new.select(dim, untouched), old.select(dim, untouched))
 
 
-def native_cpu_backend():
-    """The native CPU backend, or a skip with the loader's reason."""
-    from cuda_ext.build import load_cpu_ops
-    from cuda_ext.native_cpu import NativeCpuOps
-    from engine.worker.attention.native import NativeCpuBackend
-
-    loaded = load_cpu_ops()
-    if not loaded.ok:
-        pytest.skip(f"native CPU kernels unavailable: {loaded.reason}")
-    return NativeCpuBackend(NativeCpuOps(loaded.module))
+@pytest.mark.parametrize("backend", [ReferenceBackend(), SdpaBackend()])
+def test_copy_blocks_copies_whole_blocks_in_each_backends_layout(backend):
+    assert_copies_whole_blocks(backend)
 
 
 def test_native_cpu_backend_keeps_its_cache_head_major():
-    backend = native_cpu_backend()
+    backend = native_backend()
     assert backend.kv_cache_shape(6, 4, 2, 8) == (6, 2, 4, 8)  # blocks, KV heads, slots, head
     key, value = torch.randn(3, 2, 8), torch.randn(3, 2, 8)  # [tokens, kv_heads, head]
     caches = [torch.zeros(6, 2, 4, 8) for _ in "kv"]
@@ -125,7 +119,7 @@ def test_native_cpu_backend_keeps_its_cache_head_major():
 @pytest.mark.parametrize("block_size", [1, 16, 32])
 @pytest.mark.parametrize(("kvh", "group"), [(4, 1), (2, 4), (1, 8)])
 def test_native_cpu_backend_matches_reference(block_size, kvh, group):
-    backend = native_cpu_backend()
+    backend = native_backend()
     rng = random.Random(block_size * 1000 + kvh * 10 + group)
     for trial in range(2):
         metadata, num_blocks = random_batch(rng, block_size, kvh, group)
@@ -135,4 +129,4 @@ def test_native_cpu_backend_matches_reference(block_size, kvh, group):
 
 
 def test_native_cpu_backend_copies_whole_blocks():
-    test_copy_blocks_copies_whole_blocks_in_each_backends_layout(native_cpu_backend())
+    assert_copies_whole_blocks(native_backend())

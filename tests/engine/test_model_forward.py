@@ -14,9 +14,7 @@ import pytest
 import torch
 import transformers as hf
 
-from cuda_ext.native_cpu import NativeCpuOps
 from engine.worker.attention import AttentionMetadata, ReferenceBackend, SdpaBackend
-from engine.worker.attention.native import NativeCpuBackend
 from engine.worker.models.gpt2 import GPT2LMHeadModel
 from engine.worker.models.layer_ops import TORCH_LAYER_OPS
 from engine.worker.models.layers import PagedAttention
@@ -27,6 +25,7 @@ from engine.worker.models.llama import (
     Qwen3ForCausalLM,
 )
 from engine.worker.models.opt import OPTForCausalLM
+from tests.engine.native_backend import native_backend
 from tests.engine.tiny_models import GPT2_FIELDS, LLAMA_FIELDS, OPT_FIELDS
 
 VOCAB, BLOCK_SIZE, NUM_BLOCKS, ATOL = 128, 4, 16, 1e-4
@@ -74,15 +73,6 @@ CASES = {
         {**_OPT, "enable_bias": False, "layer_norm_elementwise_affine": False},
     ),
 }
-
-
-def native_backend() -> NativeCpuBackend:
-    """The native CPU attention backend (Llama models built on it take the fused native
-    layer ops), or a skip with the loader's reason."""
-    ops = NativeCpuOps.load()
-    if ops is None:
-        pytest.skip(f"native CPU kernels unavailable: {NativeCpuOps.available()[1]}")
-    return NativeCpuBackend(ops)
 
 
 BACKENDS = {"reference": ReferenceBackend, "sdpa": SdpaBackend, "native": native_backend}
