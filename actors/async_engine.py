@@ -32,7 +32,9 @@ import zmq.asyncio
 
 from actors.actor import ActorStartupError, await_ready, send_message
 from actors.block_manager_actor import BlockManagerActor
+from actors.engine_status import EngineStatus
 from actors.scheduler_actor import SchedulerActor
+from actors.template_renderer import IsolatedRenderer, isolate_templates
 from actors.tokenizer_actor import TokenizerActor
 from actors.transport import inproc_pair, zmq_inbox, zmq_outbox
 from actors.worker_launch import WorkerLaunch, kill_processes
@@ -41,6 +43,7 @@ from engine.codec import DecodeError, InboxDecoder
 from engine.config import EngineConfig
 from engine.core.stats import EngineStats
 from engine.engine_args import EngineArgs
+from engine.errors import EngineBusy
 from engine.messages import (
     INBOXES,
     AbortRequest,
@@ -68,12 +71,14 @@ T = TypeVar("T")
 class WatchStats:
     """What the supervisor sees (`AsyncEngine.watch_stats()`): requests ended by the
     request timeout so far, open requests past it now (stuck), the oldest open
-    request's age, and the seconds since the worker's last heartbeat."""
+    request's age, the seconds since the worker's last heartbeat, and how many times a
+    dead worker was replaced (`RestartingEngine`)."""
 
     num_timed_out: int
     num_over_deadline: int
     oldest_request_s: float
     worker_silent_s: float
+    num_restarts: int = 0
 
 
 @dataclass
@@ -121,10 +126,23 @@ class AsyncEngine:
         self.num_timed_out = 0
         self._stalled = False
         self._closing = False
+        self._renderer: IsolatedRenderer | None = None  # chat templates, in child processes
+        self.ended = asyncio.Event()  # set once shut down, for whatever reason
 
     @property
     def is_healthy(self) -> bool:
         return self.error is None
+
+    @property
+    def status(self) -> EngineStatus:
+        return EngineStatus.OK if self.error is None else EngineStatus.UNHEALTHY
+
+    def replica_statuses(self) -> tuple[EngineStatus, ...]:
+        """One engine: one replica."""
+        return (self.status,)
+
+    def replica_stats(self) -> tuple[EngineStats, ...]:
+        return (self.stats(),)
 
     @classmethod
     async def start(
@@ -164,6 +182,8 @@ class AsyncEngine:
             remote = launch.head.plan_addresses() if launch.head is not None else {}
         except BaseException:  # no engine: leave no process, socket or run dir behind
             launch.abandon()
+            if self._renderer is not None:
+                self._renderer.close()
             for closable in (*self._monitors, sched_inbox):
                 if closable is not None:
                     closable.close()
@@ -212,7 +232,9 @@ class AsyncEngine:
 
         def prepare() -> tuple[EngineConfig, Tokenizer | None]:
             built = config or args.build()  # config.json only; the worker holds the weights
-            return built, load_engine_tokenizer(built)
+            tokenizer = load_engine_tokenizer(built)
+            self._renderer = isolate_templates(tokenizer)  # checks that the template renders
+            return built, tokenizer
 
         ready = asyncio.ensure_future(self._since_launch(self._worker_ready(inbox, timeout)))
         prepared = asyncio.ensure_future(self._since_launch(asyncio.to_thread(prepare)))
@@ -334,13 +356,18 @@ class AsyncEngine:
             result = await answer
         finally:
             del self._calls[message.request_id]
+        if result.error_kind is ErrorKind.BUSY:
+            raise EngineBusy(result.error)
         if result.error is not None:
             raise ValueError(result.error)
         return result
 
     async def count_prompt_tokens(self, messages: list[dict[str, str]]) -> int:
         """How many prompt tokens chat `messages` would take (the chat template applied);
-        ValueError when they cannot be rendered (no tokenizer, a template error)."""
+        ValueError when they cannot be rendered (no tokenizer, a template error);
+        RuntimeError while the engine is not healthy."""
+        if self.error is not None or self._closing:
+            raise RuntimeError(f"the engine is not healthy: {self.error or 'shutting down'}")
         return await self.tokenizer.count_prompt_tokens(messages)
 
     async def abort(self, request_id: str) -> None:
@@ -371,7 +398,13 @@ class AsyncEngine:
         )
 
     async def shutdown(self, timeout: float = 10.0) -> None:
-        """Stops the actors and the worker process; idempotent."""
+        """Stops the actors and the worker process; idempotent. Sets `ended`."""
+        try:
+            await self._shut_down(timeout)
+        finally:
+            self.ended.set()
+
+    async def _shut_down(self, timeout: float) -> None:
         self._closing = True
         self._fail_calls("the engine shut down")
         for to_worker in self._to_workers:
@@ -388,6 +421,8 @@ class AsyncEngine:
         if self._ctx.closed:
             return
         await asyncio.to_thread(_wait_or_kill, self._workers, timeout)
+        if self._renderer is not None:
+            self._renderer.close()
         for closable in (*self._to_workers, *self._monitors):
             closable.close()
         self._ctx.term()
@@ -411,15 +446,21 @@ class AsyncEngine:
             await self._expire_requests()
         if self._closing:
             return
+        error = self.error  # a stalled rank under tensor parallelism (_check_stall)
         if exited is not None:
-            code = health[exited].exit_code
-            self.error = f"worker process {exited} exited with code {code}"
+            error = f"worker process {exited} exited with code {health[exited].exit_code}"
         elif dead is not None:
-            self.error = f"the {dead.name} actor stopped: {dead.crash!r}"
-        logger.error("%s; failing %d open requests", self.error, len(self._streams))
-        await self._fail_all(self.error)
-        if self._launch.world_size > 1:  # the other ranks wait in collectives for the lost one
-            kill_processes(self._workers)
+            error = f"the {dead.name} actor stopped: {dead.crash!r}"
+        await self.fail(error or "the engine stopped")
+
+    async def fail(self, error: str) -> None:
+        """Ends every open request with `error`, kills the workers still running (under
+        tensor parallelism the others wait in collectives for a lost rank; a stalled one
+        may never answer) and shuts the engine down, unhealthy for good."""
+        self.error = error
+        logger.error("%s; failing %d open requests", error, len(self._streams))
+        await self._fail_all(error)
+        await asyncio.to_thread(kill_processes, self._workers)
         await self.shutdown()
 
     async def _check_stall(self, rank: int, silent_s: float) -> bool:

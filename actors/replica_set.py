@@ -2,7 +2,10 @@
 
 Each replica is a whole `AsyncEngine` (its own actors, worker process and KV cache); a
 `ReplicaRouter` (engine/core/replica_router.py) places each request, by prefix affinity
-and then load, and the set keeps every request's replica until its stream ends.
+and then load, among the replicas that serve, and the set keeps every request's replica
+until its stream ends. Each replica is a `RestartingEngine`: one whose worker dies fails
+its own open requests only, is skipped by the router while it restarts (the others
+serve: the set is DEGRADED, not down), and takes traffic again once it is back.
 """
 
 from __future__ import annotations
@@ -13,8 +16,10 @@ import itertools
 import logging
 from collections.abc import AsyncIterator, Sequence
 
-from actors.async_engine import AsyncEngine, Supervision, WatchStats
+from actors.async_engine import Supervision, WatchStats
+from actors.engine_status import EngineStatus
 from actors.replica_launch import check_num_replicas, launch_replicas
+from actors.restarting_engine import RestartingEngine, RestartPolicy
 from actors.worker_launch import WorkerLaunch
 from engine.config import EngineConfig
 from engine.core.replica_router import ReplicaRouter, RoutedPrompt
@@ -33,13 +38,15 @@ class ReplicaSet:
     the whole start, and no replica's process is left running).
 
     `generate` places a request with the router given each replica's load (its open
-    requests here) and streams it from that replica; `abort` goes to the replica that has
-    the request; `tokenize`, `detokenize` and `count_prompt_tokens` go to the first
-    healthy replica (every replica has the same tokenizer); `stats()` and `watch_stats()`
-    merge the replicas' (counts summed); the set is healthy only while every replica is;
+    requests here), among the replicas that serve, and streams it from that replica;
+    `abort` goes to the replica that has the request; `tokenize`, `detokenize` and
+    `count_prompt_tokens` go to the first healthy replica (every replica has the same
+    tokenizer); `stats()` merges the serving replicas' (a dead one's blocks are not in
+    use anywhere) and `watch_stats()` every replica's (counts summed); the set serves
+    while any replica does (`status`: OK, DEGRADED, else RESTARTING or UNHEALTHY);
     `shutdown` stops them all at once."""
 
-    def __init__(self, replicas: Sequence[AsyncEngine], router: ReplicaRouter) -> None:
+    def __init__(self, replicas: Sequence[RestartingEngine], router: ReplicaRouter) -> None:
         if len(replicas) != router.num_replicas:
             raise ValueError(f"{len(replicas)} replicas for a router of {router.num_replicas}")
         self.replicas = tuple(replicas)
@@ -59,10 +66,13 @@ class ReplicaSet:
         config: EngineConfig | None = None,
         launches: Sequence[WorkerLaunch] | None = None,
         router: ReplicaRouter | None = None,
+        restart: RestartPolicy | None = None,
     ) -> ReplicaSet:
         """Starts `num_replicas` engines for `args`, concurrently. `launches`: one worker
         per replica launched already (`launch_replicas`), owned by the set from here on;
-        `config`: `args.build()`, when the caller has built it."""
+        `config`: `args.build()`, when the caller has built it; `restart`: how a replica
+        whose worker dies comes back (default: it does not)."""
+        policy = restart or RestartPolicy(max_restarts=0)
         check_num_replicas(num_replicas)
         if launches is None:
             config = config or await asyncio.to_thread(args.build)
@@ -73,8 +83,9 @@ class ReplicaSet:
             raise ValueError(f"{len(launches)} worker launches for {num_replicas} replicas")
         starts = [
             asyncio.ensure_future(
-                AsyncEngine.start(
+                RestartingEngine.start(
                     args,
+                    policy,
                     pipeline_depth=pipeline_depth,
                     ready_timeout=ready_timeout,
                     supervision=supervision,
@@ -95,12 +106,26 @@ class ReplicaSet:
         return self.replicas[0].ready
 
     @property
+    def status(self) -> EngineStatus:
+        return EngineStatus.of_replicas(self.replica_statuses())
+
+    def replica_statuses(self) -> tuple[EngineStatus, ...]:
+        return tuple(r.status for r in self.replicas)
+
+    def replica_stats(self) -> tuple[EngineStats, ...]:
+        """Each replica's own stats (a dead one's as it left them)."""
+        return tuple(r.stats() for r in self.replicas)
+
+    @property
     def is_healthy(self) -> bool:
-        return all(r.is_healthy for r in self.replicas)
+        """Serves: at least one replica does."""
+        return any(r.is_healthy for r in self.replicas)
 
     @property
     def error(self) -> str | None:
-        """The first unhealthy replica's error, naming the replica; None when healthy."""
+        """Why no replica serves (the first one's error, naming it); None while one does."""
+        if self.is_healthy:
+            return None
         return next(
             (f"replica {i}: {r.error}" for i, r in enumerate(self.replicas) if r.error), None
         )
@@ -137,12 +162,17 @@ class ReplicaSet:
             del self._owner[request_id]
 
     def _route(self, prompt: str | list[int] | list[dict]) -> int:
-        """The router's pick; input it cannot read goes to the least-loaded replica, whose
-        validation refuses it with an error naming the field."""
+        """The router's pick among the healthy replicas; input it cannot read goes to the
+        least-loaded healthy replica, whose validation refuses it with an error naming
+        the field. RuntimeError when no replica serves."""
+        healthy = [r.is_healthy for r in self.replicas]
+        if not any(healthy):
+            raise RuntimeError(f"no replica serves: {self.error}")
         try:
-            return self.router.route(_routed(prompt), self.loads)
+            return self.router.route(_routed(prompt), self.loads, healthy)
         except (TypeError, ValueError, AttributeError):
-            return min(range(len(self.replicas)), key=lambda r: (self.loads[r], r))
+            serving = [r for r in range(len(self.replicas)) if healthy[r]]
+            return min(serving, key=lambda r: (self.loads[r], r))
 
     async def abort(self, request_id: str) -> None:
         """Stops an open request on its replica; an unknown id is ignored."""
@@ -171,14 +201,15 @@ class ReplicaSet:
     async def count_prompt_tokens(self, messages: list[dict[str, str]]) -> int:
         return await self._any().count_prompt_tokens(messages)
 
-    def _any(self) -> AsyncEngine:
+    def _any(self) -> RestartingEngine:
         """The first healthy replica (replica 0 when none is: its error says why)."""
         return next((r for r in self.replicas if r.is_healthy), self.replicas[0])
 
     def stats(self) -> EngineStats:
-        """The replicas' stats merged (`EngineStats.merged`); each replica's own are in
-        `replicas[i].stats()`."""
-        return EngineStats.merged([r.stats() for r in self.replicas])
+        """The serving replicas' stats merged (`EngineStats.merged`; every replica's
+        when none serves); each replica's own are in `replicas[i].stats()`."""
+        serving = [r for r in self.replicas if r.is_healthy] or self.replicas
+        return EngineStats.merged([r.stats() for r in serving])
 
     def watch_stats(self) -> WatchStats:
         """Counts summed; the oldest request and the most silent worker of any replica."""
@@ -188,6 +219,7 @@ class ReplicaSet:
             sum(p.num_over_deadline for p in parts),
             max(p.oldest_request_s for p in parts),
             max(p.worker_silent_s for p in parts),
+            sum(p.num_restarts for p in parts),
         )
 
     async def shutdown(self, timeout: float = 10.0) -> None:
@@ -203,8 +235,8 @@ def _routed(prompt: str | list[int] | list[dict]) -> RoutedPrompt:
 
 
 async def _all_or_none(
-    starts: list[asyncio.Future[AsyncEngine]], launches: Sequence[WorkerLaunch]
-) -> list[AsyncEngine]:
+    starts: list[asyncio.Future[RestartingEngine]], launches: Sequence[WorkerLaunch]
+) -> list[RestartingEngine]:
     """Every start's engine, or, at the first failure (or the caller's cancellation),
     none (`_stop_all`), and the first error raised with a note naming its replica."""
     try:
@@ -227,7 +259,7 @@ def _failed(start: asyncio.Future) -> bool:
 
 
 async def _stop_all(
-    starts: list[asyncio.Future[AsyncEngine]], launches: Sequence[WorkerLaunch]
+    starts: list[asyncio.Future[RestartingEngine]], launches: Sequence[WorkerLaunch]
 ) -> None:
     """Kills the workers of the starts still waiting (they fail at once), shuts down
     the engines that started, then abandons every launch (a no-op after a shutdown)."""

@@ -5,9 +5,14 @@ request's text work holds up another's:
 - admission (`TextProcessor.prepare`: tokenizing, validating; a megabyte of prompt
   takes about a second) runs as a task of its own on an admission thread, so the actor
   goes on handling other messages, the token deltas of running requests included;
+- `/tokenize` and `/detokenize` work runs on a thread of its own, so a flood of them
+  never queues ahead of a generation request's admission; at most
+  MAX_QUEUED_TOKENIZE wait or run at once, and past that one is refused at once as
+  BUSY (a 503 to retry), not queued;
 - everything that touches the processor's state (registering an admitted request,
   detokenizing a step, forgetting a request) runs on ONE text thread, one call at a
   time: the state is never used from two threads at once.
+All three are daemon threads: a call stuck on one never keeps the process alive at exit.
 """
 
 from __future__ import annotations
@@ -17,11 +22,11 @@ import functools
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from actors.actor import Actor, send_message
+from actors.daemon_executor import DaemonExecutor
 from actors.transport import Inbox, Outbox
 from engine.errors import describe
 from engine.messages import (
@@ -39,6 +44,7 @@ from engine.text.text_processor import TextProcessor
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+MAX_QUEUED_TOKENIZE = 64  # /tokenize and /detokenize calls waiting or running
 
 
 @dataclass
@@ -87,8 +93,9 @@ class TokenizerActor(Actor):
         self.clients = clients
         self.admitting: dict[str, asyncio.Task[None]] = {}
         self.tokenizing: set[asyncio.Task[None]] = set()
-        self._admission = ThreadPoolExecutor(1, thread_name_prefix="admission")
-        self._text = ThreadPoolExecutor(1, thread_name_prefix="text")
+        self._admission = DaemonExecutor(1, "admission")
+        self._tokenize_thread = DaemonExecutor(1, "tokenize")
+        self._text = DaemonExecutor(1, "text")
 
     async def on_generate(self, request: GenerateRequest) -> None:
         rid = request.request_id
@@ -121,16 +128,24 @@ class TokenizerActor(Actor):
                 del self.admitting[rid]
 
     async def on_tokenize(self, request: TokenizeRequest | DetokenizeRequest) -> None:
+        if len(self.tokenizing) >= MAX_QUEUED_TOKENIZE:
+            error = (
+                f"{MAX_QUEUED_TOKENIZE} tokenize calls are already queued or running; retry shortly"
+            )
+            busy = TokenizeResult.refused(request.request_id, error, ErrorKind.BUSY)
+            await self._to_client(request.client_id, busy)
+            return
         task = asyncio.create_task(self._tokenize(request), name=f"tokenize:{request.request_id}")
         self.tokenizing.add(task)
         task.add_done_callback(self.tokenizing.discard)
 
     async def _tokenize(self, request: TokenizeRequest | DetokenizeRequest) -> None:
         try:
-            result = await self._run(self._admission, self.processor.tokenize, request)
+            result = await self._run(self._tokenize_thread, self.processor.tokenize, request)
         except Exception as exc:  # noqa: BLE001 - a bug, answered rather than left hanging
             logger.exception("tokenizing %s failed", request.request_id)
-            result = TokenizeResult(request.request_id, (), (), "", f"internal error: {exc!r}")
+            error = f"internal error: {exc!r}"
+            result = TokenizeResult.refused(request.request_id, error, ErrorKind.ENGINE)
         await self._to_client(request.client_id, result)
 
     async def count_prompt_tokens(self, messages: list[dict[str, str]]) -> int:
@@ -199,7 +214,7 @@ class TokenizerActor(Actor):
         return await self._run(self._text, fn, *args)
 
     @staticmethod
-    async def _run(thread: ThreadPoolExecutor, fn: Callable[..., T], *args: Any) -> T:
+    async def _run(thread: DaemonExecutor, fn: Callable[..., T], *args: Any) -> T:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(thread, functools.partial(fn, *args))
 
@@ -214,5 +229,5 @@ class TokenizerActor(Actor):
         for task in [*self.admitting.values(), *self.tokenizing]:
             task.cancel()
         super()._close_transports()
-        self._admission.shutdown(wait=False, cancel_futures=True)
-        self._text.shutdown(wait=False, cancel_futures=True)
+        for thread in (self._admission, self._tokenize_thread, self._text):
+            thread.shutdown(wait=False, cancel_futures=True)

@@ -86,6 +86,7 @@ class WorkerLaunch:
     heartbeat_addresses: tuple[str, ...]
     launched_at: float
     head: Head | None = None
+    extra_env: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def process(self) -> subprocess.Popen:
@@ -144,7 +145,29 @@ class WorkerLaunch:
             "spawned %d worker process(es): pids %s", len(processes), [p.pid for p in processes]
         )
         launched = time.monotonic()
-        return cls(args, tuple(processes), run_dir, workers, scheduler, beats, launched, head)
+        return cls(
+            args,
+            tuple(processes),
+            run_dir,
+            workers,
+            scheduler,
+            beats,
+            launched,
+            head,
+            dict(extra_env or {}),
+        )
+
+    @property
+    def can_relaunch(self) -> bool:
+        """Whether `relaunch` can start these workers again: every rank runs here."""
+        return self.head is None
+
+    def relaunch(self) -> WorkerLaunch:
+        """A fresh launch of the same workers (same arguments and environment), for an
+        engine that replaces a dead one. Only where `can_relaunch`."""
+        if not self.can_relaunch:
+            raise ValueError("workers with ranks on other hosts cannot be relaunched from here")
+        return WorkerLaunch.start(self.args, extra_env=self.extra_env)
 
     def abandon(self) -> None:
         """Kills the processes (those still running), removes the run directory and

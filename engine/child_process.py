@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -23,7 +24,12 @@ def child_environment(extra: Mapping[str, str] | None = None) -> dict[str, str]:
 
 
 def start_module(
-    module: str, args: Sequence[str], extra_env: Mapping[str, str] | None = None
+    module: str,
+    args: Sequence[str],
+    extra_env: Mapping[str, str] | None = None,
+    popen_kwargs: Mapping[str, Any] | None = None,
 ) -> subprocess.Popen:
-    """`python -m module *args` with this interpreter, in `child_environment(extra_env)`."""
-    return subprocess.Popen([sys.executable, "-m", module, *args], env=child_environment(extra_env))
+    """`python -m module *args` with this interpreter, in `child_environment(extra_env)`
+    (`popen_kwargs`: pipes and the like, passed to Popen)."""
+    cmd = [sys.executable, "-m", module, *args]
+    return subprocess.Popen(cmd, env=child_environment(extra_env), **(popen_kwargs or {}))

@@ -194,3 +194,13 @@ class EngineConfig:
     skip_tokenizer_init: bool = False
     chat_template: str | None = None  # Jinja text replacing the tokenizer's own
     parallel: ParallelConfig = ParallelConfig()
+    # False: text in chat message content that spells a control token (`<|im_end|>`) is
+    # encoded as that text, so a message cannot forge a turn; True: as the token
+    parse_special_tokens_in_content: bool = False
+    # the most output tokens one request may ask for: max_tokens x its sequences (None: no cap)
+    max_tokens_per_request: int | None = None
+
+    def __post_init__(self) -> None:
+        cap = self.max_tokens_per_request
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
+            raise ValueError(f"max_tokens_per_request must be an int >= 1 or None, got {cap!r}")

@@ -41,6 +41,8 @@ class EngineArgs:
     tensor_parallel_size: int = 1  # ranks sharing the model (one worker process each)
     distributed_address: str | None = None  # HOST:PORT of rank 0's torch.distributed store
     distributed_init_method: str | None = None  # set by launchers: a file:// rendezvous
+    parse_special_tokens_in_content: bool = False  # chat content may spell control tokens
+    max_tokens_per_request: int | None = None  # max_tokens x sequences, per request
 
     def build(self) -> EngineConfig:
         import torch  # here, not at import: the server's CLI imports this module first
@@ -79,4 +81,6 @@ class EngineArgs:
             skip_tokenizer_init=self.skip_tokenizer_init,
             chat_template=resolve_chat_template(self.chat_template),
             parallel=parallel,
+            parse_special_tokens_in_content=self.parse_special_tokens_in_content,
+            max_tokens_per_request=self.max_tokens_per_request,
         )

@@ -63,6 +63,7 @@ class ErrorKind(StrEnum):
     INVALID = "invalid_request"
     ENGINE = "engine_error"
     TIMEOUT = "timeout"
+    BUSY = "busy"  # refused for load, not for its content: retry later
 
 
 @dataclass(frozen=True)
@@ -486,13 +487,20 @@ class TokenizeResult:
     """The answer to a TokenizeRequest or a DetokenizeRequest: the token ids, each one's
     text as it reads after other text (`token_strs`, so plain text's join back into
     it), and the whole text (a TokenizeRequest's: ""). `error`, when the input was
-    refused, says why and names the field (the other fields are then empty)."""
+    refused, says why and names the field (the other fields are then empty);
+    `error_kind` says whose fault (INVALID: the input's; BUSY: too much tokenizing
+    queued, retry; ENGINE: a bug)."""
 
     request_id: str
     token_ids: tuple[int, ...]
     token_strs: tuple[str, ...]
     text: str
     error: str | None = None
+    error_kind: ErrorKind | None = None
+
+    @classmethod
+    def refused(cls, request_id: str, error: str, kind: ErrorKind) -> TokenizeResult:
+        return cls(request_id, (), (), "", error, kind)
 
 
 INBOXES: dict[str, tuple[type, ...]] = {

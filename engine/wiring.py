@@ -73,6 +73,7 @@ def build_engine(
         ready.num_blocks,
         ready.block_size,
         config.scheduler.max_num_seqs,
+        max_tokens_per_request=config.max_tokens_per_request,
     )
     manager = BlockManager(*tables) if with_block_manager else None
     return EngineParts(core, TextProcessor(tokenizer, limits), manager)
@@ -85,4 +86,8 @@ def load_engine_tokenizer(config: EngineConfig) -> Tokenizer | None:
     if config.skip_tokenizer_init:
         return None
     hf_tokenizer = load_tokenizer(config.tokenizer or config.model.model_dir)
-    return Tokenizer(hf_tokenizer, chat_template=config.chat_template)
+    return Tokenizer(
+        hf_tokenizer,
+        chat_template=config.chat_template,
+        parse_special_tokens_in_content=config.parse_special_tokens_in_content,
+    )

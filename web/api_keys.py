@@ -6,9 +6,25 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 API_KEY_ENV = "PAGEDSERVE_API_KEY"
+
+
+def bearer_key(authorization: Sequence[str]) -> str | None:
+    """The key of a request's `Authorization: Bearer KEY` header, from all the request's
+    Authorization header values (None: no header, or another scheme). Several headers
+    raise ValueError naming the header: which one counts would depend on the proxies
+    in between (most keep the last, some the first), so none does."""
+    if len(authorization) > 1:
+        raise ValueError(
+            f"{len(authorization)} Authorization headers; send exactly one "
+            "(Authorization: Bearer KEY)"
+        )
+    if authorization and authorization[0].lower().startswith("bearer "):
+        return authorization[0][7:].strip()
+    return None
 
 
 class ApiKeys:

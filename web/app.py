@@ -23,16 +23,20 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from starlette.websockets import WebSocket
 
 from actors.async_engine import AsyncEngine
+from actors.engine_status import EngineStatus
 from actors.replica_set import ReplicaSet
+from actors.restarting_engine import RestartingEngine
 from actors.worker_launch import WorkerLaunch
 from engine.config import EngineConfig
 from engine.engine_args import EngineArgs
-from web.api_keys import ApiKeys
+from web.api_keys import ApiKeys, bearer_key
+from web.client_concurrency import ClientConcurrency
 from web.error_counter import ErrorAnswerCounter
-from web.errors import ApiError
+from web.errors import ApiError, invalid
 from web.generation import Admission, Generator
 from web.metrics import Metrics
 from web.openai_routes import OpenAIRoutes
+from web.redaction import hide_paths
 from web.server_config import ServerConfig
 from web.sessions import SessionStore
 from web.stats_logger import StatsLogger
@@ -41,13 +45,13 @@ from web.ws_connection import SHUTDOWN_CLOSE, StreamConnection, StreamLimits
 
 logger = logging.getLogger(__name__)
 STATIC = Path(__file__).parent / "static"
-EngineClient = AsyncEngine | ReplicaSet  # what the web layer talks to
+EngineClient = AsyncEngine | RestartingEngine | ReplicaSet  # what the web layer talks to
 
 
 class ApiKeyMiddleware:
     """With API keys configured, every HTTP route but /health (and the static chat page)
-    needs `Authorization: Bearer KEY`; WebSockets check their own (header or first
-    message)."""
+    needs `Authorization: Bearer KEY` (exactly one such header: several are a 400);
+    WebSockets check their own (header or first message)."""
 
     def __init__(self, app: ASGIApp, api_keys: ApiKeys) -> None:
         self.app, self.api_keys = app, api_keys
@@ -56,11 +60,16 @@ class ApiKeyMiddleware:
         if scope["type"] != "http" or not self.api_keys or _is_open(scope["path"]):
             await self.app(scope, receive, send)
             return
-        header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
-        if header.lower().startswith("bearer ") and self.api_keys.matches(header[7:].strip()):
-            await self.app(scope, receive, send)
-            return
-        err = ApiError("unauthorized", "invalid or missing API key (Authorization: Bearer KEY)")
+        values = [v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"]
+        try:
+            key = bearer_key(values)
+        except ValueError as exc:  # several headers: refused, whichever holds a key
+            err = invalid(str(exc), "Authorization")
+        else:
+            if self.api_keys.matches(key):
+                await self.app(scope, receive, send)
+                return
+            err = ApiError("unauthorized", "invalid or missing API key (Authorization: Bearer KEY)")
         await JSONResponse(err.openai_body(), err.status)(scope, receive, send)
 
 
@@ -84,11 +93,14 @@ class Server:
             self._web_gauges(),
             config.model_name,
             engine.ready.max_model_len,
+            engine.replica_statuses,
+            engine.replica_stats,
         )
         self.stats_logger = StatsLogger(
             engine.stats, self.metrics.token_totals, config.log_stats_interval_s
         )
-        self.generator = Generator(engine, self.metrics, self.admission)
+        per_client = ClientConcurrency(config.max_concurrent_per_key)
+        self.generator = Generator(engine, self.metrics, self.admission, per_client)
         self.openai = OpenAIRoutes(self.generator, config)
         self.tokenizing = TokenizeRoutes(self.generator, config, engine.ready.max_model_len)
         self.limits = StreamLimits(
@@ -126,11 +138,17 @@ class Server:
         logger.info("drained: %d requests aborted, %d WebSockets closed", aborted, len(closing))
 
     async def health(self, request: Request) -> Response:
+        """200 `ok` or `degraded` (some data-parallel replicas down, the others serving);
+        503 `draining`, `restarting` (a dead worker being replaced) or `unhealthy`."""
         if self.generator.draining:
             return JSONResponse({"status": "draining"}, 503)
-        if self.engine.is_healthy:
+        status = self.engine.status
+        if status is EngineStatus.OK:
             return JSONResponse({"status": "ok"})
-        return JSONResponse({"status": "unhealthy", "error": self.engine.error}, 503)
+        body = {"status": status.value, "replicas": list(self.engine.replica_statuses())}
+        if status is EngineStatus.DEGRADED:
+            return JSONResponse(body)
+        return JSONResponse({**body, "error": self.engine.error}, 503)
 
     async def models(self, request: Request) -> Response:
         card = {
@@ -178,13 +196,14 @@ class Server:
         return FileResponse(STATIC / "index.html")
 
     async def info(self, request: Request) -> Response:
+        """What is served and how; no file paths (the model is its served name)."""
         return JSONResponse(
             {
                 "model": self.config.model_name,
                 "builtin": self.config.builtin,
                 "auth": bool(self.config.api_keys),
                 "attention_backend": self.engine.ready.attention_backend,
-                "attention_backend_reason": self.engine.ready.attention_backend_reason,
+                "attention_backend_reason": hide_paths(self.engine.ready.attention_backend_reason),
                 "data_parallel_size": self.config.data_parallel_size,
             }
         )
@@ -292,12 +311,13 @@ async def start_engine(
 ) -> EngineClient:
     """One AsyncEngine, or a ReplicaSet of `config.data_parallel_size` engines."""
     if config.data_parallel_size == 1:
-        return await AsyncEngine.start(
+        return await RestartingEngine.start(
             engine_args,
+            config.restart,
+            launch=launches[0] if launches else None,
             pipeline_depth=config.pipeline_depth,
             supervision=config.supervision,
             config=engine_config,
-            launch=launches[0] if launches else None,
         )
     return await ReplicaSet.start(
         engine_args,
@@ -306,4 +326,5 @@ async def start_engine(
         supervision=config.supervision,
         config=engine_config,
         launches=launches or None,
+        restart=config.restart,
     )

@@ -36,6 +36,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         help="a Jinja chat template, or a file holding one, replacing the tokenizer's",
     )
     p.add_argument(
+        "--parse-special-tokens-in-content",
+        action="store_true",
+        help="encode text in chat messages that spells a control token (e.g. <|im_end|>) as "
+        "that token; by default it is encoded as plain text, so a message cannot forge a turn",
+    )
+    p.add_argument(
         "--tensor-parallel-size",
         "-tp",
         type=int,
@@ -86,6 +92,15 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="run the model's forward pass through torch.compile (the first steps of each "
         "new shape compile; measured no faster on CPU: see docs/performance.md)",
+    )
+    p.add_argument(
+        "--max-tokens-per-request",
+        type=_positive_count,
+        default=None,
+        metavar="N",
+        help="the most output tokens one request may ask for: max_tokens times the sequences "
+        "it samples (n, or best_of, or the beam width); a request over it is refused naming "
+        "both (default: no cap)",
     )
     p.add_argument(
         "--enable-prefix-caching",
@@ -187,7 +202,10 @@ def _add_serve_parser(sub) -> None:
     serve.add_argument("--session-ttl", type=float, default=1800.0, help="seconds")
     serve.add_argument("--session-max-chars", type=int, default=32_000)
     serve.add_argument(
-        "--served-model-name", default=None, help="the model name clients send and see"
+        "--served-model-name",
+        default=None,
+        help="the model name clients send and see (default: a local model's directory or "
+        "file name, never its path; a hub id as given)",
     )
     serve.add_argument(
         "--disable-log-requests",
@@ -210,11 +228,29 @@ def _add_serve_parser(sub) -> None:
         "(default: no limit)",
     )
     serve.add_argument(
+        "--max-concurrent-per-key",
+        type=_positive_count,
+        default=None,
+        metavar="N",
+        help="generation requests (HTTP completions and chat completions, WebSocket "
+        "generate frames) one client may have open at once: its API key when the server has "
+        "keys, else its IP address (behind a proxy, all clients share the proxy's); the next "
+        "is refused with 429 too_many_requests until one ends (default: no cap)",
+    )
+    serve.add_argument(
         "--worker-timeout",
         type=float,
         default=5.0,
         help="seconds without a worker heartbeat before the engine counts it stalled and "
         "fails its requests (heartbeats come from a thread: long steps do not delay them)",
+    )
+    serve.add_argument(
+        "--max-worker-restarts",
+        type=int,
+        default=3,
+        help="times in a row a dead (or, after 30 s, silent) worker is replaced by a fresh "
+        "one while the server stays up; requests in flight on it fail, new ones get 503 "
+        "until it is back (0: never; the server then stays unhealthy)",
     )
     serve.add_argument(
         "--ws-auth-timeout",
@@ -260,6 +296,16 @@ def _replica_count(text: str) -> int:
         ) from None
 
 
+def _positive_count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return value
+
+
 def _positive_seconds(text: str) -> float:
     try:
         value = float(text)
@@ -298,8 +344,10 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         "linear_kernel": args.linear_kernel,
         "tokenizer": args.tokenizer,
         "chat_template": args.chat_template,
+        "parse_special_tokens_in_content": args.parse_special_tokens_in_content,
         "tensor_parallel_size": args.tensor_parallel_size,
         "distributed_address": args.distributed_address,
+        "max_tokens_per_request": args.max_tokens_per_request,
     }
 
 
@@ -378,12 +426,15 @@ def _run_server(args, engine_args, engine_config, launches, default_name, builti
     import uvicorn
 
     from actors.async_engine import Supervision
+    from actors.restarting_engine import RestartPolicy
     from actors.transport import remove_stale_run_dirs
     from web.api_keys import ApiKeys
     from web.app import create_app
     from web.draining_server import DrainingServer
     from web.http_protocol import HeaderTimeoutH11Protocol
+    from web.redaction import redact_request_lines
     from web.server_config import ServerConfig
+    from web.ws_protocol import SlowReaderClosingProtocol
 
     config = ServerConfig(
         model_name=args.served_model_name or default_name,
@@ -400,10 +451,12 @@ def _run_server(args, engine_args, engine_config, launches, default_name, builti
         pipeline_depth=args.pipeline_depth,
         shutdown_grace_s=args.shutdown_grace,
         supervision=Supervision(args.worker_timeout, args.request_timeout),
+        restart=RestartPolicy(max_restarts=args.max_worker_restarts),
         ws_auth_timeout_s=args.ws_auth_timeout,
         disable_log_stats=args.disable_log_stats,
         log_stats_interval_s=args.log_stats_interval,
         data_parallel_size=args.data_parallel_size,
+        max_concurrent_per_key=args.max_concurrent_per_key,
     )
     engine_config = engine_config or engine_args.build()  # configuration errors surface here
     for stale in remove_stale_run_dirs():
@@ -414,11 +467,13 @@ def _run_server(args, engine_args, engine_config, launches, default_name, builti
         host=config.host,
         port=config.port,
         http=HeaderTimeoutH11Protocol.factory(args.http_header_timeout),
+        ws=SlowReaderClosingProtocol,  # 4008 reaches a client that stopped reading
         ws_max_size=config.max_message_bytes,
         timeout_graceful_shutdown=5,  # after the app's own drain (DrainingServer)
         log_level=args.uvicorn_log_level,
         access_log=not args.disable_log_requests,
     )
+    redact_request_lines()  # after uvicorn.Config, which configures its loggers
     server = DrainingServer(uv_config, app)
     server.run()
     return 0

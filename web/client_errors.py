@@ -49,8 +49,9 @@ class NotFoundError(PagedServeError):
 
 
 class OverloadedError(PagedServeError):
-    """The server's queue (or this connection's request cap) is full, the server is
-    shutting down, or its engine is unhealthy for now: retry later (or elsewhere)."""
+    """The server's queue (or this connection's, or this key's, request cap) is full,
+    the server is shutting down, or its engine is unhealthy for now: retry later (or
+    elsewhere)."""
 
     code = "overloaded"
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -10,6 +11,7 @@ from dataclasses import dataclass
 from actors.async_engine import AsyncEngine
 from engine.messages import ErrorKind, OutputDelta
 from engine.sampling_params import SamplingParams
+from web.client_concurrency import ClientConcurrency
 from web.errors import ApiError, invalid
 from web.metrics import FinishReason, Metrics
 from web.params import field_of
@@ -58,12 +60,21 @@ class Generator:
     """Runs requests on the engine for the web routes (HTTP and WebSocket alike).
 
     `live` holds the ids of the requests being streamed; after `drain()` starts, new
-    requests are refused with `shutting_down`."""
+    requests are refused with `shutting_down`. `concurrency` counts each client's open
+    requests for the routes, which know who the client is (per client request, however
+    many engine requests it makes)."""
 
-    def __init__(self, engine: AsyncEngine, metrics: Metrics, admission: Admission) -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        metrics: Metrics,
+        admission: Admission,
+        concurrency: ClientConcurrency | None = None,
+    ) -> None:
         self.engine = engine
         self.metrics = metrics
         self.admission = admission
+        self.concurrency = concurrency or ClientConcurrency()
         self.live: set[str] = set()
         self.draining = False
 
@@ -109,7 +120,7 @@ class Generator:
             outs = self.engine.generate(
                 prompt, params, request_id, strict_max_tokens=strict_max_tokens
             )
-            async for out in outs:
+            async for out in _unavailable_until_first(outs):
                 if out.error_kind is ErrorKind.INVALID:
                     ends.open.clear()  # a refusal: counted where it is answered
                     raise failure(out)  # refused by the tokenizer's validation
@@ -184,3 +195,19 @@ def failure(out: OutputDelta) -> ApiError:
     if out.error_kind is ErrorKind.TIMEOUT:
         return ApiError("timeout", message)
     return ApiError("engine_error", message)
+
+
+async def _unavailable_until_first(outs: AsyncIterator[OutputDelta]) -> AsyncIterator[OutputDelta]:
+    """`outs`, with the engine's refusal to take the request at all (RuntimeError before
+    any output: it is down, restarting, or no replica serves) as a 503 the client may
+    retry, rather than an internal error."""
+    async with contextlib.aclosing(outs):
+        try:
+            out = await anext(outs)
+        except StopAsyncIteration:
+            return
+        except RuntimeError as exc:
+            raise ApiError("unavailable", f"the engine cannot take requests: {exc}") from None
+        yield out
+        async for out in outs:
+            yield out

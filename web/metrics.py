@@ -11,7 +11,7 @@ answers) is recorded as it happens through `Metrics`' methods.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from enum import StrEnum
 from typing import Any
 
@@ -21,6 +21,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.metrics_core import Metric
 
 from actors.async_engine import WatchStats
+from actors.engine_status import EngineStatus
 from engine.core.stats import EngineStats
 from engine.messages import ErrorKind, OutputDelta
 
@@ -76,15 +77,19 @@ class Metrics:
         web_gauges: dict[str, tuple[str, Callable[[], float]]],
         model_name: str,
         max_model_len: int,
+        statuses: Callable[[], Sequence[EngineStatus]] = lambda: (),
+        replica_stats: Callable[[], Sequence[EngineStats]] = lambda: (),
     ) -> None:
         """`web_gauges`: name -> (help, read) for the web layer's own counts (queued
-        requests, live requests, sessions, WebSocket connections)."""
+        requests, live requests, sessions, WebSocket connections); `statuses`: each
+        data-parallel replica's status and stats (one for a single engine)."""
         self.registry = r = CollectorRegistry()
         self.num_prompt_tokens = 0  # totals, for the periodic stats line
         self.num_generation_tokens = 0
         self._ours = _OurMetrics(r)
         self._vllm = _VllmMetrics(r, model_name, max_model_len)
         r.register(EngineCollector(stats, watch, model_name))
+        r.register(ReplicaCollector(statuses, replica_stats))
         for name, (doc, read) in web_gauges.items():
             Gauge(name, doc, registry=r).set_function(read)
 
@@ -273,6 +278,35 @@ class EngineCollector:
                 yield metric
 
 
+class ReplicaCollector:
+    """Per replica (a single engine is replica 0): `pagedserve_replica_healthy{replica}`,
+    1 while it serves, 0 while it restarts or is down, and its own levels from
+    REPLICA_GAUGES (the unlabelled metrics merge the serving replicas')."""
+
+    def __init__(
+        self,
+        statuses: Callable[[], Sequence[EngineStatus]],
+        stats: Callable[[], Sequence[EngineStats]],
+    ) -> None:
+        self.statuses, self.stats = statuses, stats
+
+    def collect(self) -> Iterator[Metric]:
+        healthy = GaugeMetricFamily(
+            "pagedserve_replica_healthy",
+            "1 while the replica serves requests, 0 while it restarts or is down",
+            labels=["replica"],
+        )
+        for replica, status in enumerate(self.statuses()):
+            healthy.add_metric([str(replica)], float(status.serves))
+        yield healthy
+        stats = self.stats()
+        for name, (doc, field) in REPLICA_GAUGES.items():
+            metric = GaugeMetricFamily(name, doc, labels=["replica"])
+            for replica, snapshot in enumerate(stats):
+                metric.add_metric([str(replica)], float(getattr(snapshot, field)))
+            yield metric
+
+
 # metric name -> (help, EngineStats field or property); every field has one.
 ENGINE_GAUGES: dict[str, tuple[str, str]] = {
     "pagedserve_kv_blocks_total": ("KV cache blocks", "num_blocks"),
@@ -325,6 +359,11 @@ ENGINE_COUNTERS: dict[str, tuple[str, str]] = {
     "pagedserve_prefix_cache_evictions": ("Cached blocks evicted so far", "num_cache_evictions"),
     "pagedserve_num_swaps": ("Preemptions by swapping out so far", "num_swaps"),
 }
+REPLICA_GAUGES: dict[str, tuple[str, str]] = {
+    "pagedserve_replica_kv_blocks_used": ("KV cache blocks in use, per replica", "num_used_blocks"),
+    "pagedserve_replica_num_requests_running": ("Requests running, per replica", "num_running"),
+    "pagedserve_replica_num_requests_waiting": ("Requests waiting, per replica", "num_waiting"),
+}
 WATCH_GAUGES: dict[str, tuple[str, str]] = {
     "pagedserve_num_requests_over_deadline": (
         "Open requests older than --request-timeout (the watchdog ends them; "
@@ -344,6 +383,10 @@ WATCH_COUNTERS: dict[str, tuple[str, str]] = {
     "pagedserve_num_timed_out_requests": (
         "Requests ended by --request-timeout so far",
         "num_timed_out",
+    ),
+    "pagedserve_num_worker_restarts": (
+        "Dead or stalled workers replaced so far (--max-worker-restarts)",
+        "num_restarts",
     ),
 }
 # vLLM's names for the same numbers (each labelled model_name)

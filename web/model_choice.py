@@ -4,12 +4,13 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
 def resolve_model(args: argparse.Namespace) -> tuple[str, str]:
-    """(model path for EngineArgs, the name to serve it under); fetches the default
-    model when none is given and it is not cached yet."""
+    """(model path for EngineArgs, the name to serve it under: `served_name`); fetches
+    the default model when none is given and it is not cached yet."""
     from engine.worker.builtin_model import BUILTIN_MODEL_NAME, BUILTIN_MODEL_SPEC
 
     given = getattr(args, "model_arg", None)
@@ -19,13 +20,23 @@ def resolve_model(args: argparse.Namespace) -> tuple[str, str]:
     if model == BUILTIN_MODEL_SPEC:
         return model, BUILTIN_MODEL_NAME
     if model is not None:
-        return model, model
+        return model, served_name(model)
     from cuda_ext.build import cache_root
     from engine.default_model import SMOLLM2, resolve_default_model
 
     path = resolve_default_model(cache_root(), log=say)
     say(f"no model given: serving the default model {SMOLLM2.name} ({path})")
     return str(path), SMOLLM2.name
+
+
+def served_name(model: str) -> str:
+    """The name a model is served under without --served-model-name: a local directory
+    or file (a .gguf) by its base name, so no client ever sees where the server keeps
+    it; anything else (a hub id, `org/name`) as given."""
+    path = os.path.expanduser(model)
+    if not os.path.exists(path):
+        return model
+    return os.path.basename(os.path.normpath(os.path.abspath(path))) or model
 
 
 def say(message: str) -> None:

@@ -32,6 +32,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from engine.messages import OutputDelta
 from engine.sampling_params import SamplingParams
 from web.choice_chunks import ChoiceChunks, ChunkShape
+from web.client_concurrency import Client
 from web.completion_echo import PromptEcho, prompt_echoes
 from web.errors import ApiError, invalid
 from web.frames import read_json_body
@@ -73,6 +74,7 @@ class Job:
     stream: bool
     include_usage: bool
     top_logprobs: int | None
+    client: Client  # whose open requests it counts among (--max-concurrent-per-key)
     echo: bool = False  # completions: the prompt before each choice
     strict_max_tokens: bool = False  # the client chose max_tokens: refused past the context
 
@@ -96,9 +98,11 @@ class OpenAIRoutes:
 
     async def _serve(self, request: Request, chat: bool) -> Response:
         body = None
+        authorization = request.headers.getlist("authorization")
+        client = Client.of_http(self.config.api_keys, authorization, request.client)
         try:
             body = await read_json_body(request, self.config.max_message_bytes)
-            job = self._parse(body, chat)
+            job = self._parse(body, chat, client)
             echoes = None
             if job.echo:
                 skip = job.params.skip_special_tokens
@@ -112,7 +116,7 @@ class OpenAIRoutes:
         except ApiError as err:
             if chat and err.param == "max_tokens" and _given(body, "max_completion_tokens"):
                 err.param = "max_completion_tokens"  # the field this client sent
-            headers = {"Retry-After": "1"} if err.status == 503 else {}
+            headers = {"Retry-After": "1"} if err.status in (429, 503) else {}
             headers |= {"Connection": "close"} if err.close else {}
             return JSONResponse(err.openai_body(), err.status, headers=headers)
         except Exception:  # a bug, never the client's input: logged, answered, served on
@@ -121,7 +125,7 @@ class OpenAIRoutes:
             return JSONResponse(err.openai_body(), err.status)
 
     # -- parsing -------------------------------------------------------------------
-    def _parse(self, body: dict[str, Any], chat: bool) -> Job:
+    def _parse(self, body: dict[str, Any], chat: bool, client: Client) -> Job:
         check_fields(body, CHAT_RULES if chat else COMPLETION_RULES)
         check_model(body, self.config.model_name)
         n = num_choices(body)
@@ -142,12 +146,14 @@ class OpenAIRoutes:
         if user is not None:
             logger.info("%s is from user %r", request_id, user)
         strict = _given(body, "max_tokens") or _given(body, "max_completion_tokens")
-        return Job(request_id, prompts, params, stream, include_usage, top, echo, strict)
+        return Job(request_id, prompts, params, stream, include_usage, top, client, echo, strict)
 
     # -- running -------------------------------------------------------------------
     async def _choices(self, job: Job) -> AsyncIterator[tuple[list[int], OutputDelta]]:
         """All choices' deltas as they come, each with the choice indices it is about
-        (one, or every choice of its prompt for a request-wide end: abort, error)."""
+        (one, or every choice of its prompt for a request-wide end: abort, error). The
+        job counts as one of its client's open requests until this ends (refused with
+        429 first when the client is at its cap)."""
         queue: asyncio.Queue[tuple[list[int], OutputDelta] | BaseException | None]
         queue = asyncio.Queue()
         n = job.params.n
@@ -167,8 +173,11 @@ class OpenAIRoutes:
                 return
             await queue.put(None)
 
-        tasks = [asyncio.create_task(run(p, prompt)) for p, prompt in enumerate(job.prompts)]
+        concurrency = self.generator.concurrency
+        concurrency.acquire(job.client)
+        tasks: list[asyncio.Task[None]] = []
         try:
+            tasks = [asyncio.create_task(run(p, prompt)) for p, prompt in enumerate(job.prompts)]
             remaining = len(tasks)
             while remaining:
                 item = await queue.get()
@@ -179,6 +188,7 @@ class OpenAIRoutes:
                 else:
                     yield item
         finally:
+            concurrency.release(job.client)
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -187,15 +197,16 @@ class OpenAIRoutes:
         self, job: Job, chat: bool, echoes: list[PromptEcho] | None
     ) -> dict[str, Any]:
         tallies: dict[int, ChoiceTally] = {}
-        async for which, out in self._choices(job):
-            if out.finish_reason == "error":
-                raise failure(out)
-            for index in which:
-                tally = tallies.setdefault(index, ChoiceTally())
-                if tally.final is None:
-                    tally.add(out)
-            if out.finish_reason == "abort":
-                raise self._aborted(tallies)
+        async with contextlib.aclosing(self._choices(job)) as deltas:  # ends its count now
+            async for which, out in deltas:
+                if out.finish_reason == "error":
+                    raise failure(out)
+                for index in which:
+                    tally = tallies.setdefault(index, ChoiceTally())
+                    if tally.final is None:
+                        tally.add(out)
+                if out.finish_reason == "abort":
+                    raise self._aborted(tallies)
         prompt_rows: dict[int, list] = {}  # per prompt: whichever choice got them
         for index in sorted(tallies):
             if tallies[index].prompt_rows:
@@ -283,6 +294,7 @@ class OpenAIRoutes:
             yield "data: [DONE]\n\n"
         finally:
             await items.aclose()
+            await stream.aclose()  # its client's count ends with it
 
 
 def _given(body: Any, name: str) -> bool:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from actors.async_engine import Supervision
 from actors.replica_launch import check_num_replicas
+from actors.restarting_engine import RestartPolicy
 from web.api_keys import ApiKeys
 
 
@@ -34,6 +35,9 @@ class ServerConfig:
     disable_log_stats: bool = False  # no periodic throughput / queue / KV usage line
     log_stats_interval_s: float = 5.0  # seconds between those lines (when something happened)
     data_parallel_size: int = 1  # engine replicas behind this server (actors/replica_set.py)
+    # generation requests one client (API key, else address) may have open at once
+    max_concurrent_per_key: int | None = None
+    restart: RestartPolicy = field(default_factory=RestartPolicy)  # a dead worker comes back
 
     def __post_init__(self) -> None:
         for name in ("max_queued_requests", "max_requests_per_connection", "max_message_bytes"):
@@ -49,5 +53,8 @@ class ServerConfig:
                 f"got {self.log_stats_interval_s}"
             )
         check_num_replicas(self.data_parallel_size)
+        cap = self.max_concurrent_per_key
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
+            raise ValueError(f"max_concurrent_per_key must be an int >= 1 or None, got {cap!r}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")

@@ -24,9 +24,11 @@ the system prompt) that would not fit the model's context with room for the repl
 
 Connection rule: nothing a client sends closes the socket abnormally or touches its
 other requests. A frame that cannot be served gets an `error` event (with its `id` when
-it had a readable one); the documented closes are 1008 (bad or missing API key, or none
-within `auth_timeout_s`), 1009 (frame over --max-message-bytes), 4008 (a client that
-stopped reading its events) and 1001 (server shutting down).
+it had a readable one); the documented closes are 1008 (bad or missing API key, several
+Authorization headers, or no key within `auth_timeout_s`), 1009 (frame over
+--max-message-bytes), 4008 (a client that stopped reading: MAX_CONTROL_EVENTS events
+unread here, or a keepalive ping unanswered, web/ws_protocol.py) and 1001 (server
+shutting down).
 
 A slow reader never holds anything up: events go into a per-connection buffer where a
 request's unsent deltas merge into one, and a writer task drains it at the reader's pace.
@@ -47,7 +49,8 @@ import msgpack
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from engine.text.text_checks import check_text
-from web.api_keys import ApiKeys
+from web.api_keys import ApiKeys, bearer_key
+from web.client_concurrency import Client
 from web.errors import ApiError, invalid
 from web.event_buffer import MAX_CONTROL_EVENTS, EventBuffer
 from web.frames import as_object, load_json, load_msgpack
@@ -96,7 +99,12 @@ class StreamConnection:
         self.buffer = EventBuffer()
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self.authorized = not api_keys
-        self._claim(_bearer(ws.headers.get("authorization")))
+        self.client = Client.of_address(ws.client)  # its key's, once it gives one
+        self.refusal: str | None = None  # why the handshake's headers are refused
+        try:
+            self._claim(bearer_key(ws.headers.getlist("authorization")))
+        except ValueError as exc:  # several Authorization headers: none is trusted
+            self.refusal = str(exc) if api_keys else None
         self.closing = False
         self._writer: asyncio.Task[None] | None = None
         self._closer: asyncio.Task[None] | None = None
@@ -104,6 +112,9 @@ class StreamConnection:
     async def serve(self) -> None:
         """Runs until the client disconnects or `close()` is called."""
         await self.ws.accept()
+        if self.refusal is not None:
+            await self.ws.close(POLICY_CLOSE, self.refusal)
+            return
         self._writer = asyncio.create_task(self._write())
         try:
             if not self.authorized:
@@ -145,6 +156,7 @@ class StreamConnection:
         if self.api_keys.matches(key):
             self.authorized = True
             self.owner = f"key:{ApiKeys.fingerprint(key)}"
+            self.client = Client.of_key(key)
         return self.authorized
 
     async def _await_auth(self) -> None:
@@ -224,6 +236,8 @@ class StreamConnection:
                 "too_many_requests",
                 f"at most {self.limits.max_requests} concurrent requests per connection",
             )
+        concurrency, client = self.generator.concurrency, self.client
+        concurrency.check(client)  # refused before a session turn is taken
         body = message.get("params") or {}
         if not isinstance(body, dict):
             raise invalid(f"params must be an object, got {type(body).__name__}", "params")
@@ -233,7 +247,10 @@ class StreamConnection:
         fit = _fit_field(message)
         prompt, turn = self._prompt(message)  # a session turn holds its session from here
         fit = "message" if turn is not None else fit
-        self.tasks[rid] = asyncio.create_task(self._run(rid, prompt, params, turn, fit))
+        concurrency.acquire(client)  # checked above, with no await since
+        task = asyncio.create_task(self._run(rid, prompt, params, turn, fit))
+        task.add_done_callback(lambda _: concurrency.release(client))  # cancelled, too
+        self.tasks[rid] = task
 
     def _prompt(self, message: dict[str, Any]):
         sid = message.get("session_id")
@@ -311,6 +328,8 @@ class StreamConnection:
                 return await engine.count_prompt_tokens(candidate)
             except ValueError as exc:
                 raise invalid(str(exc), field) from None
+            except RuntimeError as exc:  # an engine down or restarting: retry later
+                raise ApiError("unavailable", f"the engine cannot answer: {exc}") from None
 
         fitted, dropped = await fit_history(
             messages, count, engine.ready.max_model_len, params.max_tokens, field
@@ -443,9 +462,3 @@ def _usage(out) -> dict[str, int]:
         "completion_tokens": out.num_output_tokens,
         "total_tokens": out.num_prompt_tokens + out.num_output_tokens,
     }
-
-
-def _bearer(header: str | None) -> str | None:
-    if header and header.lower().startswith("bearer "):
-        return header[7:].strip()
-    return None

@@ -88,22 +88,32 @@ class ReplicaRouter:
     def num_replicas(self) -> int:
         return len(self._seen)
 
-    def route(self, prompt: RoutedPrompt, loads: Sequence[int]) -> int:
-        """The replica for `prompt` (see the class doc); its prefixes are recorded there."""
+    def route(
+        self,
+        prompt: RoutedPrompt,
+        loads: Sequence[int],
+        available: Sequence[bool] | None = None,
+    ) -> int:
+        """The replica for `prompt` (see the class doc), among the `available` ones
+        (default: all; ValueError when none is); its prefixes are recorded there."""
         if len(loads) != self.num_replicas:
             raise ValueError(f"{len(loads)} loads given for {self.num_replicas} replicas")
         prefixes = self.prefixes(prompt)
-        replica = self.choose(prefixes, loads)
+        replica = self.choose(prefixes, loads, available)
         self.record(replica, prefixes)
         self.num_routed[replica] += 1
         return replica
 
-    def choose(self, prefixes: Prefixes, loads: Sequence[int]) -> int:
-        """The replica the rule picks, without recording anything."""
-        replicas = range(self.num_replicas)
+    def choose(
+        self, prefixes: Prefixes, loads: Sequence[int], available: Sequence[bool] | None = None
+    ) -> int:
+        """The replica the rule picks among the available ones, recording nothing."""
+        replicas = [r for r in range(self.num_replicas) if available is None or available[r]]
+        if not replicas:
+            raise ValueError("no replica is available")
         least = min(replicas, key=lambda r: (loads[r], self.num_routed[r], r))
-        depths = [self.match_depth(r, prefixes.hashes) for r in replicas]
-        best = max(depths)
+        depths = {r: self.match_depth(r, prefixes.hashes) for r in replicas}
+        best = max(depths.values())
         if best <= prefixes.min_depth:
             return least
         pick = min((r for r in replicas if depths[r] == best), key=lambda r: (loads[r], r))

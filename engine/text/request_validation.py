@@ -14,7 +14,8 @@ class RequestLimits:
     """What a request is checked against: the model's vocabulary, context and end tokens
     (a beam search ranks one continuation per end token more), whether text can be
     decoded (stop strings), the KV cache's size in blocks and the sequences a step may
-    run (0: not checked)."""
+    run (0: not checked), and the most output tokens one request may ask for over all
+    the sequences it samples (None: no cap)."""
 
     vocab_size: int
     max_model_len: int
@@ -23,6 +24,7 @@ class RequestLimits:
     num_blocks: int = 0
     block_size: int = 16
     max_num_seqs: int = 0
+    max_tokens_per_request: int | None = None
 
 
 def validate_request(
@@ -55,6 +57,7 @@ def validate_request(
         )
     if strict_max_tokens:
         _check_max_tokens(len(token_ids), params, max_model_len, field)
+    _check_total_output(len(token_ids), params, limits)
     if params.use_beam_search:
         _check_beam_search(token_ids, params, limits)
 
@@ -73,6 +76,33 @@ def _check_max_tokens(
         f"({num_prompt_tokens} in the {field}, {wanted} in the completion). Please reduce "
         f"the length of the {field} or completion (max_tokens can be at most "
         f"{max_model_len - num_prompt_tokens} here)."
+    )
+
+
+def _check_total_output(
+    num_prompt_tokens: int, params: SamplingParams, limits: RequestLimits
+) -> None:
+    """One request's work is bounded: max_tokens (unset or past the context: what the
+    context leaves) for each sequence it samples (best_of, else n; beams alike) is at
+    most `limits.max_tokens_per_request`."""
+    cap = limits.max_tokens_per_request
+    room = limits.max_model_len - num_prompt_tokens
+    per_sequence = room if params.max_tokens is None else min(params.max_tokens, room)
+    total = params.num_sequences * per_sequence
+    if cap is None or total <= cap:
+        return
+    count = "best_of" if params.best_of is not None and params.best_of > params.n else "n"
+    width = " (the beam width)" if params.use_beam_search else ""
+    shown, advice = f"{per_sequence:,}", f"lower {count} or max_tokens"
+    if params.max_tokens is None:
+        shown += " (unset: what the context leaves after the prompt)"
+        advice = f"lower {count} or set max_tokens"
+    elif params.max_tokens > room:
+        shown += " (what the context leaves after the prompt)"
+    raise ValueError(
+        f"{count}{width} × max_tokens = {params.num_sequences:,} × {shown} = {total:,} "
+        f"output tokens, more than this engine's max_tokens_per_request "
+        f"(--max-tokens-per-request) of {cap:,}; {advice}"
     )
 
 

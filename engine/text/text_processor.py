@@ -10,6 +10,7 @@ from engine.messages import (
     AddRequest,
     ChatMessage,
     DetokenizeRequest,
+    ErrorKind,
     GenerateRequest,
     LogprobRow,
     OutputDelta,
@@ -102,9 +103,10 @@ class TextProcessor:
 
     def tokenize(self, request: TokenizeRequest | DetokenizeRequest) -> TokenizeResult:
         """The answer to a tokenize or detokenize request (`error` set, naming the field,
-        for input refused). Reads no state and keeps none, like `prepare`: the input is
-        bounded by the caller's message size, not by the context (it is often sent to
-        learn whether a text fits)."""
+        for input refused). Reads no state and keeps none, like `prepare`. Input that
+        cannot fit the context whatever its tokens is refused before any tokenizing, as
+        generation requests are (a text that fits or nearly does is tokenized, so a
+        client can learn its count)."""
         rid = request.request_id
         try:
             if self.tokenizer is None:
@@ -115,7 +117,7 @@ class TextProcessor:
             else:
                 ids, text = self._encode(request), ""
         except ValueError as exc:
-            return TokenizeResult(rid, (), (), "", str(exc))
+            return TokenizeResult.refused(rid, str(exc), ErrorKind.INVALID)
         return TokenizeResult(rid, tuple(ids), tuple(map(self.token_texts, ids)), text)
 
     def _encode(self, request: TokenizeRequest) -> list[int]:
@@ -123,13 +125,18 @@ class TextProcessor:
             raise ValueError("set exactly one of prompt, messages")
         if request.prompt is not None:
             check_text("prompt", request.prompt)
+            self._check_length("prompt", len(request.prompt))
             return self.tokenizer.encode(request.prompt, request.add_special_tokens)
-        return self.tokenizer.apply_chat_template(
-            _chat_dicts(request.messages), request.add_generation_prompt
-        )
+        self._check_length("messages", sum(len(m.content) for m in request.messages))
+        return self._chat_ids(_chat_dicts(request.messages), request.add_generation_prompt)
 
     def _known_ids(self, token_ids: tuple[int, ...]) -> list[int]:
         """`token_ids` if the tokenizer has every one, else ValueError naming `tokens`."""
+        if len(token_ids) > self.limits.max_model_len:
+            raise ValueError(
+                f"tokens: {len(token_ids):,} token ids, more than this model's context "
+                f"(max_model_len) of {self.limits.max_model_len:,}"
+            )
         size = self.tokenizer.vocab_size
         bad = [t for t in token_ids if not 0 <= t < size]
         if bad:
@@ -149,7 +156,9 @@ class TextProcessor:
         too_long = self._too_long(sum(len(m["content"]) for m in messages))
         if too_long is not None:
             return too_long
-        return len(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+        text = self.tokenizer.render_chat(messages, add_generation_prompt=True)
+        too_long = self._too_long(len(text))
+        return too_long if too_long is not None else len(self.tokenizer.encode_chat(text))
 
     def register(
         self, request: GenerateRequest, token_ids: list[int], arrival_time: float
@@ -237,9 +246,20 @@ class TextProcessor:
         if request.prompt_token_ids is not None:
             return list(request.prompt_token_ids)
         self._check_length("messages", sum(len(m.content) for m in request.messages))
-        return self.tokenizer.apply_chat_template(
-            _chat_dicts(request.messages), add_generation_prompt=True
-        )
+        return self._chat_ids(_chat_dicts(request.messages), add_generation_prompt=True)
+
+    def _chat_ids(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+        """Renders the chat, refuses a rendering too long for the context before the work
+        of tokenizing it (a template can write more than its messages hold), encodes it."""
+        text = self.tokenizer.render_chat(messages, add_generation_prompt)
+        too_long = self._too_long(len(text))
+        if too_long is not None:
+            raise ValueError(
+                f"messages render to {len(text):,} characters of prompt, so at least "
+                f"{too_long:,} tokens; this model's context (max_model_len) is "
+                f"{self.limits.max_model_len:,} tokens"
+            )
+        return self.tokenizer.encode_chat(text)
 
     def _check_length(self, name: str, num_chars: int) -> None:
         """Refuses text too long for the context whatever its tokens, before the work

@@ -14,6 +14,7 @@ from typing import Any
 
 import jinja2
 
+from engine.text.chat_template import ChatRenderer, ChatTemplate, InlineRenderer
 from engine.text.text_checks import check_text
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
@@ -29,6 +30,10 @@ _TOKENIZER_FILES = (
     "vocab.txt",
 )
 _BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+# Around added-token text that came from message content: Unicode noncharacters, which
+# no text needs, stripped from content first so a message cannot forge a mark.
+_OPEN, _CLOSE = "\ufdd0", "\ufdd1"
+_MARKED = re.compile(f"{_OPEN}([^{_OPEN}{_CLOSE}]*){_CLOSE}")
 
 
 def load_tokenizer(
@@ -110,19 +115,33 @@ class Tokenizer:
 
     Contract:
     - `encode` / `decode` are the tokenizer's own, with plain `list[int]` / `str` types.
-    - `apply_chat_template` renders the template to text, then encodes it with
-      `add_special_tokens=False`, so a template that writes `{{ bos_token }}` does not get a
-      second BOS. BOS rule: if the rendered text does not start with the BOS string and
-      this tokenizer adds BOS when encoding plain text, BOS is prepended, so chat prompts
-      start exactly like `encode()` prompts do.
+    - `apply_chat_template` renders the template to text (`render_chat`), then encodes it
+      (`encode_chat`) with `add_special_tokens=False`, so a template that writes
+      `{{ bos_token }}` does not get a second BOS. BOS rule: if the rendered text does not
+      start with the BOS string and this tokenizer adds BOS when encoding plain text, BOS
+      is prepended, so chat prompts start exactly like `encode()` prompts do.
     - Messages are validated first (`validate_messages`); a tokenizer without a chat
       template raises ValueError. `chat_template`, when given, replaces the tokenizer's.
+    - Rendering goes through `renderer` (an `InlineRenderer` unless the owner swaps in
+      another, e.g. one in a child process); every failure is a ChatTemplateError.
+    - No forged turns: text in message content that spells one of the tokenizer's added
+      tokens (`<|im_end|>`, ...) is encoded as text, not as that token, unless
+      `parse_special_tokens_in_content`.
     """
 
-    def __init__(self, hf_tokenizer: Any, chat_template: str | None = None) -> None:
+    def __init__(
+        self,
+        hf_tokenizer: Any,
+        chat_template: str | None = None,
+        parse_special_tokens_in_content: bool = False,
+    ) -> None:
         self.hf_tokenizer = hf_tokenizer
+        self.template_from_option = chat_template is not None
         if chat_template is not None:
             hf_tokenizer.chat_template = chat_template
+        self.parse_special_tokens_in_content = parse_special_tokens_in_content
+        template = self.chat_template
+        self.renderer: ChatRenderer | None = None if template is None else InlineRenderer(template)
 
     @classmethod
     def from_pretrained(
@@ -135,6 +154,26 @@ class Tokenizer:
     @property
     def name_or_path(self) -> str:
         return str(getattr(self.hf_tokenizer, "name_or_path", "") or "<in-memory tokenizer>")
+
+    @cached_property
+    def chat_template(self) -> ChatTemplate | None:
+        """The template `render_chat` uses, with the special tokens it sees; None without
+        one. Named for errors by where it came from, never by a path."""
+        source = getattr(self.hf_tokenizer, "chat_template", None)
+        if isinstance(source, dict):  # named templates: the default one
+            source = source.get("default")
+        if not isinstance(source, str):
+            return None
+        if self.template_from_option:
+            name = "the chat template given by --chat-template"
+        else:
+            name = f"the chat template of {Path(self.name_or_path).name or 'this model'}"
+        variables = {
+            key: value
+            for key, value in self.hf_tokenizer.special_tokens_map.items()
+            if isinstance(value, (str, list))
+        }
+        return ChatTemplate(source, name, variables)
 
     @property
     def vocab_size(self) -> int:
@@ -185,6 +224,13 @@ class Tokenizer:
         with_special = self.encode("a", add_special_tokens=True)
         return with_special[:1] == [bos] and self.encode("a", add_special_tokens=False)[:1] != [bos]
 
+    @cached_property
+    def _added_tokens(self) -> re.Pattern | None:
+        """Matches any added token's text (longest first); None without added tokens."""
+        added = getattr(self.hf_tokenizer, "added_tokens_decoder", None) or {}
+        texts = sorted({t.content for t in added.values() if t.content}, key=len, reverse=True)
+        return re.compile("|".join(map(re.escape, texts))) if texts else None
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.hf_tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
@@ -203,30 +249,48 @@ class Tokenizer:
         return self.hf_tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The chat template's text for `messages` (validated first)."""
+        """The chat template's text for `messages` (validated first). Unless
+        `parse_special_tokens_in_content`, added-token text inside message content comes
+        back between markers that `encode_chat` reads (and `plain_chat_text` drops)."""
         validate_messages(messages)
-        if getattr(self.hf_tokenizer, "chat_template", None) is None:
+        if self.renderer is None:
             raise ValueError(
-                f"tokenizer {self.name_or_path!r} has no chat template; send a plain "
-                "prompt instead, or use a chat model whose tokenizer_config.json has one"
+                f"tokenizer {Path(self.name_or_path).name!r} has no chat template; send a "
+                "plain prompt instead, or use a chat model whose tokenizer_config.json has one"
             )
-        try:
-            text = self.hf_tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=False
-            )
-        except jinja2.TemplateError as exc:  # e.g. the template's own raise_exception()
-            raise ValueError(f"messages: the chat template refused them: {exc}") from None
-        if not isinstance(text, str):  # some versions wrap even untokenized output
-            text = text[0] if isinstance(text, list) else str(text)
-        return text
+        if not self.parse_special_tokens_in_content:
+            messages = [self._mark_content(m) for m in messages]
+        return self.renderer.render(messages, add_generation_prompt)
+
+    def _mark_content(self, message: dict) -> dict:
+        content = message["content"].replace(_OPEN, "").replace(_CLOSE, "")
+        if self._added_tokens is not None:
+            content = self._added_tokens.sub(lambda m: f"{_OPEN}{m.group()}{_CLOSE}", content)
+        return {**message, "content": content}
+
+    def encode_chat(self, text: str) -> list[int]:
+        """Token ids of rendered chat text (the BOS rule of the class docstring): marked
+        added-token text is encoded as text, the rest as the tokenizer would."""
+        ids: list[int] = []
+        for i, piece in enumerate(_MARKED.split(text)):
+            if i % 2 == 0:
+                ids += self.encode(piece.replace(_OPEN, "").replace(_CLOSE, ""), False)
+            else:
+                ids += self.hf_tokenizer.encode(
+                    piece, add_special_tokens=False, split_special_tokens=True
+                )
+        bos_token = getattr(self.hf_tokenizer, "bos_token", None)
+        if self.adds_bos and not (bos_token and text.startswith(bos_token)):
+            ids = [self.bos_token_id, *ids]
+        return ids
 
     def apply_chat_template(
         self, messages: list[dict], add_generation_prompt: bool = True
     ) -> list[int]:
         """Token ids of the rendered chat (see the class docstring for the BOS rule)."""
-        text = self.render_chat(messages, add_generation_prompt=add_generation_prompt)
-        ids = self.encode(text, add_special_tokens=False)
-        bos_token = getattr(self.hf_tokenizer, "bos_token", None)
-        if self.adds_bos and not (bos_token and text.startswith(bos_token)):
-            ids = [self.bos_token_id, *ids]
-        return ids
+        return self.encode_chat(self.render_chat(messages, add_generation_prompt))
+
+
+def plain_chat_text(text: str) -> str:
+    """Rendered chat text without `render_chat`'s markers."""
+    return text.replace(_OPEN, "").replace(_CLOSE, "")

@@ -5,6 +5,9 @@ it, gguf_sidecar.py); `GgufCheckpoint(path, index)` memory-maps the file and yie
 `(hf_name, tensor)` pairs that `CausalLM.load_weights` takes like a safetensors file's.
 
 Contract:
+- A file that is not a readable GGUF (empty, wrong magic, truncated, a corrupt header, a
+  metadata key missing or of an unexpected type) raises ValueError naming the file and
+  what is wrong (gguf_header.py), never the `gguf` package's own IndexError.
 - Only the architectures in `GGUF_ARCHITECTURES` load; any other raises ValueError
   naming it. Their tensor names map one to one onto the HF names of our model classes.
 - Every tensor is dequantized to float32 by `gguf.quants` (F32, F16, BF16, Q4_0, Q4_1,
@@ -25,6 +28,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from engine.worker.gguf_header import GgufHeader
 
 # GGUF `general.architecture` -> (HF architecture, whether q/k rows are permuted).
 GGUF_ARCHITECTURES = {
@@ -56,13 +61,13 @@ _SKIPPED = ("rope_freqs.weight",)
 _BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
-def gguf_architecture(reader) -> str:
+def gguf_architecture(header: GgufHeader) -> str:
     """The file's `general.architecture`, checked against GGUF_ARCHITECTURES."""
-    arch = _field(reader, "general.architecture")
+    arch = header.value("general.architecture", str)
     if arch not in GGUF_ARCHITECTURES:
         raise ValueError(
-            f"GGUF architecture {arch!r} is not supported; pagedserve loads GGUF files of "
-            f"{', '.join(sorted(GGUF_ARCHITECTURES))}"
+            f"GGUF architecture {arch!r} is not supported ({header.name}); pagedserve loads "
+            f"GGUF files of {', '.join(sorted(GGUF_ARCHITECTURES))}"
         )
     return arch
 
@@ -117,13 +122,12 @@ class GgufIndex:
 
     @classmethod
     def read(cls, path: str | Path) -> GgufIndex:
-        """Parses the header with the `gguf` package; checks the architecture."""
-        import gguf
-
-        reader = gguf.GGUFReader(str(path))
-        arch = gguf_architecture(reader)
-        num_heads = int(_field(reader, f"{arch}.attention.head_count"))
-        num_kv = _field(reader, f"{arch}.attention.head_count_kv")
+        """Parses the header with the `gguf` package; checks the architecture. A file it
+        cannot read raises ValueError naming the file (gguf_header.py)."""
+        header = GgufHeader(path)
+        arch = gguf_architecture(header)
+        num_heads = header.value(f"{arch}.attention.head_count", int)
+        num_kv = header.value(f"{arch}.attention.head_count_kv", int, required=False)
         tensors = tuple(
             GgufTensor(
                 t.name,
@@ -132,9 +136,9 @@ class GgufIndex:
                 int(t.data_offset),
                 int(t.n_bytes),
             )
-            for t in reader.tensors
+            for t in header.tensors
         )
-        return cls(arch, num_heads, int(num_kv) if num_kv is not None else num_heads, tensors)
+        return cls(arch, num_heads, num_kv if num_kv is not None else num_heads, tensors)
 
     def to_json(self) -> dict:
         return {
@@ -183,11 +187,6 @@ class GgufCheckpoint:
                     tensor, self.index.num_heads if q else self.index.num_kv_heads
                 )
             yield name, tensor.to(dtype)
-
-
-def _field(reader, key: str):
-    field = reader.get_field(key)
-    return field.contents() if field is not None else None
 
 
 def _dequantize(entry: GgufTensor, data: np.ndarray) -> np.ndarray:

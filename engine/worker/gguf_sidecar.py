@@ -54,13 +54,19 @@ def write_sidecar(gguf_path: Path, directory: Path) -> None:
     """config.json, generation_config.json, tokenizer files and the pointer file."""
     from transformers import AutoConfig, AutoTokenizer
 
-    index = GgufIndex.read(gguf_path)  # checks the architecture first
+    index = GgufIndex.read(gguf_path)  # checks the file and the architecture first
     where, name = str(gguf_path.parent), gguf_path.name
-    config = AutoConfig.from_pretrained(where, gguf_file=name)
+    try:
+        config = AutoConfig.from_pretrained(where, gguf_file=name)
+        tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=name)
+    except Exception as exc:  # noqa: BLE001 - metadata transformers cannot take: name the file
+        raise ValueError(
+            f"GGUF file {name}: its config or tokenizer metadata cannot be read "
+            f"({type(exc).__name__}: {exc}); download or convert it again"
+        ) from exc
     config.architectures = [index.hf_architecture]
     config.tie_word_embeddings = "output.weight" not in index.tensor_names()
     config.save_pretrained(str(directory))
-    tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=name)
     tokenizer.save_pretrained(str(directory))
     eos = getattr(config, "eos_token_id", None)
     generation = {"eos_token_id": eos} if eos is not None else {}

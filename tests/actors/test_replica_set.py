@@ -13,6 +13,7 @@ import pytest
 import pytest_asyncio
 
 from actors.actor import ActorStartupError
+from actors.engine_status import EngineStatus
 from actors.replica_launch import launch_replicas
 from actors.replica_set import ReplicaSet
 from engine.engine_args import EngineArgs
@@ -158,17 +159,26 @@ async def test_a_replica_that_fails_its_start_fails_the_whole_start_cleanly():
 
 
 @pytest.mark.timeout(120)
-async def test_a_replica_that_dies_makes_the_set_unhealthy_and_shutdown_leaves_nothing():
+async def test_a_replica_that_dies_leaves_the_set_degraded_and_shutdown_leaves_nothing():
+    """Without restarts, a dead replica stays down: the set serves on the other one
+    (DEGRADED, still healthy), and only when none serves is it unhealthy."""
     replicas = await ReplicaSet.start(engine_args(), 2)
-    workers = [r._worker for r in replicas.replicas]
-    run_dirs = [r._run_dir for r in replicas.replicas]
+    workers = [r.engine._worker for r in replicas.replicas]
+    run_dirs = [r.engine._run_dir for r in replicas.replicas]
     try:
         os.kill(workers[1].pid, signal.SIGKILL)
-        await eventually(lambda: not replicas.is_healthy, 10, "the set unhealthy")
-        assert replicas.error.startswith("replica 1: worker process 0 exited")
+        await eventually(lambda: not replicas.replicas[1].is_healthy, 10, "replica 1 down")
+        assert replicas.status is EngineStatus.DEGRADED and replicas.is_healthy
+        assert replicas.replicas[1].error.startswith("worker process 0 exited")
         with pytest.raises(RuntimeError, match="not healthy"):
             async for _ in replicas.replicas[1].generate("hi", REPLY, "after-death"):
                 pass
+        _, replica, reason = await run(replicas, "hi", REPLY, "routed-around")
+        assert (replica, reason) == (0, "length")
+        os.kill(workers[0].pid, signal.SIGKILL)
+        await eventually(lambda: not replicas.is_healthy, 10, "the set unhealthy")
+        assert replicas.status is EngineStatus.UNHEALTHY
+        assert replicas.error.startswith("replica 0: worker process 0 exited")
     finally:
         await replicas.shutdown()
     assert all(w.poll() is not None for w in workers)

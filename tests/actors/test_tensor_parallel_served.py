@@ -13,6 +13,7 @@ import time
 import pytest
 
 from actors.async_engine import AsyncEngine, Supervision
+from actors.restarting_engine import RestartingEngine, RestartPolicy
 from engine.engine_args import EngineArgs
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
@@ -92,3 +93,23 @@ async def test_a_frozen_rank_takes_the_group_down():
     assert final.finish_reason == "error" and "worker 1 has sent no heartbeat" in final.error
     await engine.shutdown()
     await eventually(lambda: all(p.poll() is not None for p in engine._workers), 10, "ranks gone")
+
+
+@pytest.mark.timeout(180)
+async def test_a_lost_rank_restarts_the_whole_group():
+    """Under tensor parallelism a restart replaces every rank: the survivor is killed
+    with the lost one, and the new group serves."""
+    args = EngineArgs(model="builtin:tiny", tensor_parallel_size=2, **KWARGS)
+    engine = await RestartingEngine.start(args, RestartPolicy(max_restarts=1, backoff_s=0.05))
+    try:
+        old = engine.engine._workers
+        old[1].send_signal(signal.SIGKILL)
+        await eventually(lambda: engine.num_restarts == 1, 120, "the group replaced")
+        assert all(p.poll() is not None for p in old)
+        new = engine.engine._workers
+        assert len(new) == 2 and not {p.pid for p in new} & {p.pid for p in old}
+        got = await asyncio.wait_for(tokens_of(engine, PROMPTS[0], PARAMS[0], "after"), 60)
+        assert len(got[0]) == 20
+    finally:
+        await engine.shutdown()
+    assert all(p.poll() is not None for p in engine.engine._workers)

@@ -1,7 +1,9 @@
 """Writes GGUF files for tests from a Hugging Face directory, the way llama.cpp's
 converter lays them out (names, q/k row permutation for Llama, metadata keys), with the
 tensors quantized to one type, plus the HF "twin" holding exactly the weights the GGUF
-decodes to (dequantize(quantize(w))), so the two must generate the same tokens."""
+decodes to (dequantize(quantize(w))), so the two must generate the same tokens; and a
+minimal GGUF of a few hundred bytes (header checks). Needs no torch until a twin is
+written."""
 
 from __future__ import annotations
 
@@ -10,7 +12,6 @@ import shutil
 from pathlib import Path
 
 import numpy as np
-import torch
 
 HF_TO_GGUF = {
     "model.embed_tokens": "token_embd",
@@ -50,6 +51,7 @@ def write_gguf_and_twin(hf_dir: Path, gguf_path: Path, twin_dir: Path, qtype, ar
     `qtype` (the rest F32, as llama.cpp does), and `twin_dir`: `hf_dir` with the weights
     the GGUF decodes to."""
     import gguf
+    import torch
     from safetensors.torch import load_file, save_file
 
     config = json.loads((hf_dir / "config.json").read_text())
@@ -75,6 +77,39 @@ def write_gguf_and_twin(hf_dir: Path, gguf_path: Path, twin_dir: Path, qtype, ar
     writer.close()
     shutil.copytree(hf_dir, twin_dir)
     save_file(twin, str(twin_dir / "model.safetensors"))
+
+
+def write_minimal_gguf(path: Path, arch: str = "llama", **metadata) -> Path:
+    """A small well-formed GGUF: `arch`, 4 heads (2 KV heads), a 16-piece vocabulary and
+    one 8x4 F32 tensor; `metadata` adds or replaces keys (a value's GGUF type follows its
+    Python type: str, int -> UINT32, float -> FLOAT32, list)."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    fields = {
+        f"{arch}.attention.head_count": 4,
+        f"{arch}.attention.head_count_kv": 2,
+        "tokenizer.ggml.tokens": [f"t{i}" for i in range(16)],
+        "tokenizer.ggml.token_type": [1] * 16,
+        **metadata,
+    }
+    for key, value in fields.items():
+        writer.add_key_value(
+            key, value, _gguf_type(value), _gguf_type(value[0]) if isinstance(value, list) else None
+        )
+    writer.add_tensor("token_embd.weight", np.arange(32, dtype=np.float32).reshape(8, 4))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _gguf_type(value):
+    from gguf import GGUFValueType
+
+    kinds = {str: GGUFValueType.STRING, int: GGUFValueType.UINT32, float: GGUFValueType.FLOAT32}
+    return GGUFValueType.ARRAY if isinstance(value, list) else kinds[type(value)]
 
 
 def _encode(values: np.ndarray, qtype):

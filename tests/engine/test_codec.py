@@ -115,7 +115,7 @@ FIELD_ORDER = {
         "add_generation_prompt",
     ],
     "DetokenizeRequest": ["request_id", "client_id", "token_ids", "skip_special_tokens"],
-    "TokenizeResult": ["request_id", "token_ids", "token_strs", "text", "error"],
+    "TokenizeResult": ["request_id", "token_ids", "token_strs", "text", "error", "error_kind"],
     "TokenLogprob": ["token_id", "logprob", "rank", "decoded_token"],
     "TokenDelta": [
         "request_id",

@@ -15,7 +15,12 @@ gguf = pytest.importorskip("gguf")
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.worker.builtin_model import CHAT_TEMPLATE, builtin_model_dir  # noqa: E402
 from engine.worker.gguf_checkpoint import hf_tensor_name, unpermute_rotary_rows  # noqa: E402
-from tests.engine.gguf_files import gguf_name, permute_rotary_rows, write_gguf_and_twin  # noqa: E402
+from tests.engine.gguf_files import (  # noqa: E402
+    gguf_name,
+    permute_rotary_rows,
+    write_gguf_and_twin,
+    write_minimal_gguf,
+)
 from tests.engine.tiny_models import save_hf_model  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
@@ -140,3 +145,22 @@ def test_a_quant_type_the_package_cannot_dequantize_is_refused_by_name(tmp_path)
 def test_a_missing_gguf_file_is_named(tmp_path) -> None:
     with pytest.raises(ValueError, match="no such GGUF file"):
         LLM(str(tmp_path / "absent.gguf"), **ENGINE)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "damage, says",
+    [
+        ("empty", r"GGUF file bad\.gguf is empty"),
+        ("noise", r"bad\.gguf is not a GGUF file"),
+        ("cut", r"GGUF file bad\.gguf is truncated"),
+        ("typed", r"bad\.gguf: metadata key 'llama\.attention\.head_count' has an unexpected type"),
+    ],
+)
+def test_a_damaged_gguf_file_is_refused_naming_it(tmp_path, damage, says) -> None:
+    head_count = {"llama.attention.head_count": "four"} if damage == "typed" else {}
+    whole = write_minimal_gguf(tmp_path / "whole.gguf", **head_count).read_bytes()
+    data = {"empty": b"", "noise": b"\x89PNG" + bytes(range(256)), "cut": whole[:300]}
+    (tmp_path / "bad.gguf").write_bytes(data.get(damage, whole))
+    with pytest.raises(ValueError, match=says):
+        LLM(str(tmp_path / "bad.gguf"), **ENGINE)

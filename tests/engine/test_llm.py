@@ -198,3 +198,19 @@ def test_half_precision_runs_close_to_transformers(model_dir, dtype):
         assert len(out.outputs[0].token_ids) == 10
         # Rounding differs from transformers' kernels, so only the first tokens must agree.
         assert out.outputs[0].token_ids[:4] == hf_greedy(hf_model, prompt, 4)
+
+
+@pytest.mark.timeout(120)
+def test_max_tokens_per_request_reaches_the_limits_and_bounds_a_request(model_dir):
+    with pytest.raises(ValueError, match="max_tokens_per_request must be an int >= 1"):
+        LLM(model_dir, skip_tokenizer_init=True, max_tokens_per_request=0)
+    llm = LLM(
+        model_dir, skip_tokenizer_init=True, kv_cache_memory=1 << 20, max_tokens_per_request=64
+    )
+    assert llm.engine.processor.limits.max_tokens_per_request == 64
+    with pytest.raises(ValueError, match=r"n × max_tokens = 2 × 40 = 80 .* of 64; lower n"):
+        llm.generate([[1, 2, 3]], SamplingParams(n=2, max_tokens=40), use_tqdm=False)
+    params = SamplingParams(n=2, max_tokens=32, ignore_eos=True)
+    [out] = llm.generate([[1, 2, 3]], params, use_tqdm=False)
+    assert [len(c.token_ids) for c in out.outputs] == [32, 32]
+    llm.engine.check_integrity()

@@ -18,6 +18,19 @@ def children_of(pid: int) -> list[int]:
     return found
 
 
+def workers_of(pid: int) -> list[int]:
+    """The children of `pid` that run a worker (`actors.worker_actor`), not its other
+    helpers (chat template renderers)."""
+    return [c for c in children_of(pid) if b"actors.worker_actor" in _cmdline(c)]
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
 def alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]

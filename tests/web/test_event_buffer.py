@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import json
 
+from starlette.datastructures import Headers
+
 from web.api_keys import ApiKeys
 from web.event_buffer import MAX_CONTROL_EVENTS, EventBuffer
 from web.sessions import SessionStore
@@ -54,7 +56,8 @@ class StalledSocket:
         self.sent: list[dict] = []
         self.closed: tuple[int, str] | None = None
         self.closed_event = asyncio.Event()
-        self.headers: dict[str, str] = {}
+        self.headers = Headers()  # no Authorization header
+        self.client = None  # no peer address
 
     async def accept(self) -> None:
         pass

@@ -18,7 +18,7 @@ import pytest
 import websockets
 
 from tests.eventually import eventually
-from tests.web.processes import alive, children_of
+from tests.web.processes import alive, children_of, workers_of
 from web.launch import ServerProcess
 
 GRACE_S = 0.5
@@ -148,13 +148,14 @@ async def test_worker_exits_when_the_server_process_is_killed() -> None:
         ["--model", "builtin:tiny"], env={"OMP_NUM_THREADS": "1"}, own_group=True
     )
     server.start(timeout=120)
-    workers = children_of(server.proc.pid)
-    assert workers
+    workers = workers_of(server.proc.pid)
+    children = children_of(server.proc.pid)  # the workers and the template renderers
+    assert workers and len(children) > len(workers)
     run_dirs = {Path(a.split("://", 1)[1]).parent for a in ipc_addresses(workers)}
     try:
         server.proc.kill()  # no graceful shutdown: the worker is orphaned
         server.proc.wait(10)
-        await eventually(lambda: not any(map(alive, workers)), 5, "the orphaned worker's exit")
+        await eventually(lambda: not any(map(alive, children)), 5, "the orphans' exit")
         assert all(d.is_dir() for d in run_dirs)  # the killed server could not remove it
         following = ServerProcess(["--model", "builtin:tiny"], env={"OMP_NUM_THREADS": "1"})
         following.start(timeout=120)  # the next server removes what the dead one left

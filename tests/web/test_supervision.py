@@ -18,7 +18,7 @@ import websockets
 
 from tests.eventually import eventually
 from tests.web.conftest import start_server, stop_server
-from tests.web.processes import children_of
+from tests.web.processes import workers_of
 
 LONG = {"max_tokens": 1900, "ignore_eos": True}
 
@@ -29,7 +29,7 @@ def health(server) -> int:
 
 async def test_a_frozen_worker_fails_its_requests_and_the_engine_recovers_when_it_wakes():
     server = start_server(extra=["--worker-timeout", "1"])
-    (worker,) = children_of(server.process.proc.pid)
+    (worker,) = workers_of(server.process.proc.pid)
     try:
         async with websockets.connect(f"{server.ws}/v1/stream") as ws:
             message = {"type": "generate", "id": "long", "prompt": "Once", "params": LONG}
