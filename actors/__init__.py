@@ -1,1 +1,1 @@
-"""The IO shell: asyncio actors over ZeroMQ + msgpack, one engine object each (E2)."""
+"""The IO shell: asyncio actors over ZeroMQ + msgpack, one engine object each."""

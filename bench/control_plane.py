@@ -8,9 +8,9 @@ every hop; TokenDeltas are decoded and counted where the tokenizer actor would b
    at 1, 64 and 256 running sequences, one step ahead (depth 2) and synchronous (1).
 2. `outside_model`: the share of wall time the worker is NOT executing the model (its
    idle share: Python, messages, planning) with real small models, depth 1 and 2.
-3. `e1_workload`: output tok/s of the E1 offline workload (ShareGPT prompts, Alpaca
+3. `e1_workload`: output tok/s of the offline ShareGPT workload (ShareGPT prompts, Alpaca
    output lengths) through the actors with depth 1 and 2, beside the offline `LLM` in
-   the same run, on the 58M E1 model (long steps) and a 2-layer model (short steps).
+   the same run, on the 58M model (long steps) and a 2-layer model (short steps).
    Token ids are checked equal across the three.
 
     python bench/control_plane.py --out bench/results/control_plane.json
@@ -66,7 +66,7 @@ SHORT_STEP_SHAPE = {**MODEL_SHAPE, "hidden_size": 128, "intermediate_size": 344}
 SHORT_STEP_SHAPE.update(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4)
 NULL_SHAPE = {**MODEL_SHAPE, "max_position_embeddings": 1 << 16}  # config only, no weights
 PROMPT_LEN = 32
-STEPS_TARGET = 1000  # steps/s at 256 running sequences (issue E2)
+STEPS_TARGET = 1000  # steps/s at 256 running sequences
 
 
 def log(msg: str) -> None:
@@ -311,7 +311,7 @@ async def main_async(a) -> dict:
             for depth in (2, 1):
                 for r in await run_steady(path, kwargs, False, [64], depth, a):
                     report["outside_model"].append({"model": name, **r})
-        # 3. E1 workload, sync vs async, beside offline LLM ------------------------------
+        # 3. the offline ShareGPT workload, sync vs async, beside offline LLM -------------
         wl = sample_workload(
             "sharegpt", a.num_prompts, 0, 1024, "alpaca", max_output=a.max_output_len
         )
@@ -404,7 +404,7 @@ def _plot_workload(ax, report: dict) -> None:
     bars = ax.bar(names, values, color=colors)
     ax.bar_label(bars, fmt="%.0f", fontsize=7)
     ax.set_yscale("log")
-    ax.set_ylabel("output tokens/s (E1 workload)")
+    ax.set_ylabel("output tokens/s (offline ShareGPT workload)")
     ax.tick_params(axis="x", labelsize=6)
 
 

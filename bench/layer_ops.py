@@ -1,4 +1,4 @@
-"""Fused native layer ops vs torch's, in the whole engine step (issue E7, deliverable 4).
+"""Fused native layer ops vs torch's, in the whole engine step.
 
 `LLM`'s in-process engine (engine core, worker, sampler) decodes B sequences at context
 `--context`; each step the worker's model alternates between the fused native layer ops

@@ -1,5 +1,5 @@
 """Scaling out on one machine: tensor parallelism 1 vs 2, the cost of its collectives,
-and data parallelism 1 vs 2 (E9).
+and data parallelism 1 vs 2.
 
     python bench/scaling.py --out bench/results/scaling.json
 

@@ -1,4 +1,4 @@
-"""Online serving benchmark (issue E3): Poisson arrivals against a running `pagedserve serve`.
+"""Online serving benchmark: Poisson arrivals against a running `pagedserve serve`.
 
 The same request sequence and the same arrival times are replayed, at each request rate,
 over the WebSocket API (`/v1/stream`, every request multiplexed on ONE connection by

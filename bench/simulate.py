@@ -1,5 +1,5 @@
 """Reproduce the paper at its own scale: the real scheduler and block manager on a
-virtual clock, with a cost model for the model step (E11; calibrated once a GPU run
+virtual clock, with a cost model for the model step (calibrated once a GPU run
 exists, the presets' guesses until then).
 
     python bench/simulate.py --preset opt-13b-a100 --dataset sharegpt \

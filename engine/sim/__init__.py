@@ -1,1 +1,1 @@
-"""The simulator: the real scheduler and block manager on a virtual clock (E11)."""
+"""The simulator: the real scheduler and block manager on a virtual clock."""

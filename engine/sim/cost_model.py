@@ -11,7 +11,7 @@ the scheduler's host work), and with tensor parallelism two all-reduces per laye
 
 Presets follow the paper's Table 1 (OPT-13B on one A100-40GB with 15.7K KV slots,
 OPT-66B on 4, OPT-175B on 8 A100-80GB) and its LLaMA-13B runs. Without a measured GPU
-run (E10 has none yet), their overheads are the presets' guesses, named as such;
+run (there has been none yet), their overheads are the presets' guesses, named as such;
 `calibrated` fits the overhead and the efficiency to measured step times.
 """
 

@@ -1,4 +1,4 @@
-"""Ranks on other hosts (E9), on this host's loopback: the head serves the store and rank
+"""Ranks on other hosts, on this host's loopback: the head serves the store and rank
 0; `pagedserve worker --head tcp://127.0.0.1:PORT --rank 1` joins it with the cluster
 secret. Outputs match one device; a worker without the secret is refused; forged,
 tampered and unsealed frames are refused and logged while the group keeps serving;

@@ -1,4 +1,4 @@
-"""Tensor parallelism served (E9): `AsyncEngine` with two worker processes, one per
+"""Tensor parallelism served: `AsyncEngine` with two worker processes, one per
 rank; the scheduler sends every plan to both and takes results from rank 0. Outputs
 match the one-device offline `LLM`; losing a rank ends every request with an error
 within 10 s and leaves no process behind."""

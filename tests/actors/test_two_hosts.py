@@ -1,4 +1,4 @@
-"""Two hosts simulated with a network namespace (E9): the server and rank 0 in this
+"""Two hosts simulated with a network namespace: the server and rank 0 in this
 host's namespace, rank 1 (`pagedserve worker --head`) in a namespace of its own joined by
 a veth pair, so every byte between them crosses a network link over tcp://. The test
 creates the namespace and link and removes them; without root and iproute2 it skips

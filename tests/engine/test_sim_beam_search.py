@@ -1,4 +1,4 @@
-"""Beam search and shared prefixes on the simulator (E11, paper Fig. 14-16): the
+"""Beam search and shared prefixes on the simulator (paper Fig. 14-16): the
 model-free worker's offers drive the real beam search, whose beams share blocks."""
 
 from __future__ import annotations

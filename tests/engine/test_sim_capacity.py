@@ -1,4 +1,4 @@
-"""bench/simulate.py's capacity search and the simulator's workloads (E11)."""
+"""bench/simulate.py's capacity search and the simulator's workloads."""
 
 from __future__ import annotations
 

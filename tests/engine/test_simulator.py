@@ -1,4 +1,4 @@
-"""The simulator (E11): the real engine core on a virtual clock. Deterministic for a
+"""The simulator: the real engine core on a virtual clock. Deterministic for a
 seed; on the same trace it schedules step for step what the real engine schedules on
 CPU (same request ids in each step's batch, same preemptions); the cost model and the
 traces behave as documented."""

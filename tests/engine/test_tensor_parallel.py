@@ -1,4 +1,4 @@
-"""Tensor parallelism end to end (E9), offline: `LLM(tensor_parallel_size=2)` (rank 0
+"""Tensor parallelism end to end, offline: `LLM(tensor_parallel_size=2)` (rank 0
 here, rank 1 a process of its own, gloo between them) gives exactly what one device
 gives, for every architecture and stories260K, through preemption (recompute and swap),
 prefix caching, n > 1, beam search and seeded sampling; the ranks' block tables agree

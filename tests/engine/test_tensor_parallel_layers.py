@@ -1,4 +1,4 @@
-"""Tensor-parallel layers (E9) over torch.distributed's gloo backend: two processes on
+"""Tensor-parallel layers over torch.distributed's gloo backend: two processes on
 this machine, each holding half of every weight, compute what one device computes."""
 
 from __future__ import annotations
