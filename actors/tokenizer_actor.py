@@ -5,6 +5,10 @@ request's text work holds up another's:
 - admission (`TextProcessor.prepare`: tokenizing, validating; a megabyte of prompt
   takes about a second) runs as a task of its own on an admission thread, so the actor
   goes on handling other messages, the token deltas of running requests included;
+- a chat's template renders first (`TextProcessor.render`, and counting a session's
+  tokens) on one of RENDER_THREADS threads of their own: a template that takes its
+  whole deadline (actors/template_renderer.py) holds up neither plain requests'
+  admission nor the other chats';
 - `/tokenize` and `/detokenize` work runs on a thread of its own, so a flood of them
   never queues ahead of a generation request's admission; at most
   MAX_QUEUED_TOKENIZE wait or run at once, and past that one is refused at once as
@@ -12,7 +16,7 @@ request's text work holds up another's:
 - everything that touches the processor's state (registering an admitted request,
   detokenizing a step, forgetting a request) runs on ONE text thread, one call at a
   time: the state is never used from two threads at once.
-All three are daemon threads: a call stuck on one never keeps the process alive at exit.
+All are daemon threads: a call stuck on one never keeps the process alive at exit.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from engine.text.text_processor import TextProcessor
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 MAX_QUEUED_TOKENIZE = 64  # /tokenize and /detokenize calls waiting or running
+RENDER_THREADS = 4  # chats rendering at once (each render waits on a child process)
 
 
 @dataclass
@@ -94,6 +99,7 @@ class TokenizerActor(Actor):
         self.admitting: dict[str, asyncio.Task[None]] = {}
         self.tokenizing: set[asyncio.Task[None]] = set()
         self._admission = DaemonExecutor(1, "admission")
+        self._render = DaemonExecutor(RENDER_THREADS, "render")
         self._tokenize_thread = DaemonExecutor(1, "tokenize")
         self._text = DaemonExecutor(1, "text")
 
@@ -114,7 +120,11 @@ class TokenizerActor(Actor):
         try:
             async with self.guard(rid, request):
                 try:
-                    token_ids = await self._run(self._admission, self.processor.prepare, request)
+                    rendered = None  # a chat's text, rendered apart from the admission thread
+                    if request.messages is not None:
+                        rendered = await self._run(self._render, self.processor.render, request)
+                    prepare = self.processor.prepare
+                    token_ids = await self._run(self._admission, prepare, request, rendered)
                     add = await self._on_text(
                         self.processor.register, request, token_ids, time.time()
                     )
@@ -149,8 +159,8 @@ class TokenizerActor(Actor):
         await self._to_client(request.client_id, result)
 
     async def count_prompt_tokens(self, messages: list[dict[str, str]]) -> int:
-        """`TextProcessor.count_prompt_tokens` on the admission thread (read-only)."""
-        return await self._run(self._admission, self.processor.count_prompt_tokens, messages)
+        """`TextProcessor.count_prompt_tokens` on a render thread (read-only)."""
+        return await self._run(self._render, self.processor.count_prompt_tokens, messages)
 
     async def on_abort(self, abort: AbortRequest) -> None:
         admitting = self.admitting.pop(abort.request_id, None)
@@ -229,5 +239,5 @@ class TokenizerActor(Actor):
         for task in [*self.admitting.values(), *self.tokenizing]:
             task.cancel()
         super()._close_transports()
-        for thread in (self._admission, self._tokenize_thread, self._text):
+        for thread in (self._admission, self._render, self._tokenize_thread, self._text):
             thread.shutdown(wait=False, cancel_futures=True)

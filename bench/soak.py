@@ -21,18 +21,37 @@ It starts its own server (stories260K from ../shared by default) and checks, in 
    disconnect, SSE disconnect, a non-streaming HTTP client giving up); after the client
    left, the server must stop decoding them (running and live requests at 0 within
    PROBE_RELEASE_S, no request of them finishing with "length").
-4. Fault phase (`--kill-worker`, on by default): long WebSocket, SSE and plain HTTP
+4. Template trigger (`--template-triggers`): the server runs a `--chat-template` of ours
+   (trigger.py) that loops for hours on a message containing TRIGGER. Trigger chats (two
+   at a time) beside plain one-token completions: every trigger must be refused with
+   HTTP 400 `invalid_request` naming --chat-template within TRIGGER_ANSWER_S, every
+   plain completion answered 200 within PLAIN_ANSWER_S.
+5. Tokenize flood (`--flood-clients`, `--flood-seconds`): clients post prompts of
+   FLOOD_BYTES (capped 1 KiB under --max-message-bytes, so that the server reads them)
+   to /tokenize back to back while five one-token completions are timed: every flood
+   request refused (400, or 503 past the tokenizer's queue) within FLOOD_ANSWER_S, the
+   completions 200 with a median under COMPLETION_MEDIAN_S.
+6. Fault phase (`--kill-worker`, on by default): long WebSocket, SSE and plain HTTP
    requests are streaming when the worker process gets SIGKILL. Every one must end with
    an error (WS `error` event or a documented close code, SSE error chunk or end of
-   stream, HTTP 5xx) within FAULT_ANSWER_S; /health must then say 503, and new requests
-   must be refused with an error at once.
-5. Shutdown: SIGTERM; the server must exit within SHUTDOWN_S and leave no worker behind.
+   stream, HTTP 5xx) within FAULT_ANSWER_S. The server replaces the worker: /health may
+   say 503 `restarting` (nothing else but 200 `ok`), must be 200 `ok` again within
+   RESTART_OK_S, pagedserve_num_worker_restarts_total must be 1 and a new request must
+   be served. With `--no-restart` (the server gets --max-worker-restarts 0) /health must
+   say 503 instead and new requests must be refused with an error at once.
+7. Shutdown: SIGTERM; the server must exit within SHUTDOWN_S and leave no worker behind.
+8. Replica kill (`--replica-kill`, off by default): a second server with
+   --data-parallel-size 2 under a steady stream (STREAM_CONCURRENCY clients); one
+   replica's worker gets SIGKILL. No request started after the death was first seen
+   (/health or pagedserve_replica_healthy) may fail, at most the ones in flight from the
+   kill until then; /health must stay 200 `degraded` until it is `ok` again with every
+   replica at 1 within REPLICA_BACK_S; then a burst of BURST requests must all be served.
 
 Pass criteria (exit status 0 only if all hold): no hangs, no unexpected answers, every
 leak gauge back to 0 (so no leaked KV blocks), every disconnect probe released, and the
-fault phase and shutdown as above. The JSON report (bench/report.py's write_report) and
-a PNG (RSS of server and worker, requests in flight, the kill) go to `--out`; a short
-summary goes to stderr.
+template trigger, tokenize flood, fault phase, shutdown and replica kill as above. The
+JSON report (bench/report.py's write_report) and a PNG (RSS of server and worker,
+requests in flight, the kill) go to `--out`; a short summary goes to stderr.
 
 This file is the command line; the pieces live in bench/soaking/ (its __init__ lists them).
 """
@@ -57,8 +76,10 @@ from soaking.mix import KINDS, QUICK_MALFORMED_WEIGHTS, parse_weights  # noqa: E
 from soaking.phases import soak  # noqa: E402
 from soaking.plot import plot  # noqa: E402
 from soaking.progress import log, since  # noqa: E402
+from soaking.replica import replica_kill  # noqa: E402
 from soaking.server import DEFAULT_MODEL, server_args, server_log_summary  # noqa: E402
 from soaking.summary import human_summary  # noqa: E402
+from soaking.trigger import write_template  # noqa: E402
 from soaking.verdict import growth, verdict  # noqa: E402
 
 from web.launch import ServerProcess  # noqa: E402
@@ -96,6 +117,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=True,
         help="the fault phase: SIGKILL the worker under load (default: on)",
     )
+    p.add_argument(
+        "--no-restart",
+        action="store_true",
+        help="run the server with --max-worker-restarts 0: after the kill it must stay 503",
+    )
+    p.add_argument(
+        "--replica-kill",
+        action="store_true",
+        help="then a second server with --data-parallel-size 2: SIGKILL to one replica's worker",
+    )
+    p.add_argument(
+        "--template-triggers", type=int, default=6, help="chats (0: no hostile template)"
+    )
+    p.add_argument("--flood-clients", type=int, default=16, help="/tokenize flooders (0: none)")
+    p.add_argument("--flood-seconds", type=float, default=4.0)
     p.add_argument("--fault-ws", type=int, default=16)
     p.add_argument("--fault-sse", type=int, default=8)
     p.add_argument("--fault-http", type=int, default=8)
@@ -126,14 +162,17 @@ def main(argv: list[str] | None = None) -> int:
     threads = str(a.threads)
     env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
     start = time.monotonic()
-    with log_path.open("wb") as log_file:
-        server = ServerProcess(server_args(a), env=env, log=log_file)
+    with tempfile.TemporaryDirectory(prefix="pagedserve-soak-") as tmp, log_path.open("wb") as f:
+        a.chat_template_file = str(write_template(Path(tmp))) if a.template_triggers else None
+        server = ServerProcess(server_args(a), env=env, log=f)
         log(f"starting server: {shlex.join(server.cmd)} (log: {log_path})")
         server.start(timeout=300)
         try:
             measured = asyncio.run(soak(a, server))
         finally:
             server.stop()
+        if a.replica_kill:
+            measured["replica_kill"] = asyncio.run(replica_kill(a, env, f))
     report = full_report(a, server, since(start), measured, log_path)
     write_report(report, a.out, lambda png: plot(report, png))
     print(human_summary(report), file=sys.stderr)

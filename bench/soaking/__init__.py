@@ -13,7 +13,12 @@ the pass criteria), one noun per module:
 - procs: RSS and process trees from /proc;
 - watch: /metrics scraping, the Sampler and the leak check;
 - probes: the disconnect probes;
-- fault: SIGKILL to the worker under load, then /health and refusals;
+- stopwatch: timed plain completions and latency figures;
+- trigger: the hostile chat template and the template-trigger phase;
+- flood: the tokenize flood;
+- fault: SIGKILL to the worker under load (without restarts: /health and refusals);
+- restart: the worker's replacement after the kill;
+- replica: SIGKILL to one replica's worker of a two-replica server;
 - server: the server's flags, its shutdown and its log;
 - phases: the order of the phases and the client-side record;
 - verdict: the pass criteria applied to the report, RSS growth;

@@ -1,6 +1,7 @@
 """The fault phase: long requests streaming when the worker gets SIGKILL; each must end
-in an error within FAULT_ANSWER_S, then /health must say 503 and new requests must be
-refused at once."""
+in an error within FAULT_ANSWER_S. What follows is in restart.py; with --no-restart (a
+server that does not replace its worker) it is here: /health must say 503 and new
+requests must be refused at once."""
 
 from __future__ import annotations
 
@@ -106,7 +107,8 @@ async def fault_http(ctx: Ctx, rng: random.Random) -> FaultAnswer:
         return FaultAnswer("http", "error", f"HTTP {response.status_code}: {message[:80]}", at)
     if response.status_code == 200:
         return FaultAnswer("http", "finished", "HTTP 200", at)
-    return FaultAnswer("http", "unexpected", f"HTTP {response.status_code}", at)
+    text = response.text[:80]
+    return FaultAnswer("http", "unexpected", f"HTTP {response.status_code}: {text}", at)
 
 
 async def fault_batch(ctx: Ctx, sampler: Sampler, server_pid: int) -> dict:
@@ -211,12 +213,14 @@ def summarize_fault(answers: list[FaultAnswer], hangs: int, killed: float) -> di
 
 # -- after the kill -------------------------------------------------------------------
 async def after_kill(ctx: Ctx) -> dict:
-    """/health must say 503; new requests of each protocol must be refused promptly."""
+    """/health must say 503; new requests of each protocol must be refused promptly;
+    /health must still say 503 after them."""
     health = await wait_unhealthy(ctx)
     refusals = {}
     for name, call in (("ws", refuse_ws), ("sse", refuse_sse), ("http", refuse_http)):
         refusals[name] = await refusal(ctx, call)
-    return {"health": health, "new_requests": refusals}
+    later = await wait_unhealthy(ctx)
+    return {"health": health, "new_requests": refusals, "health_after_refusals": later}
 
 
 async def wait_unhealthy(ctx: Ctx) -> dict:

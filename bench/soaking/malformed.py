@@ -164,7 +164,7 @@ BAD_BODIES = (
     BadBody("presence_penalty_5", {"prompt": "Hi", "presence_penalty": 5}, "presence_penalty"),
     BadBody("logit_bias_bad_key", {"prompt": "Hi", "logit_bias": {"x": 1}}, "logit_bias"),
     BadBody("stop_token_ids_strings", {"prompt": "Hi", "stop_token_ids": ["a"]}, "stop_token_ids"),
-    BadBody("echo", {"prompt": "Hi", "echo": True}, "echo"),
+    BadBody("echo_string", {"prompt": "Hi", "echo": "yes"}, "echo"),
     BadBody("prompt_int", {"prompt": 5}, "prompt"),
     BadBody("prompt_empty_list", {"prompt": []}, "prompt"),
     BadBody("token_id_out_of_vocab", {"prompt": [1, 99999]}, "prompt"),

@@ -1,5 +1,6 @@
-"""The phases in order (main load, leak check, disconnect probes, fault phase, shutdown)
-and the client-side record they leave in the report."""
+"""The phases in order (main load, leak check, disconnect probes, template trigger,
+tokenize flood, fault phase, shutdown) and the client-side record they leave in the
+report."""
 
 from __future__ import annotations
 
@@ -14,12 +15,15 @@ from web.launch import ServerProcess
 
 from .context import Ctx
 from .fault import after_kill, fault_batch
+from .flood import tokenize_flood
 from .load import Client, run_requests
 from .mix import plan
 from .probes import PROBES, probe
-from .procs import descendants
+from .procs import descendants, worker_pid
 from .progress import log
+from .restart import after_restart
 from .server import shutdown
+from .trigger import template_trigger
 from .watch import Sampler, check_leaks
 
 
@@ -31,8 +35,8 @@ async def soak(args: argparse.Namespace, server: ServerProcess) -> dict:
 
 
 async def phases(ctx: Ctx, server: ServerProcess) -> dict:
-    """Main load, leak check, disconnect probes, fault phase, shutdown (soak.py's doc),
-    sampled all along."""
+    """Main load, leak check, disconnect probes, template trigger, tokenize flood, fault
+    phase, shutdown (soak.py's doc), sampled all along."""
     client = Client()
     sampler = Sampler(ctx, server.proc.pid, ctx.args.requests, ctx.args.sample_interval)
     sampler.hangs_and_unexpected = client.counts
@@ -41,11 +45,10 @@ async def phases(ctx: Ctx, server: ServerProcess) -> dict:
     try:
         report |= await main_phase(ctx, sampler, client)
         report |= await after_load(ctx, sampler)
-        procs = descendants(server.proc.pid)
+        report |= await hostile_clients(ctx, sampler)
         if ctx.args.kill_worker:
-            sampler.phase = "fault"
-            report["fault"] = await fault_batch(ctx, sampler, server.proc.pid)
-            report["fault"] |= await after_kill(ctx)
+            report["fault"] = await fault_phase(ctx, sampler, server.proc.pid)
+        procs = descendants(server.proc.pid)  # the restarted worker's too
         sampler.phase = "shutdown"
         sampler.mark("sigterm")
         report["shutdown"] = await asyncio.to_thread(shutdown, server, procs)
@@ -93,6 +96,38 @@ async def after_load(ctx: Ctx, sampler: Sampler) -> dict:
         "probes": probes,
         "leaks_after_probes": await check_leaks(ctx, ctx.args.settle),
     }
+
+
+async def hostile_clients(ctx: Ctx, sampler: Sampler) -> dict:
+    """The template trigger and the tokenize flood (each skipped when set to 0)."""
+    a, out = ctx.args, {}
+    if a.template_triggers:
+        sampler.phase = "template trigger"
+        sampler.mark("trigger")
+        out["template_trigger"] = await template_trigger(ctx, a.template_triggers)
+        log(f"template trigger: {out['template_trigger']['trigger_latency']}")
+    if a.flood_clients:
+        sampler.phase = "tokenize flood"
+        sampler.mark("flood")
+        out["tokenize_flood"] = await tokenize_flood(ctx, a.flood_clients, a.flood_seconds)
+        log(f"tokenize flood: {out['tokenize_flood']['completion_latency']}")
+    return out
+
+
+async def fault_phase(ctx: Ctx, sampler: Sampler, server_pid: int) -> dict:
+    """SIGKILL to the worker under load; then, with --no-restart, /health and refusals,
+    else the restart (and the new worker becomes the one sampled)."""
+    sampler.phase = "fault"
+    fault = await fault_batch(ctx, sampler, server_pid)
+    if "error" in fault:
+        return fault
+    if ctx.args.no_restart:
+        return fault | await after_kill(ctx)
+    killed = sampler.t0 + sampler.marks["kill"]
+    fault["restart"] = await after_restart(ctx, killed)
+    sampler.worker_pid = worker_pid(server_pid)
+    log(f"restart: {fault['restart']['seen']}, ok after {fault['restart']['ok_after_s']} s")
+    return fault
 
 
 def client_record(ctx: Ctx, client: Client) -> dict:

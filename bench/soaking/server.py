@@ -33,9 +33,14 @@ def kv_cache_bytes(model: Path, max_num_seqs: int, block_size: int) -> int:
     return block_bytes(config, block_size) * blocks_per_seq * max_num_seqs
 
 
-def server_args(a: argparse.Namespace) -> list[str]:
-    """`pagedserve serve` flags from the server options of the command line."""
+def server_args(
+    a: argparse.Namespace, data_parallel: int = 1, restart: bool | None = None
+) -> list[str]:
+    """`pagedserve serve` flags from the server options of the command line, with
+    `data_parallel` replicas; `restart` False (default: not --no-restart) adds
+    `--max-worker-restarts 0`."""
     kv = a.kv_cache_memory or kv_cache_bytes(Path(a.model), a.max_num_seqs, 16)
+    restart = not a.no_restart if restart is None else restart
     return [
         "--model",
         str(a.model),
@@ -45,6 +50,9 @@ def server_args(a: argparse.Namespace) -> list[str]:
         str(kv),
         "--max-message-bytes",
         str(a.max_message_bytes),
+        *(["--chat-template", str(a.chat_template_file)] if a.chat_template_file else []),
+        *(["--data-parallel-size", str(data_parallel)] if data_parallel > 1 else []),
+        *([] if restart else ["--max-worker-restarts", "0"]),
         *shlex.split(a.server_args),
     ]
 

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from .fault import refused_ok
+from .flood import flood_failures
 from .probes import probe_figures
+from .replica import replica_failures
+from .restart import restart_failures
 from .server import SHUTDOWN_S
+from .trigger import trigger_failures
 
 
 def verdict(r: dict) -> list[str]:
@@ -25,13 +29,18 @@ def verdict(r: dict) -> list[str]:
     failures += [
         f"probe {p['kind']}: {probe_figures(p)}" for p in r.get("probes", ()) if not p["passed"]
     ]
+    failures += trigger_failures(r.get("template_trigger"))
+    failures += flood_failures(r.get("tokenize_flood"))
     failures += fault_failures(r.get("fault"))
+    failures += replica_failures(r.get("replica_kill"))
     failures += shutdown_failures(r.get("shutdown", {}))
     return failures
 
 
 def fault_failures(f: dict | None) -> list[str]:
-    """The fault phase's failures (none when it was skipped)."""
+    """The fault phase's failures (none when it was skipped): hangs or unexpected answers
+    of the requests in flight; then the restart's failures, or, with --no-restart,
+    /health not 503 or a new request not refused at once."""
     if f is None:
         return []
     if "error" in f:
@@ -39,8 +48,11 @@ def fault_failures(f: dict | None) -> list[str]:
     out = []
     if f["hangs"] or f["unexpected"]:
         out.append(f"fault phase: {f['hangs']} hang(s), {f['unexpected']} unexpected answer(s)")
-    if f["health"].get("status") != 503:
-        out.append(f"fault phase: /health said {f['health'].get('status')} after the kill")
+    if "restart" in f:
+        return out + restart_failures(f["restart"])
+    for key in ("health", "health_after_refusals"):
+        if f[key].get("status") != 503:
+            out.append(f"fault phase: /health said {f[key].get('status')} ({key})")
     for name, r in f["new_requests"].items():
         if not refused_ok(r["answer"]) or r["after_s"] > 2.0:
             out.append(

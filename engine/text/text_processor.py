@@ -91,11 +91,22 @@ class TextProcessor:
         """`prepare` then `register`."""
         return self.register(request, self.prepare(request), arrival_time)
 
-    def prepare(self, request: GenerateRequest) -> list[int]:
+    def render(self, request: GenerateRequest) -> str | None:
+        """A chat request's rendered prompt text (None for other requests), for `prepare`;
+        ValueError naming the field. Read-only like `prepare`: the actor renders on
+        threads of their own, so a template that takes its whole deadline holds up no
+        other request's tokenizing."""
+        if request.messages is None or self.tokenizer is None:
+            return None
+        self._check_length("messages", sum(len(m.content) for m in request.messages))
+        return self._rendered(_chat_dicts(request.messages), add_generation_prompt=True)
+
+    def prepare(self, request: GenerateRequest, rendered: str | None = None) -> list[int]:
         """The request's prompt token ids, checked against the limits (ValueError naming
-        the field otherwise). Reads no state and keeps none: it may run on any thread,
-        beside the other methods (the slow part of admission: tokenizing)."""
-        token_ids = self._token_ids(request)
+        the field otherwise); a chat's from `rendered` (`render`) when given. Reads no
+        state and keeps none: it may run on any thread, beside the other methods (the
+        slow part of admission: tokenizing)."""
+        token_ids = self._token_ids(request, rendered)
         field = "messages" if request.messages is not None else "prompt"
         strict = request.strict_max_tokens
         validate_request(token_ids, request.params, self.limits, field, strict_max_tokens=strict)
@@ -229,7 +240,7 @@ class TextProcessor:
             self.drop(request_id)
         return outs
 
-    def _token_ids(self, request: GenerateRequest) -> list[int]:
+    def _token_ids(self, request: GenerateRequest, rendered: str | None) -> list[int]:
         given = [
             x is not None for x in (request.prompt, request.prompt_token_ids, request.messages)
         ]
@@ -245,12 +256,16 @@ class TextProcessor:
             return self.tokenizer.encode(request.prompt)
         if request.prompt_token_ids is not None:
             return list(request.prompt_token_ids)
-        self._check_length("messages", sum(len(m.content) for m in request.messages))
-        return self._chat_ids(_chat_dicts(request.messages), add_generation_prompt=True)
+        if rendered is None:
+            rendered = self.render(request)
+        return self.tokenizer.encode_chat(rendered)
 
     def _chat_ids(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
-        """Renders the chat, refuses a rendering too long for the context before the work
-        of tokenizing it (a template can write more than its messages hold), encodes it."""
+        return self.tokenizer.encode_chat(self._rendered(messages, add_generation_prompt))
+
+    def _rendered(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        """The chat's text; refused when too long for the context, before the work of
+        tokenizing it (a template can write more than its messages hold)."""
         text = self.tokenizer.render_chat(messages, add_generation_prompt)
         too_long = self._too_long(len(text))
         if too_long is not None:
@@ -259,7 +274,7 @@ class TextProcessor:
                 f"{too_long:,} tokens; this model's context (max_model_len) is "
                 f"{self.limits.max_model_len:,} tokens"
             )
-        return self.tokenizer.encode_chat(text)
+        return text
 
     def _check_length(self, name: str, num_chars: int) -> None:
         """Refuses text too long for the context whatever its tokens, before the work
