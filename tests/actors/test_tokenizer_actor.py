@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 from actors.actor import send_message
-from actors.tokenizer_actor import TokenizerActor
+from actors.tokenizer_actor import MAX_QUEUED_TOKENIZE, TokenizerActor
 from actors.transport import inproc_pair
 from engine.codec import InboxDecoder
 from engine.messages import (
     INBOXES,
     AbortRequest,
     AddRequest,
+    ErrorKind,
     GenerateRequest,
     TokenDeltas,
+    TokenizeRequest,
 )
 from engine.sampling_params import SamplingParams
 from engine.text.request_validation import RequestLimits
@@ -66,3 +69,37 @@ async def test_requests_flow_to_the_scheduler_and_text_to_the_client():
     assert await _next(sched_inbox, sched) == AbortRequest("r9")
     await actor.stop()
     assert not actor.is_alive and actor.num_errors == 0
+
+
+async def test_tokenize_calls_past_the_queue_bound_are_refused_busy_and_admission_goes_on():
+    """With MAX_QUEUED_TOKENIZE tokenize calls stuck, the next is refused BUSY at once,
+    and a generation request is still admitted (its own thread)."""
+    tok = sentencepiece_like()
+    processor = TextProcessor(tok, RequestLimits(tok.vocab_size, 4096))
+    release = threading.Event()
+    tokenize = processor.tokenize
+
+    def stuck(request):
+        release.wait(10)
+        return tokenize(request)
+
+    processor.tokenize = stuck
+    to_tok, tok_inbox = inproc_pair()
+    to_sched, sched_inbox = inproc_pair()
+    to_client, client_inbox = inproc_pair()
+    actor = TokenizerActor(processor, tok_inbox, to_sched, {"c1": to_client})
+    await actor.start()
+    sched, client = InboxDecoder(INBOXES["scheduler"]), InboxDecoder(INBOXES["client"])
+    try:
+        for i in range(MAX_QUEUED_TOKENIZE + 1):
+            await send_message(to_tok, TokenizeRequest(f"t{i}", "c1", "Once", None, True))
+        busy = await _next(client_inbox, client)
+        assert busy.request_id == f"t{MAX_QUEUED_TOKENIZE}" and busy.error_kind is ErrorKind.BUSY
+        params = SamplingParams(max_tokens=2)
+        await send_message(to_tok, GenerateRequest("g", "c1", "Once", None, None, params))
+        assert isinstance(await _next(sched_inbox, sched), AddRequest)
+    finally:
+        release.set()
+    answers = [await _next(client_inbox, client) for _ in range(MAX_QUEUED_TOKENIZE)]
+    assert all(a.error is None and a.token_ids for a in answers)
+    await actor.stop()
