@@ -115,8 +115,11 @@ async def test_a_trigger_inside_a_gguf_file_fails_alone(tmp_path: Path) -> None:
     write_gguf_and_twin(hf_dir, gguf_path, tmp_path / "twin", GGMLQuantizationType.F32)
     server = start_server(str(gguf_path))
     try:
-        refused, trigger_s, plain_s = await trigger_beside_a_plain_completion(server, "xyzzy")
-        check_refused(refused, trigger_s, plain_s, "the chat template of")
+        before = rss_mib(server.process.proc.pid)
+        for word in TRIGGERS:
+            refused, trigger_s, plain_s = await trigger_beside_a_plain_completion(server, word)
+            check_refused(refused, trigger_s, plain_s, "the chat template of hostile")
+        assert rss_mib(server.process.proc.pid) - before < 100
     finally:
         stop_server(server)
 
