@@ -10,7 +10,7 @@ max_restarts` attempts in a row. A worker that stays silent (stalled) for
 While the replacement starts, `status` is RESTARTING: new requests, tokenize calls and
 session turns are refused as unavailable (HTTP 503, which the SDK retries); requests
 that were in flight on the dead engine ended with its error. Once the attempts are
-spent the status is DOWN, as an engine without restarts is after its worker dies.
+spent the status is UNHEALTHY, as an engine without restarts is after its worker dies.
 """
 
 from __future__ import annotations

@@ -71,9 +71,7 @@ class _Child:
         self.receive(_START_TIMEOUT_S)  # {"ready": True}
 
     def send(self, message: dict) -> None:
-        data = msgpack.packb(message)
-        self.proc.stdin.write(_HEADER.pack(len(data)) + data)
-        self.proc.stdin.flush()
+        _write(self.proc.stdin, message)
 
     def receive(self, timeout_s: float) -> dict:
         """The child's next frame; TimeoutError past `timeout_s`, EOFError if it died."""
@@ -182,6 +180,13 @@ def _spawn() -> subprocess.Popen:
     return start_module("actors.template_renderer", [], popen_kwargs=pipes)
 
 
+def _write(out: BinaryIO, message: dict[str, Any]) -> None:
+    """One frame (both ends write them this way)."""
+    data = msgpack.packb(message)
+    out.write(_HEADER.pack(len(data)) + data)
+    out.flush()
+
+
 def _read_exactly(pipe: BinaryIO, n: int, deadline: float) -> bytes:
     chunks, left = [], n
     fd = pipe.fileno()
@@ -211,12 +216,6 @@ def _limit_memory(extra_bytes: int) -> None:
         current = int(statm.read().split()[0]) * resource.getpagesize()
     limit = current + extra_bytes
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-
-
-def _write(out: BinaryIO, message: dict[str, Any]) -> None:
-    data = msgpack.packb(message)
-    out.write(_HEADER.pack(len(data)) + data)
-    out.flush()
 
 
 def _read(inp: BinaryIO) -> dict | None:

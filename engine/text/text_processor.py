@@ -98,8 +98,7 @@ class TextProcessor:
         other request's tokenizing."""
         if request.messages is None or self.tokenizer is None:
             return None
-        self._check_length("messages", sum(len(m.content) for m in request.messages))
-        return self._rendered(_chat_dicts(request.messages), add_generation_prompt=True)
+        return self._render_chat(request.messages, add_generation_prompt=True)
 
     def prepare(self, request: GenerateRequest, rendered: str | None = None) -> list[int]:
         """The request's prompt token ids, checked against the limits (ValueError naming
@@ -135,11 +134,9 @@ class TextProcessor:
         if (request.prompt is None) == (request.messages is None):
             raise ValueError("set exactly one of prompt, messages")
         if request.prompt is not None:
-            check_text("prompt", request.prompt)
-            self._check_length("prompt", len(request.prompt))
-            return self.tokenizer.encode(request.prompt, request.add_special_tokens)
-        self._check_length("messages", sum(len(m.content) for m in request.messages))
-        return self._chat_ids(_chat_dicts(request.messages), request.add_generation_prompt)
+            return self._encode_prompt(request.prompt, request.add_special_tokens)
+        text = self._render_chat(request.messages, request.add_generation_prompt)
+        return self.tokenizer.encode_chat(text)
 
     def _known_ids(self, token_ids: tuple[int, ...]) -> list[int]:
         """`token_ids` if the tokenizer has every one, else ValueError naming `tokens`."""
@@ -251,22 +248,25 @@ class TextProcessor:
                 "prompt is text but the tokenizer is disabled (skip_tokenizer_init); pass token ids"
             )
         if request.prompt is not None:
-            check_text("prompt", request.prompt)
-            self._check_length("prompt", len(request.prompt))
-            return self.tokenizer.encode(request.prompt)
+            return self._encode_prompt(request.prompt, add_special_tokens=True)
         if request.prompt_token_ids is not None:
             return list(request.prompt_token_ids)
         if rendered is None:
             rendered = self.render(request)
         return self.tokenizer.encode_chat(rendered)
 
-    def _chat_ids(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
-        return self.tokenizer.encode_chat(self._rendered(messages, add_generation_prompt))
+    def _encode_prompt(self, prompt: str, add_special_tokens: bool) -> list[int]:
+        """A text prompt's ids; refused by name when it cannot fit, before tokenizing."""
+        check_text("prompt", prompt)
+        self._check_length("prompt", len(prompt))
+        return self.tokenizer.encode(prompt, add_special_tokens)
 
-    def _rendered(self, messages: list[dict], add_generation_prompt: bool) -> str:
-        """The chat's text; refused when too long for the context, before the work of
-        tokenizing it (a template can write more than its messages hold)."""
-        text = self.tokenizer.render_chat(messages, add_generation_prompt)
+    def _render_chat(self, messages: tuple[ChatMessage, ...], add_generation_prompt: bool) -> str:
+        """The chat's text; refused when its messages, or what the template makes of
+        them (it can write more than they hold), cannot fit the context: before the
+        work of rendering, then before the work of tokenizing."""
+        self._check_length("messages", sum(len(m.content) for m in messages))
+        text = self.tokenizer.render_chat(_chat_dicts(messages), add_generation_prompt)
         too_long = self._too_long(len(text))
         if too_long is not None:
             raise ValueError(

@@ -263,7 +263,7 @@ class Tokenizer:
         return self.renderer.render(messages, add_generation_prompt)
 
     def _mark_content(self, message: dict) -> dict:
-        content = message["content"].replace(_OPEN, "").replace(_CLOSE, "")
+        content = plain_chat_text(message["content"])
         if self._added_tokens is not None:
             content = self._added_tokens.sub(lambda m: f"{_OPEN}{m.group()}{_CLOSE}", content)
         return {**message, "content": content}
@@ -274,7 +274,7 @@ class Tokenizer:
         ids: list[int] = []
         for i, piece in enumerate(_MARKED.split(text)):
             if i % 2 == 0:
-                ids += self.encode(piece.replace(_OPEN, "").replace(_CLOSE, ""), False)
+                ids += self.encode(plain_chat_text(piece), False)
             else:
                 ids += self.hf_tokenizer.encode(
                     piece, add_special_tokens=False, split_special_tokens=True
@@ -292,5 +292,5 @@ class Tokenizer:
 
 
 def plain_chat_text(text: str) -> str:
-    """Rendered chat text without `render_chat`'s markers."""
+    """Rendered chat text (or any text) without `render_chat`'s markers."""
     return text.replace(_OPEN, "").replace(_CLOSE, "")
