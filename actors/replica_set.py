@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 from collections.abc import AsyncIterator, Sequence
 
-from actors.async_engine import Supervision, WatchStats
 from actors.engine_status import EngineStatus
 from actors.replica_launch import check_num_replicas, launch_replicas
+from actors.request_ids import RequestIds, refuse_open
 from actors.restarting_engine import RestartingEngine, RestartPolicy
+from actors.supervisor import Supervision, WatchStats
 from actors.worker_launch import WorkerLaunch
 from engine.config import EngineConfig
 from engine.core.replica_router import ReplicaRouter, RoutedPrompt
@@ -27,13 +27,12 @@ from engine.core.stats import EngineStats
 from engine.engine_args import EngineArgs
 from engine.messages import OutputDelta, TokenizeResult, WorkerReady
 from engine.sampling_params import SamplingParams
-from engine.text.text_checks import check_request_id
 
 logger = logging.getLogger(__name__)
 
 
 class ReplicaSet:
-    """The engine client web/ talks to, over `replicas` (started together with
+    """The `EngineClient` over `replicas` (started together with
     `await ReplicaSet.start(args, num_replicas)`; a replica that fails its start fails
     the whole start, and no replica's process is left running).
 
@@ -53,7 +52,7 @@ class ReplicaSet:
         self.router = router
         self.loads = [0] * len(replicas)  # open requests per replica
         self._owner: dict[str, int] = {}  # request_id -> its replica, while open
-        self._ids = itertools.count()
+        self._ids = RequestIds()
 
     @classmethod
     async def start(
@@ -142,11 +141,9 @@ class ReplicaSet:
         *,
         strict_max_tokens: bool = False,
     ) -> AsyncIterator[OutputDelta]:
-        """`AsyncEngine.generate` on the replica the router picks for `prompt`."""
-        request_id = request_id or f"dp-req-{next(self._ids)}"
-        check_request_id(request_id)
-        if request_id in self._owner:
-            raise ValueError(f"request_id {request_id!r} is already in flight")
+        """The stream of the replica the router picks for `prompt`."""
+        request_id = self._ids.claim(request_id, "dp-req")
+        refuse_open(request_id, self._owner)
         replica = self._route(prompt)
         self._owner[request_id] = replica
         self.loads[replica] += 1

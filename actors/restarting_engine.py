@@ -23,8 +23,9 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from actors.async_engine import AsyncEngine, WatchStats
+from actors.async_engine import AsyncEngine
 from actors.engine_status import EngineStatus
+from actors.supervisor import WatchStats
 from actors.worker_launch import WorkerLaunch
 from engine.core.stats import EngineStats
 from engine.engine_args import EngineArgs
@@ -56,8 +57,9 @@ class RestartPolicy:
 
 
 class RestartingEngine:
-    """The engine-client interface of `AsyncEngine`, over one that `start()` replaces
-    whenever it dies (see the module docstring). `engine` is the current one;
+    """An `EngineClient` over an `AsyncEngine` that `start()` replaces whenever it dies
+    (see the module docstring): each call goes to the current one, `engine`; new
+    requests and tokenize calls are refused (RuntimeError) while a replacement starts.
     `num_restarts` counts replacements that came up."""
 
     def __init__(
@@ -126,8 +128,7 @@ class RestartingEngine:
         *,
         strict_max_tokens: bool = False,
     ) -> AsyncIterator[OutputDelta]:
-        """The current engine's stream; RuntimeError (at the first output) while it is
-        being replaced."""
+        """RuntimeError at the first output while the engine is being replaced."""
         self._check_up()
         outs = self.engine.generate(prompt, params, request_id, strict_max_tokens=strict_max_tokens)
         async with contextlib.aclosing(outs):

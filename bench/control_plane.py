@@ -8,7 +8,7 @@ every hop; TokenDeltas are decoded and counted where the tokenizer actor would b
    at 1, 64 and 256 running sequences, one step ahead (depth 2) and synchronous (1).
 2. `outside_model`: the share of wall time the worker is NOT executing the model (its
    idle share: Python, messages, planning) with real small models, depth 1 and 2.
-3. `e1_workload`: output tok/s of the offline ShareGPT workload (ShareGPT prompts, Alpaca
+3. `sharegpt_workload`: output tok/s of the offline ShareGPT workload (ShareGPT prompts, Alpaca
    output lengths) through the actors with depth 1 and 2, beside the offline `LLM` in
    the same run, on the 58M model (long steps) and a 2-layer model (short steps).
    Token ids are checked equal across the three.
@@ -46,19 +46,12 @@ from systems import (  # noqa: E402
 from workload import SHARED, SharedDataMissing, sample_workload  # noqa: E402
 
 from actors.actor import await_ready, send_message  # noqa: E402
-from actors.block_manager_actor import BlockManagerActor  # noqa: E402
-from actors.scheduler_actor import SchedulerActor  # noqa: E402
-from actors.transport import (  # noqa: E402
-    inproc_pair,
-    ipc_address,
-    new_run_dir,
-    zmq_inbox,
-    zmq_outbox,
-)
+from actors.engine_graph import EngineGraph  # noqa: E402
+from actors.transport import ipc_address, new_run_dir, zmq_inbox, zmq_outbox  # noqa: E402
 from actors.worker_launch import spawn_worker  # noqa: E402
 from engine.codec import InboxDecoder  # noqa: E402
 from engine.engine_args import EngineArgs  # noqa: E402
-from engine.messages import INBOXES, AbortRequest, AddRequest, Shutdown, WorkerReady  # noqa: E402
+from engine.messages import INBOXES, AbortRequest, AddRequest, WorkerReady  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from engine.wiring import build_engine  # noqa: E402
 
@@ -74,8 +67,9 @@ def log(msg: str) -> None:
 
 
 class Rig:
-    """The actor runtime minus the tokenizer: scheduler + block manager actors here, one
-    worker process (real or null) over ipc, a sink counting TokenDeltas."""
+    """The actor runtime minus the tokenizer: the engine's actor graph without one
+    (scheduler + block manager actors here), one worker process (real or null) over
+    ipc, a sink counting the TokenDeltas the tokenizer would get."""
 
     def __init__(self, args: EngineArgs, depth: int, null: bool, threads: int) -> None:
         self.args, self.depth, self.null, self.threads = args, depth, null, threads
@@ -101,23 +95,17 @@ class Rig:
         # As served (prefix caching on by default); no text processing: no tokenizer.
         config = dataclasses.replace(self.args.build(), skip_tokenizer_init=True)
         parts = build_engine(config, ready, with_block_manager=True)
-        to_sink, self.sink_inbox = inproc_pair()
-        to_blocks, blocks_inbox = inproc_pair()
-        to_replies, replies_inbox = inproc_pair()
-        self.blocks = BlockManagerActor(parts.block_manager, blocks_inbox, to_replies)
-        self.to_worker = zmq_outbox(self.ctx, work)
-        self.scheduler = SchedulerActor(
-            parts.core, inbox, [self.to_worker], to_sink, to_blocks, replies_inbox, self.depth
-        )
+        to_worker = zmq_outbox(self.ctx, work)
+        self.graph = EngineGraph(parts.core, parts.block_manager, inbox, [to_worker], self.depth)
+        self.scheduler = self.graph.scheduler
         self.to_scheduler = zmq_outbox(self.ctx, sched)
-        await self.blocks.start()
-        await self.scheduler.start()
+        await self.graph.start()
         self.sink = asyncio.create_task(self._drain())
 
     async def _drain(self) -> None:
         decoder = InboxDecoder(INBOXES["tokenizer"])
         while True:
-            message = decoder.decode(await self.sink_inbox.recv())
+            message = decoder.decode(await self.graph.tokenizer_inbox.recv())
             self.num_tokens += len(message.token_ids)
             if self.record:  # the tokens themselves only where they are compared
                 for rid, token in zip(message.request_ids, message.token_ids, strict=True):
@@ -133,7 +121,7 @@ class Rig:
     async def abort_all(self) -> None:
         for request_id in self.added:
             await send_message(self.to_scheduler, AbortRequest(request_id))
-        manager = self.blocks.manager
+        manager = self.graph.block_manager.manager
         for _ in range(500):
             if manager.num_free_blocks == manager.num_blocks and self.scheduler.in_flight == 0:
                 return
@@ -144,14 +132,12 @@ class Rig:
         return time.perf_counter(), s.num_steps, s.worker_busy_seconds, self.num_tokens
 
     async def stop(self) -> None:
-        await send_message(self.to_worker, Shutdown("bench done"))
+        await self.graph.shut_down_workers("bench done")
         self.sink.cancel()
-        await self.scheduler.stop()
-        await self.blocks.stop()
+        await self.graph.stop()
         await asyncio.to_thread(self.proc.wait, 30)
-        self.to_worker.close()
         self.to_scheduler.close()
-        self.sink_inbox.close()
+        self.graph.tokenizer_inbox.close()
         self.ctx.term()
         shutil.rmtree(self.run_dir, ignore_errors=True)
 
@@ -267,7 +253,7 @@ async def main_async(a) -> dict:
         "command": " ".join(["python", *sys.argv]),
         "null_worker": [],
         "outside_model": [],
-        "e1_workload": {},
+        "sharegpt_workload": {},
     }
     with tempfile.TemporaryDirectory(prefix="pagedserve-cp-") as tmp:
         tmp = Path(tmp)
@@ -297,10 +283,10 @@ async def main_async(a) -> dict:
         stories = SHARED / "models" / "stories260K"
         if stories.is_dir():
             models["stories260K"] = (str(stories), 512)
-        e1_dir = tmp / "e1"
-        e1_dir.mkdir()
-        write_model(e1_dir, 0)
-        models["e1_58M"] = (str(e1_dir), 1024)
+        model_dir = tmp / "llama_58M"
+        model_dir.mkdir()
+        write_model(model_dir, 0)
+        models["llama_58M"] = (str(model_dir), 1024)
         short_dir = tmp / "short"
         short_dir.mkdir()
         write_model(short_dir, 0, SHORT_STEP_SHAPE)
@@ -316,7 +302,7 @@ async def main_async(a) -> dict:
             "sharegpt", a.num_prompts, 0, 1024, "alpaca", max_output=a.max_output_len
         )
         report["workload"] = wl.summary()
-        for name in ("short_2layer", "e1_58M") if "workload" in a.parts else ():
+        for name in ("short_2layer", "llama_58M") if "workload" in a.parts else ():
             path = models[name][0]
             kwargs = dict(
                 max_num_seqs=128,
@@ -344,7 +330,7 @@ async def main_async(a) -> dict:
                 d2["output_tokens_per_s"] / runs["offline_llm"]["output_tokens_per_s"], 3
             )
             log(f"{name}: {json.dumps(runs)}")
-            report["e1_workload"][name] = runs
+            report["sharegpt_workload"][name] = runs
     return report
 
 
@@ -354,15 +340,15 @@ def plot(report: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    show = [k for k in ("null_worker", "e1_workload") if report[k]]
+    show = [k for k in ("null_worker", "sharegpt_workload") if report[k]]
     if not show:
         return
     fig, axes = plt.subplots(1, len(show), figsize=(5.5 * len(show), 4), squeeze=False)
     panels = dict(zip(show, axes[0], strict=True))
     if "null_worker" in panels:
         _plot_null(panels["null_worker"], report)
-    if "e1_workload" in panels:
-        _plot_workload(panels["e1_workload"], report)
+    if "sharegpt_workload" in panels:
+        _plot_workload(panels["sharegpt_workload"], report)
     fig.suptitle(
         "Control plane: scheduler + block manager actors, worker process over ipc, "
         f"{report['machine']['threads']} torch thread(s)",
@@ -392,7 +378,7 @@ def _plot_null(ax, report: dict) -> None:
 
 def _plot_workload(ax, report: dict) -> None:
     names, values, colors = [], [], []
-    for model, runs in report["e1_workload"].items():
+    for model, runs in report["sharegpt_workload"].items():
         for key, color in (
             ("offline_llm", "tab:gray"),
             ("actors_depth1", "tab:blue"),

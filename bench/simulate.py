@@ -41,9 +41,9 @@ if str(REPO) not in sys.path:
 
 from bench.sim_workloads import WORKLOADS, make_trace, mean_lengths, workload_lengths  # noqa: E402
 from engine.config import PreemptionMode, SchedulerConfig  # noqa: E402
-from engine.kv.memory_shares import KVMemoryShares  # noqa: E402
-from engine.kv.reservation import ReservationPolicy  # noqa: E402
+from engine.sim.baselines.reservation import ReservationPolicy  # noqa: E402
 from engine.sim.cost_model import PRESETS, CostModel, preset  # noqa: E402
+from engine.sim.memory_shares import KVMemoryShares  # noqa: E402
 from engine.sim.simulator import SimulationResult, Simulator, SimulatorConfig  # noqa: E402
 
 MAX_MODEL_LEN = 2048
@@ -58,7 +58,7 @@ def simulator_config(system: str, cost: CostModel, block_size: int = BLOCK_SIZE)
     `paged` recomputes preempted requests, `paged-swap` swaps them to a CPU space as
     large as the GPU cache, `paged-prefix` also caches prefixes, `paged-no-sharing`
     copies what parallel samples would share; `contiguous-*` are the paper's Orca
-    baselines (`engine/kv/contiguous_kv_cache.py`)."""
+    baselines (`engine/sim/baselines/contiguous_kv_cache.py`)."""
     if system not in SYSTEMS:
         raise ValueError(f"system must be one of {SYSTEMS}, got {system!r}")
     scheduler = SchedulerConfig(256, MAX_MODEL_LEN, MAX_MODEL_LEN)

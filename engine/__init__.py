@@ -2,7 +2,7 @@
 
 The API is importable from here (`from engine import LLM, SamplingParams`); its names
 load on first use, so importing a torch-free part (engine.core, engine.kv, engine.text,
-engine.messages) never pulls torch in."""
+engine.messages, engine.sim) never pulls torch in."""
 
 from __future__ import annotations
 

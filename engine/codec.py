@@ -2,7 +2,7 @@
 
 Wire format of a frame: a msgpack array `[type_name, [field values in declared order]]`.
 Nested dataclasses travel as arrays of their field values, tuples as arrays. Field order
-is the wire format (append new fields at the end; `tests/actors/test_codec.py` pins it).
+is the wire format (append new fields at the end; `tests/engine/test_codec.py` pins it).
 
 Each inbox builds one `InboxDecoder` over the message types it accepts; decoding checks
 the frame shape, the type name, the field count and every field's type against the
@@ -258,6 +258,8 @@ def _dataclass(cls: type) -> Converter:
     hints = typing.get_type_hints(cls)
     fields = [(f.name, _converter(hints[f.name])) for f in dataclasses.fields(cls)]
     n = len(fields)
+    by_name = any(f.kw_only for f in dataclasses.fields(cls))  # built by keyword only
+    names = [name for name, _ in fields]
 
     def convert(v: Any) -> Any:
         if type(v) is not list or len(v) != n:
@@ -270,7 +272,7 @@ def _dataclass(cls: type) -> Converter:
             except _Mismatch as bad:
                 raise bad.under(f".{name}") from None
         try:
-            return cls(*values)
+            return cls(**dict(zip(names, values, strict=True))) if by_name else cls(*values)
         except (TypeError, ValueError) as exc:  # the dataclass's own validation
             raise _Mismatch(str(exc)) from None
 

@@ -2,7 +2,12 @@
 
 Grouped by the inbox that receives them; each inbox decodes only its own group
 (`INBOXES`). Field order is the wire format: append new fields at the end only
-(`tests/actors/test_codec.py` pins every message's field order).
+(`tests/engine/test_codec.py` pins every message's field order). Messages of six or
+more fields are built by keyword (`kw_only`) or through a named constructor.
+
+Sequence ids are part of the schema too: a request sampling several sequences (n,
+best_of, a beam search) runs each as a sequence of its own, `sequence_id(request_id,
+index)`, and the scheduler's and workers' messages carry those ids.
 """
 
 from __future__ import annotations
@@ -14,6 +19,17 @@ from enum import StrEnum
 from engine.sampling_params import SamplingParams
 
 # ---------------------------------------------------------------- shared parts
+
+
+def sequence_id(request_id: str, index: int) -> str:
+    """The id of sequence `index` of a multi-sequence request."""
+    return f"{request_id}#{index}"
+
+
+def request_id_of(seq_id: str) -> str:
+    """The request a sequence id belongs to (`sequence_id`'s inverse; an id that names
+    no sequence is returned as it is)."""
+    return seq_id.partition("#")[0]
 
 
 @dataclass(frozen=True)
@@ -76,7 +92,7 @@ class Shutdown:
 # ---------------------------------------------------------------- tokenizer inbox
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class GenerateRequest:
     """A client's request. Exactly one of prompt, prompt_token_ids, messages is set;
     outputs go back to the client named `client_id`. `strict_max_tokens`: the client
@@ -103,16 +119,25 @@ class GenerateRequest:
     ) -> GenerateRequest:
         """From what a caller passes as a prompt: text, token ids, or a chat (a list of
         {"role", "content"} dicts). ValueError for anything else."""
-        strict = strict_max_tokens
-        if isinstance(prompt, str):
-            return cls(request_id, client_id, prompt, None, None, params, strict)
+        text = ids = chat = None
         items = list(prompt) if isinstance(prompt, list | tuple) else None
-        if items and all(isinstance(m, dict) for m in items):
+        if isinstance(prompt, str):
+            text = prompt
+        elif items and all(isinstance(m, dict) for m in items):
             chat = chat_of(items)
-            return cls(request_id, client_id, None, None, chat, params, strict)
-        if items is not None and all(type(t) is int for t in items):
-            return cls(request_id, client_id, None, tuple(items), None, params, strict)
-        raise ValueError("prompt must be a string, a list of token ids (ints) or chat messages")
+        elif items is not None and all(type(t) is int for t in items):
+            ids = tuple(items)
+        else:
+            raise ValueError("prompt must be a string, a list of token ids (ints) or chat messages")
+        return cls(
+            request_id=request_id,
+            client_id=client_id,
+            prompt=text,
+            prompt_token_ids=ids,
+            messages=chat,
+            params=params,
+            strict_max_tokens=strict_max_tokens,
+        )
 
 
 def chat_of(messages: list[dict]) -> tuple[ChatMessage, ...]:
@@ -120,7 +145,7 @@ def chat_of(messages: list[dict]) -> tuple[ChatMessage, ...]:
     return tuple(ChatMessage(str(m.get("role")), str(m.get("content"))) for m in messages)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TokenizeRequest:
     """Text or a chat -> token ids, exactly as a GenerateRequest's would be tokenized
     (client -> tokenizer; no request state is kept, nothing reaches the scheduler).
@@ -135,6 +160,37 @@ class TokenizeRequest:
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
+    @classmethod
+    def of_prompt(
+        cls, request_id: str, client_id: str, prompt: str, *, add_special_tokens: bool = True
+    ) -> TokenizeRequest:
+        """Tokenize a text prompt (BOS and the like unless `add_special_tokens` is False)."""
+        return cls(
+            request_id=request_id,
+            client_id=client_id,
+            prompt=prompt,
+            messages=None,
+            add_special_tokens=add_special_tokens,
+        )
+
+    @classmethod
+    def of_chat(
+        cls,
+        request_id: str,
+        client_id: str,
+        messages: tuple[ChatMessage, ...],
+        *,
+        add_generation_prompt: bool = True,
+    ) -> TokenizeRequest:
+        """Tokenize a chat as the chat template renders it."""
+        return cls(
+            request_id=request_id,
+            client_id=client_id,
+            prompt=None,
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+        )
+
 
 @dataclass(frozen=True)
 class DetokenizeRequest:
@@ -147,7 +203,7 @@ class DetokenizeRequest:
     skip_special_tokens: bool = False
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TokenDelta:
     """One request's part of a TokenDeltas (a view; never sent alone): its new token ids
     and a finish reason when it ended. `logprobs`: one row per token id, when the request
@@ -180,7 +236,7 @@ class RequestLogprobs:
     rows: tuple[LogprobRow, ...]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RankedSequence:
     """One whole output the engine ranked itself (a beam search hypothesis), sent once,
     when the search is done: output `index` (0 = best) of request `request_id`, its
@@ -195,7 +251,7 @@ class RankedSequence:
     score: float
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TokenDeltas:
     """One step's new tokens (scheduler -> tokenizer), detokenized there. Column-wise:
     request `request_ids[i]` got token `token_ids[i]`; `finished` names those that ended
@@ -218,12 +274,12 @@ class TokenDeltas:
         for request_id, token in zip(self.request_ids, self.token_ids, strict=True):
             f = finished.get(request_id)
             yield TokenDelta(
-                request_id,
-                (token,),
-                None if f is None else f.finish_reason,
-                None if f is None else f.stop_reason,
-                logprobs.get(request_id),
-                prompt.get(request_id),
+                request_id=request_id,
+                token_ids=(token,),
+                finish_reason=None if f is None else f.finish_reason,
+                stop_reason=None if f is None else f.stop_reason,
+                logprobs=logprobs.get(request_id),
+                prompt_logprobs=prompt.get(request_id),
             )
 
 
@@ -240,7 +296,7 @@ class AddRequest:
     arrival_time: float
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StepResult:
     """What step `step_id` did on worker `worker_id`, column-wise: request
     `sampled_ids[i]` sampled `sampled_token_ids[i]`. `logprobs` holds a one-row entry
@@ -262,7 +318,7 @@ class StepResult:
     @classmethod
     def empty(cls, step_id: int, worker_id: int) -> StepResult:
         """A step that sampled nothing (a plan of finished ids and block moves only)."""
-        return cls(step_id, worker_id, (), (), (), (), None, 0.0)
+        return cls.sampled(step_id, worker_id, {}, (), ())
 
     @classmethod
     def sampled(
@@ -275,18 +331,18 @@ class StepResult:
     ) -> StepResult:
         """A step that ran: each sampling request's token, and the logprob rows asked for."""
         return cls(
-            step_id,
-            worker_id,
-            tuple(tokens),
-            tuple(tokens.values()),
-            logprobs,
-            prompt_logprobs,
-            None,
-            0.0,
+            step_id=step_id,
+            worker_id=worker_id,
+            sampled_ids=tuple(tokens),
+            sampled_token_ids=tuple(tokens.values()),
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            error=None,
+            busy_seconds=0.0,
         )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class WorkerReady:
     """Start-up values a worker found (after loading and memory profiling), and the
     attention backend it chose."""
@@ -371,7 +427,7 @@ class ApplyBlockOps:
 # ---------------------------------------------------------------- worker inbox
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class NewRequestData:
     """A request the worker has not seen: everything it caches about it. Its known
     output tokens are empty except for a forked beam, which starts with its parent's."""
@@ -384,7 +440,7 @@ class NewRequestData:
     output_token_ids: tuple[int, ...] = ()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class CachedRequestData:
     """What changed for a request the worker has cached: `new_block_ids` extend its
     block table (a resumed request's whole table), or, when `first_block_index` >= 0,
@@ -400,7 +456,7 @@ class CachedRequestData:
     first_block_index: int = -1
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StepPlan:
     """Step `step_id`: new requests in full; diffs for cached requests whose blocks
     changed or that resume after preemption (every other cached request just goes on
@@ -425,7 +481,7 @@ class StepPlan:
 # ---------------------------------------------------------------- client inbox
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class OutputDelta:
     """Incremental output of one request to its client; `error` set on failure.
     `logprobs` and `prompt_logprobs` as in TokenDelta, with `decoded_token` filled in.
@@ -448,7 +504,7 @@ class OutputDelta:
     @classmethod
     def failed(cls, request_id: str, error: str, kind: ErrorKind = ErrorKind.ENGINE) -> OutputDelta:
         """The request (every sequence of it) ended with `error`."""
-        return cls(request_id, "", (), "error", None, 0, 0, error, index=-1, error_kind=kind)
+        return cls._whole_request(request_id, "error", error, kind)
 
     @classmethod
     def ranked(
@@ -463,26 +519,42 @@ class OutputDelta:
     ) -> OutputDelta:
         """Output `index` whole, sent once: one the engine ranked (a beam hypothesis)."""
         return cls(
-            request_id,
-            text,
-            token_ids,
-            finish_reason,
-            None,
-            num_prompt_tokens,
-            len(token_ids),
-            None,
-            None,
-            prompt_logprobs,
-            index,
+            request_id=request_id,
+            text=text,
+            token_ids=token_ids,
+            finish_reason=finish_reason,
+            stop_reason=None,
+            num_prompt_tokens=num_prompt_tokens,
+            num_output_tokens=len(token_ids),
+            error=None,
+            prompt_logprobs=prompt_logprobs,
+            index=index,
         )
 
     @classmethod
     def aborted(cls, request_id: str) -> OutputDelta:
         """The request (every sequence of it) was aborted."""
-        return cls(request_id, "", (), "abort", None, 0, 0, None, index=-1)
+        return cls._whole_request(request_id, "abort", None, None)
+
+    @classmethod
+    def _whole_request(
+        cls, request_id: str, finish_reason: str, error: str | None, kind: ErrorKind | None
+    ) -> OutputDelta:
+        return cls(
+            request_id=request_id,
+            text="",
+            token_ids=(),
+            finish_reason=finish_reason,
+            stop_reason=None,
+            num_prompt_tokens=0,
+            num_output_tokens=0,
+            error=error,
+            index=-1,
+            error_kind=kind,
+        )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TokenizeResult:
     """The answer to a TokenizeRequest or a DetokenizeRequest: the token ids, each one's
     text as it reads after other text (`token_strs`, so plain text's join back into
@@ -500,7 +572,15 @@ class TokenizeResult:
 
     @classmethod
     def refused(cls, request_id: str, error: str, kind: ErrorKind) -> TokenizeResult:
-        return cls(request_id, (), (), "", error, kind)
+        """The input was refused: nothing but the error and whose fault it is."""
+        return cls(
+            request_id=request_id,
+            token_ids=(),
+            token_strs=(),
+            text="",
+            error=error,
+            error_kind=kind,
+        )
 
 
 INBOXES: dict[str, tuple[type, ...]] = {

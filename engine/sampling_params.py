@@ -210,16 +210,6 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
 
-    @property
-    def output_text_buffer_length(self) -> int:
-        """Characters to hold back while streaming so a stop string can still be cut off.
-
-        0 when there are no stop strings or they are kept in the output anyway.
-        """
-        if not self.stop or self.include_stop_str_in_output:
-            return 0
-        return max(len(s) for s in self.stop) - 1
-
     def with_updates(self, **changes: Any) -> SamplingParams:
         """A validated copy with `changes` applied."""
         return dataclasses.replace(self, **changes)

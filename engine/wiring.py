@@ -13,6 +13,7 @@ from engine.config import EngineConfig, PreemptionMode, SchedulerConfig
 from engine.core.engine_core import EngineCore
 from engine.kv.block_ledger import BlockLedger
 from engine.kv.block_manager import BlockManager
+from engine.kv.block_tables import BlockTables
 from engine.kv.kv_cache_manager import KVCacheManager
 from engine.messages import WorkerReady
 from engine.text.request_validation import RequestLimits
@@ -34,7 +35,7 @@ class EngineParts:
 
 def build_core(
     scheduler: SchedulerConfig,
-    blocks: KVCacheManager,
+    blocks: BlockTables,
     eos_token_ids: frozenset[int] = frozenset(),
     preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE,
     attention_backend: str = "",
@@ -53,9 +54,13 @@ def build_engine(
     """The engine for `config` on a worker that announced `ready`. The tokenizer is
     `load_engine_tokenizer(config)` unless given."""
     cache, model = config.cache, config.model
-    tables = (ready.num_blocks, ready.block_size, cache.enable_prefix_caching, 0)
-    tables += (ready.num_cpu_blocks,)
-    blocks = BlockLedger(*tables) if with_block_manager else KVCacheManager(*tables)
+    tables = {
+        "num_blocks": ready.num_blocks,
+        "block_size": ready.block_size,
+        "enable_prefix_caching": cache.enable_prefix_caching,
+        "num_cpu_blocks": ready.num_cpu_blocks,
+    }
+    blocks = BlockLedger(**tables) if with_block_manager else KVCacheManager(**tables)
     core = build_core(
         config.scheduler,
         blocks,
@@ -75,7 +80,7 @@ def build_engine(
         config.scheduler.max_num_seqs,
         max_tokens_per_request=config.max_tokens_per_request,
     )
-    manager = BlockManager(*tables) if with_block_manager else None
+    manager = BlockManager(**tables) if with_block_manager else None
     return EngineParts(core, TextProcessor(tokenizer, limits), manager)
 
 

@@ -22,7 +22,7 @@ from starlette.routing import Route, WebSocketRoute
 from starlette.types import ASGIApp, Receive, Scope, Send
 from starlette.websockets import WebSocket
 
-from actors.async_engine import AsyncEngine
+from actors.engine_client import EngineClient
 from actors.engine_status import EngineStatus
 from actors.replica_set import ReplicaSet
 from actors.restarting_engine import RestartingEngine
@@ -45,7 +45,6 @@ from web.ws_connection import SHUTDOWN_CLOSE, StreamConnection, StreamLimits
 
 logger = logging.getLogger(__name__)
 STATIC = Path(__file__).parent / "static"
-EngineClient = AsyncEngine | RestartingEngine | ReplicaSet  # what the web layer talks to
 
 
 class ApiKeyMiddleware:

@@ -26,6 +26,7 @@ from typing import Any
 
 import websockets
 
+from web.client_connection import RetryPolicy, Wire
 from web.client_errors import (
     AuthenticationError,
     ConnectionLostError,
@@ -40,7 +41,7 @@ from web.client_errors import (
     close_error,
     error_of,
 )
-from web.client_stream import ChatSession, Completion, Delta, RetryPolicy, Stream, Usage, Wire
+from web.client_stream import ChatSession, Completion, Delta, Stream, Usage
 
 __all__ = [
     "AsyncClient",

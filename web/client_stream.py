@@ -1,27 +1,24 @@
 """One request of the SDK as the user holds it (`Stream`), its results, and chat
-sessions; `AsyncClient` (web/client.py) owns the connection they share."""
+sessions. They ride on a `Connection` (web/client_connection.py), which `AsyncClient`
+(web/client.py) implements; this module never imports the client."""
 
 from __future__ import annotations
 
 import asyncio
-import random
 import time
 import weakref
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from web.client_connection import Connection, Wire
 from web.client_errors import (
     RETRYABLE_CODES,
-    InvalidRequestError,
     PagedServeError,
     RequestTimeout,
     ServerError,
     error_of,
 )
-
-if TYPE_CHECKING:
-    from web.client import AsyncClient
 
 
 @dataclass(frozen=True)
@@ -55,35 +52,6 @@ class Completion:
     dropped_messages: int = 0
 
 
-@dataclass(frozen=True)
-class RetryPolicy:
-    """Requests refused for overload (`overloaded`, `too_many_requests`, `unavailable`)
-    before their first token are sent again up to `max_retries` times, after
-    min(max_delay_s, base_delay_s * 2**attempt) seconds less up to a quarter (jitter)."""
-
-    max_retries: int = 2
-    base_delay_s: float = 0.5
-    max_delay_s: float = 8.0
-
-    def __post_init__(self) -> None:
-        if self.max_retries < 0 or self.base_delay_s < 0 or self.max_delay_s < 0:
-            raise InvalidRequestError(f"retry settings must be >= 0, got {self}", param="retry")
-
-    def delay(self, attempt: int) -> float:
-        """Seconds to wait before retry number `attempt` (0 for the first)."""
-        backoff = min(self.max_delay_s, self.base_delay_s * 2**attempt)
-        return backoff * (1 - 0.25 * random.random())
-
-
-@dataclass(eq=False)
-class Wire:
-    """One request on the connection: its id there and the queue its events go to.
-    The client keeps these, never the Stream, so a Stream nobody holds is collected."""
-
-    request_id: str
-    events: asyncio.Queue[dict[str, Any]] = field(default_factory=asyncio.Queue)
-
-
 Body = Callable[[], Awaitable[dict[str, Any]]]
 
 
@@ -98,7 +66,7 @@ class Stream:
     finalizer sends the cancel)."""
 
     def __init__(
-        self, client: AsyncClient, body: Body, params: dict[str, Any], timeout: float | None
+        self, client: Connection, body: Body, params: dict[str, Any], timeout: float | None
     ) -> None:
         self.client, self._body, self._params, self.timeout = client, body, params, timeout
         self.request_id: str | None = None  # its id on the wire (a retry gets a new one)
@@ -254,7 +222,7 @@ class ChatSession:
     drops the oldest turns (never the system prompt) when a turn's prompt would not fit
     the model's context. Opened on the first `send` (once, however many sends race)."""
 
-    def __init__(self, client: AsyncClient, system: str | None) -> None:
+    def __init__(self, client: Connection, system: str | None) -> None:
         self.client, self.system = client, system
         self.session_id: str | None = None
         self._opening: asyncio.Future[str] | None = None

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from actors.async_engine import AsyncEngine
+from actors.engine_client import EngineClient
 from engine.messages import LogprobRow, OutputDelta
 from web.errors import ApiError, invalid
 from web.generation import PromptInput
@@ -23,7 +23,7 @@ class PromptEcho:
 
 
 async def prompt_echoes(
-    engine: AsyncEngine, prompts: list[PromptInput], with_logprobs: bool, skip_special: bool
+    engine: EngineClient, prompts: list[PromptInput], with_logprobs: bool, skip_special: bool
 ) -> list[PromptEcho]:
     """One PromptEcho per prompt (the tokenizer is asked only for what it must say);
     token ids are decoded as the choices' text is (`skip_special`: the request's

@@ -8,7 +8,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from actors.async_engine import AsyncEngine
+from actors.engine_client import EngineClient
 from engine.messages import ErrorKind, OutputDelta
 from engine.sampling_params import SamplingParams
 from web.client_concurrency import ClientConcurrency
@@ -66,7 +66,7 @@ class Generator:
 
     def __init__(
         self,
-        engine: AsyncEngine,
+        engine: EngineClient,
         metrics: Metrics,
         admission: Admission,
         concurrency: ClientConcurrency | None = None,

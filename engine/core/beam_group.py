@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from engine.core.beam_search import BeamSearch, Hypothesis
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
-from engine.core.sequence_group import SequenceGroup, sequence_id
+from engine.core.sequence_group import SequenceGroup
+from engine.messages import sequence_id
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
 
 
@@ -151,7 +152,3 @@ class BeamGroup(SequenceGroup):
     @property
     def is_finished(self) -> bool:
         return self.search.done
-
-    def results(self) -> list[Request]:
-        """The beams still running (what an aborted search returns)."""
-        return list(self.running)

@@ -1,5 +1,5 @@
 """The engine core: plans steps ahead of their results (the scheduler actor runs one; so
-does the offline engine, engine/in_process.py).
+does the offline `LLM`, in-process: engine/in_process.py).
 
 Every row that samples in a plan gets a placeholder output token at plan time, and the
 plan's tokens count as computed at once; a later `StepResult` resolves the placeholders
@@ -15,14 +15,14 @@ beam's offers is in (a beam group computes every other step when planning ahead)
 builder then tells the worker the chosen token (`last_token_id`), and a forked beam goes
 out as a new request with its parent's tokens.
 
-The block tables are injected. In-process (the offline `LLM`) they are a plain
-`KVCacheManager` and a step is `schedule()` then `build_plan()`. Where a block-manager
-actor holds the authoritative tables, the core plans on a `BlockLedger`, a replica that
-knows every block id at once and logs its changes, and a step is `schedule()`,
-`block_traffic()` sent to the block manager, and `build_plan()`. The plan needs nothing
-from the block manager's `BlockOpsApplied`: it is an audit, checked whenever it arrives
-(`on_block_ops_applied`), and one exchange is open at a time (its answer is checked
-before the next `block_traffic()`).
+The block tables are injected (any `BlockTables`). In-process (the offline `LLM`) they
+are a plain `KVCacheManager` and a step is `schedule()` then `build_plan()`. Where a
+block-manager actor holds the authoritative tables, the core plans on a `BlockLedger`,
+a replica that knows every block id at once and logs its changes, and a step is
+`schedule()`, `block_traffic()` sent to the block manager, and `build_plan()`. The plan
+needs nothing from the block manager's `BlockOpsApplied`: it is an audit, checked
+whenever it arrives (`on_block_ops_applied`), and one exchange is open at a time (its
+answer is checked before the next `block_traffic()`).
 """
 
 from __future__ import annotations
@@ -35,12 +35,12 @@ from engine.core.beam_group import BeamGroup, beam_params, beam_search_for, top_
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_output import SchedulerOutput
-from engine.core.sequence_group import SequenceGroup, sequence_id, sequence_params
+from engine.core.sequence_group import SequenceGroup, sequence_params
 from engine.core.stats import EngineStats, SharingSaving, SlotUtilization
 from engine.core.step_plan_builder import StepPlanBuilder
 from engine.core.stop_checker import StopChecker
 from engine.kv.block_ledger import BlockLedger
-from engine.kv.kv_cache_manager import KVCacheManager
+from engine.kv.block_tables import BlockTables
 from engine.messages import (
     AddRequest,
     ApplyBlockOps,
@@ -52,10 +52,9 @@ from engine.messages import (
     StepPlan,
     StepResult,
     TokenDeltas,
+    sequence_id,
 )
 from engine.sampling_params import SamplingParams
-
-PLACEHOLDER = -1
 
 
 class EngineCore:
@@ -67,7 +66,7 @@ class EngineCore:
     def __init__(
         self,
         config: SchedulerConfig,
-        blocks: KVCacheManager,
+        blocks: BlockTables,
         eos_token_ids: frozenset[int],
         preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE,
         attention_backend: str = "",
@@ -132,7 +131,6 @@ class EngineCore:
         self._arrival += 1
         return Request(
             request_id,
-            None,
             list(prompt_token_ids),
             params,
             self._arrival,
@@ -170,7 +168,7 @@ class EngineCore:
         output = self.scheduler.schedule()
         if output.is_empty and not self._finished_ids:
             return None
-        self.scheduler.advance(output, placeholder=PLACEHOLDER)
+        self.scheduler.advance(output)
         if not output.is_empty:
             self.num_steps += 1
             self._record_usage()
@@ -326,7 +324,12 @@ class EngineCore:
         search = group.search
         return [
             RankedSequence(
-                group.request_id, i, h.token_ids, search.finish_reason(h), h.logprob, h.score
+                request_id=group.request_id,
+                index=i,
+                token_ids=h.token_ids,
+                finish_reason=search.finish_reason(h),
+                cumulative_logprob=h.logprob,
+                score=h.score,
             )
             for i, h in enumerate(group.hypotheses)
         ]

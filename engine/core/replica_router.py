@@ -143,9 +143,6 @@ class ReplicaRouter:
         while len(seen) > self.policy.max_hashes_per_replica:
             seen.popitem(last=False)
 
-    def num_hashes(self, replica: int) -> int:
-        return len(self._seen[replica])
-
     def prefixes(self, prompt: RoutedPrompt) -> Prefixes:
         """The chained prefix hashes of a text, token-id or chat prompt."""
         if isinstance(prompt, str):

@@ -1,4 +1,5 @@
-"""A request's state as the scheduler and the engine see it."""
+"""A request's state as the scheduler and the engine core see it (a worker keeps its
+own replica: engine/worker/worker_request.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from engine.outputs import PromptLogprobs
     from engine.sampling_params import SamplingParams
+
+PLACEHOLDER = -1  # an output token id planned ahead of the result that resolves it
 
 
 class RequestStatus(enum.IntEnum):
@@ -56,30 +58,13 @@ class RequestGroup(Protocol):
     def is_finished(self) -> bool: ...
 
 
-@dataclass(eq=False)
-class Request:
-    """One client call: its prompt, its sampled tokens and how much KV is computed.
+class KnownTokens:
+    """A sequence's known tokens: its prompt followed by its outputs. For the classes
+    that keep a sequence (the scheduler's `Request`, a worker's `WorkerRequest`): they
+    set `prompt_token_ids` and `output_token_ids`."""
 
-    Known tokens are the prompt followed by the outputs. Each step the scheduler lets
-    `num_computed_tokens` catch up with `num_tokens`; a step that reaches the end of the
-    known tokens samples one more. `arrival_index` orders requests (FCFS, preemption).
-    A request sampling several sequences is a `SequenceGroup` of such requests.
-    """
-
-    request_id: str
-    prompt: str | None
     prompt_token_ids: list[int]
-    params: SamplingParams
-    arrival_index: int
-    eos_token_ids: frozenset[int] = frozenset()
-    output_token_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0
-    status: RequestStatus = RequestStatus.WAITING
-    prompt_logprobs: PromptLogprobs | None = None
-    num_preemptions: int = 0
-    max_num_tokens: int | None = None  # prompt + outputs it may reach (Scheduler sets it)
-    num_pending_outputs: int = 0  # trailing output ids that are placeholders (one step ahead)
-    group: RequestGroup | None = None  # set when this is one sequence of several
+    output_token_ids: list[int]
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -94,12 +79,40 @@ class Request:
         return len(self.output_token_ids)
 
     def token_ids(self, start: int, end: int) -> list[int]:
-        n = len(self.prompt_token_ids)
+        """Known tokens `start`..`end`."""
+        prompt, n = self.prompt_token_ids, len(self.prompt_token_ids)
         if end <= n:
-            return self.prompt_token_ids[start:end]
+            return prompt[start:end]
         if start >= n:
             return self.output_token_ids[start - n : end - n]
-        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
+        return prompt[start:] + self.output_token_ids[: end - n]
+
+
+@dataclass(eq=False)
+class Request(KnownTokens):
+    """One client call: its prompt, its sampled tokens and how much KV is computed.
+
+    Known tokens are the prompt followed by the outputs. Each step the scheduler lets
+    `num_computed_tokens` catch up with `num_tokens`; a step that reaches the end of the
+    known tokens samples one more, and its row gets a `PLACEHOLDER` output at once (the
+    engine core plans ahead of results) that the step's result resolves;
+    `num_pending_outputs` counts the unresolved ones. `arrival_index` orders requests
+    (FCFS, preemption). A request sampling several sequences is a `SequenceGroup` of
+    such requests.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_index: int
+    eos_token_ids: frozenset[int] = frozenset()
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    num_preemptions: int = 0
+    max_num_tokens: int | None = None  # prompt + outputs it may reach (Scheduler sets it)
+    num_pending_outputs: int = 0  # trailing output ids that are placeholders (one step ahead)
+    group: RequestGroup | None = None  # set when this is one sequence of several
 
     @property
     def is_finished(self) -> bool:

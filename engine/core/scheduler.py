@@ -7,11 +7,11 @@ from collections import deque
 
 from engine.config import PreemptionMode, SchedulerConfig
 from engine.core.policies import LatestArrivalFirst, PreemptionPolicy
-from engine.core.request import Request, RequestStatus
+from engine.core.request import PLACEHOLDER, Request, RequestStatus
 from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from engine.core.stats import PrefixCacheStats
 from engine.core.stop_checker import max_num_tokens
-from engine.kv.kv_cache_manager import KVCacheManager
+from engine.kv.block_tables import BlockTables
 
 
 class Scheduler:
@@ -39,7 +39,7 @@ class Scheduler:
     def __init__(
         self,
         config: SchedulerConfig,
-        kv_cache: KVCacheManager,
+        kv_cache: BlockTables,
         preemption: PreemptionPolicy | None = None,
         preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE,
     ) -> None:
@@ -352,21 +352,21 @@ class Scheduler:
         return unfilled
 
     # -- results -------------------------------------------------------------------
-    def advance(self, plan: SchedulerOutput, placeholder: int | None = None) -> None:
-        """Marks the plan's tokens as computed (once the step ran, or at once when planning
-        ahead: then every row that samples also gets `placeholder` as its next output,
-        for the result to fill in)."""
+    def advance(self, plan: SchedulerOutput) -> None:
+        """Marks the plan's tokens as computed at once (planning ahead): every row that
+        samples also gets a `PLACEHOLDER` as its next output, for the result to fill in
+        (except a beam's: its group chooses the token)."""
         running = RequestStatus.RUNNING
         for request, computed, n, _ in plan.scheduled:
             if request.status == running:
                 request.num_computed_tokens = computed + n
                 if computed < len(request.prompt_token_ids):
                     self._prompt_computed(request, computed + n)
-            if placeholder is None or (request.group is not None and request.group.chooses_tokens):
+            if request.group is not None and request.group.chooses_tokens:
                 continue
             outputs = request.output_token_ids
             if computed + n == len(request.prompt_token_ids) + len(outputs):
-                outputs.append(placeholder)
+                outputs.append(PLACEHOLDER)
                 request.num_pending_outputs += 1
 
     def _prompt_computed(self, request: Request, num_computed: int) -> None:

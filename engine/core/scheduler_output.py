@@ -4,19 +4,21 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Generic, NamedTuple, TypeVar
 
-from engine.core.request import Request
+RequestT = TypeVar("RequestT")  # the scheduler's `Request`, or a worker's `WorkerRequest`
 
 
-class ScheduledRequest(NamedTuple):  # a NamedTuple: built 256 times a step, cheaply
+class ScheduledRequest(NamedTuple, Generic[RequestT]):  # built 256 times a step, cheaply
     """`request` computes `num_scheduled_tokens` tokens from `num_computed_tokens` on;
     `block_table` holds at least `num_computed_tokens + num_scheduled_tokens` slots.
+    The scheduler's rows carry its `Request`s; a worker rebuilds the rows of a plan
+    around its own replicas (engine/worker/worker_request.py).
 
     `block_table` is the request's live table, not a copy (copying every table every
     step costs O(context) per request): read it before the next `schedule()`."""
 
-    request: Request
+    request: RequestT
     num_computed_tokens: int
     num_scheduled_tokens: int
     block_table: Sequence[int]

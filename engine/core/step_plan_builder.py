@@ -46,12 +46,12 @@ class StepPlanBuilder:
                 known = len(r.output_token_ids) - r.num_pending_outputs
                 new.append(
                     NewRequestData(
-                        request_id,
-                        tuple(r.prompt_token_ids),
-                        r.params,
-                        tuple(table),
-                        computed,
-                        tuple(r.output_token_ids[:known]),
+                        request_id=request_id,
+                        prompt_token_ids=tuple(r.prompt_token_ids),
+                        params=r.params,
+                        block_ids=tuple(table),
+                        num_computed_tokens=computed,
+                        output_token_ids=tuple(r.output_token_ids[:known]),
                     )
                 )
                 if chosen:
@@ -68,18 +68,18 @@ class StepPlanBuilder:
             sent[request_id] = (len(table), r.num_preemptions)
         copies = plan.block_copies
         return StepPlan(
-            plan.step_id,
-            tuple(new),
-            tuple(cached),
-            tuple(ids),
-            tuple(counts),
-            finished,
-            tuple(src for src, _ in copies),
-            tuple(dst for _, dst in copies),
-            tuple(src for src, _ in plan.swap_out),
-            tuple(dst for _, dst in plan.swap_out),
-            tuple(src for src, _ in plan.swap_in),
-            tuple(dst for _, dst in plan.swap_in),
+            step_id=plan.step_id,
+            new_requests=tuple(new),
+            cached_requests=tuple(cached),
+            scheduled_ids=tuple(ids),
+            num_scheduled_tokens=tuple(counts),
+            finished_ids=finished,
+            copy_src=tuple(src for src, _ in copies),
+            copy_dst=tuple(dst for _, dst in copies),
+            swap_out_src=tuple(src for src, _ in plan.swap_out),
+            swap_out_dst=tuple(dst for _, dst in plan.swap_out),
+            swap_in_src=tuple(src for src, _ in plan.swap_in),
+            swap_in_dst=tuple(dst for _, dst in plan.swap_in),
         )
 
     def _diff(
@@ -99,4 +99,11 @@ class StepPlanBuilder:
         if not resumed and rewritten and request_id in rewritten:
             start = first = min(rewritten[request_id], seen[0])
         last = self._chosen.pop(request_id, None) if self._chosen else None
-        return CachedRequestData(request_id, tuple(table[start:]), computed, resumed, last, first)
+        return CachedRequestData(
+            request_id=request_id,
+            new_block_ids=tuple(table[start:]),
+            num_computed_tokens=computed,
+            resumed_from_preemption=resumed,
+            last_token_id=last,
+            first_block_index=first,
+        )

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Unpack
+
 from engine.kv.block_count import cdiv
 from engine.kv.block_ops import CACHE, COW, FORK, FREE, GROW, MATCH, RESET, SWAP_IN, SWAP_OUT
-from engine.kv.kv_cache_manager import BlockCopy, KVCacheManager
+from engine.kv.block_tables import BlockCopy
+from engine.kv.kv_cache_manager import KVCacheManager, TableOptions
 from engine.kv.prefix_hash import BlockHash
 from engine.messages import ApplyBlockOps, BlockOp, BlockOpsApplied
 
@@ -27,8 +30,8 @@ class BlockLedger(KVCacheManager):
     last answer is unchecked.
     """
 
-    def __init__(self, *args, **kwargs) -> None:  # KVCacheManager's arguments
-        super().__init__(*args, **kwargs)
+    def __init__(self, num_blocks: int, block_size: int, **options: Unpack[TableOptions]) -> None:
+        super().__init__(num_blocks, block_size, **options)
         self._ops: list[BlockOp] = []
         self._block_ids: list[int] = []  # ids the logged ops put into tables
         self._exchanges = 0

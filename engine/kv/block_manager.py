@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Unpack
+
 from engine.kv.block_ops import BlockOpError, apply_op
-from engine.kv.kv_cache_manager import KVCacheManager
+from engine.kv.kv_cache_manager import KVCacheManager, TableOptions
 from engine.messages import ApplyBlockOps, BlockOpsApplied
 
 
@@ -16,8 +18,8 @@ class BlockManager:
     named in `error` (the scheduler's replica has diverged: a bug, never load).
     """
 
-    def __init__(self, *args, **kwargs) -> None:  # KVCacheManager's arguments
-        self.kv_cache = KVCacheManager(*args, **kwargs)
+    def __init__(self, num_blocks: int, block_size: int, **options: Unpack[TableOptions]) -> None:
+        self.kv_cache = KVCacheManager(num_blocks, block_size, **options)
         self.num_exchanges = 0
 
     @property

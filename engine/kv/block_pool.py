@@ -113,9 +113,6 @@ class BlockPool:
     def lookup(self, block_hash: BlockHash) -> int | None:
         return self._cached.get(block_hash)
 
-    def hash_of(self, block_id: int) -> BlockHash | None:
-        return self._hash_of[block_id]
-
     def reset_prefix_cache(self) -> int:
         """Forgets every cached prefix (owned blocks keep their KV, unfindable); returns
         how many were dropped."""

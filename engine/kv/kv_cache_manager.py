@@ -4,16 +4,25 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
+from typing import TypedDict
 
 from engine.kv.block_count import cdiv
 from engine.kv.block_pool import BlockPool
+from engine.kv.block_tables import BlockCopy
 from engine.kv.prefix_hash import BlockHash, TokenSlice, chain_hashes
 
-BlockCopy = tuple[int, int]  # (source block id, destination block id)
+
+class TableOptions(TypedDict, total=False):
+    """`KVCacheManager`'s keyword settings, as the classes built on it pass them on."""
+
+    enable_prefix_caching: bool
+    extra_key: int
+    num_cpu_blocks: int
 
 
 class KVCacheManager:
-    """Owns every sequence's block table; allocates, shares and caches blocks.
+    """Owns every sequence's block table; allocates, shares and caches blocks (the paged
+    `BlockTables`).
 
     The primitives every decoding algorithm is built from:
     - `grow(seq_id, num_tokens)`: the table holds `num_tokens` tokens (all or nothing;
@@ -36,6 +45,7 @@ class KVCacheManager:
         self,
         num_blocks: int,
         block_size: int,
+        *,
         enable_prefix_caching: bool = False,
         extra_key: int = 0,
         num_cpu_blocks: int = 0,
@@ -77,12 +87,9 @@ class KVCacheManager:
         return self._tables.get(seq_id, [])
 
     # -- the primitives ------------------------------------------------------------------
-    def allocate_slots(self, seq_id: str, num_tokens: int) -> bool:
-        """Grows the table to hold `num_tokens` tokens; False (nothing changed) if it can't."""
-        return self.grow(seq_id, num_tokens) is not None
-
     def grow(self, seq_id: str, num_tokens: int) -> list[int] | None:
-        """`allocate_slots` returning the live table (None: blocks ran out, no change)."""
+        """Grows the table to hold `num_tokens` tokens; the live table (None: blocks ran
+        out, nothing changed)."""
         table = self._tables.get(seq_id)
         need = cdiv(num_tokens, self.block_size) - (len(table) if table else 0)
         if need <= 0:

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 
 from engine.core.scheduler_output import SchedulerOutput
-from engine.messages import RequestLogprobs, TokenLogprob
-from engine.worker.model_runner import ModelOutput
+from engine.outputs import Logprob
+from engine.worker.model_output import LogprobDict, ModelOutput
 from engine.worker.worker import NullWorker
 
 FIRST_OFFER_ID = 1_000  # token ids of a row's offers: FIRST_OFFER_ID + rank - 1
@@ -36,31 +35,26 @@ class SimWorker(NullWorker):
             raise ValueError(f"top_gap and next_gap must be > 0, got {top_gap} and {next_gap}")
         self.rng = random.Random(seed)
         self.top_gap, self.next_gap = top_gap, next_gap
-        self._rows: list[RequestLogprobs] = []  # this step's offers
 
     def _run(self, step: SchedulerOutput) -> ModelOutput:
-        sampled, self._rows = {}, []
+        sampled, offers = {}, {}
         for s in step.scheduled:
             if not s.samples:
                 continue
             rid, num_top = s.request.request_id, s.request.params.logprobs
             if num_top:
-                self._rows.append(RequestLogprobs(rid, (self._offers(num_top),)))
+                offers[rid] = self._offers(num_top)
                 sampled[rid] = FIRST_OFFER_ID
             else:
                 sampled[rid] = self.token_id
-        return ModelOutput(sampled, None, (), {})
+        return ModelOutput(sampled, offers)
 
-    def _logprobs(self, result: ModelOutput) -> Iterator[RequestLogprobs]:
-        """The offers `_run` drew (the wire rows a model's worker would send)."""
-        yield from self._rows
-
-    def _offers(self, num_top: int) -> tuple[TokenLogprob, ...]:
+    def _offers(self, num_top: int) -> LogprobDict:
         """`num_top` offers, best first."""
         expovariate = self.rng.expovariate
         lp = -expovariate(1 / self.top_gap)
-        offers = [TokenLogprob(FIRST_OFFER_ID, lp, 1, None)]
+        offers = {FIRST_OFFER_ID: Logprob(lp, 1)}
         for rank in range(2, num_top + 1):
             lp -= expovariate(1 / self.next_gap)
-            offers.append(TokenLogprob(FIRST_OFFER_ID + rank - 1, lp, rank, None))
-        return tuple(offers)
+            offers[FIRST_OFFER_ID + rank - 1] = Logprob(lp, rank)
+        return offers

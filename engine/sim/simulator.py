@@ -21,16 +21,16 @@ from collections.abc import Sequence
 from dataclasses import astuple, dataclass, field
 
 from engine.config import PreemptionMode, SchedulerConfig
-from engine.core.sequence_group import sequence_id
 from engine.core.stats import EngineStats
-from engine.kv.contiguous_kv_cache import ContiguousKVCacheManager
+from engine.kv.block_tables import BlockTables
 from engine.kv.kv_cache_manager import KVCacheManager
-from engine.kv.memory_shares import KVMemoryShares
-from engine.kv.reservation import ReservationPolicy
-from engine.kv.unshared_kv_cache import UnsharedKVCacheManager
-from engine.messages import AddRequest, StepPlan, StepResult
+from engine.messages import AddRequest, StepPlan, StepResult, request_id_of, sequence_id
 from engine.sampling_params import SamplingParams
+from engine.sim.baselines.contiguous_kv_cache import ContiguousKVCacheManager
+from engine.sim.baselines.reservation import ReservationPolicy
+from engine.sim.baselines.unshared_kv_cache import UnsharedKVCacheManager
 from engine.sim.cost_model import CostModel, StepShape
+from engine.sim.memory_shares import KVMemoryShares
 from engine.sim.sim_worker import SimWorker
 from engine.sim.trace import TraceRequest
 from engine.wiring import build_core
@@ -57,13 +57,13 @@ class SimulatorConfig:
     allocator: ReservationPolicy | None = None
     share_blocks: bool = True  # paged only: False copies what forks share (an ablation)
 
-    def build_blocks(self) -> KVCacheManager | ContiguousKVCacheManager:
+    def build_blocks(self) -> BlockTables:
         if self.allocator is None:
             paged = KVCacheManager if self.share_blocks else UnsharedKVCacheManager
             return paged(
                 self.num_blocks,
                 self.block_size,
-                self.enable_prefix_caching,
+                enable_prefix_caching=self.enable_prefix_caching,
                 num_cpu_blocks=self.num_cpu_blocks,
             )
         return ContiguousKVCacheManager(
@@ -243,11 +243,11 @@ class Simulator:
     def _deliver(self, step: StepResult, done_s: float, times: dict[str, RequestTimes]) -> None:
         deltas = self.core.on_result(step)
         for request_id in deltas.request_ids:
-            entry = times[_request_of(request_id)]
+            entry = times[request_id_of(request_id)]
             if entry.first_token_s is None:
                 entry.first_token_s = done_s
         for finish in deltas.finished:
-            times[_request_of(finish.request_id)].finish_s = done_s
+            times[request_id_of(finish.request_id)].finish_s = done_s
         for ranked in deltas.ranked:  # a beam search returns its beams when it ends
             entry = times[ranked.request_id]
             entry.first_token_s = entry.finish_s = done_s
@@ -261,11 +261,6 @@ def _sequence_ids(request: TraceRequest) -> list[str]:
     if request.n == 1:
         return [request.request_id]
     return [sequence_id(request.request_id, i) for i in range(request.n)]
-
-
-def _request_of(sequence_id: str) -> str:
-    """A trace request's id from a sequence's (`rid#i` for n > 1)."""
-    return sequence_id.partition("#")[0]
 
 
 def _add_request(request: TraceRequest) -> AddRequest:

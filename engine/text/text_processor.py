@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from engine.core.sequence_group import best_n, sequence_id
 from engine.messages import (
     AbortRequest,
     AddRequest,
@@ -19,6 +18,7 @@ from engine.messages import (
     TokenDelta,
     TokenizeRequest,
     TokenizeResult,
+    sequence_id,
 )
 from engine.text.detokenizer import IncrementalDetokenizer
 from engine.text.request_validation import RequestLimits, validate_request
@@ -128,7 +128,8 @@ class TextProcessor:
                 ids, text = self._encode(request), ""
         except ValueError as exc:
             return TokenizeResult.refused(rid, str(exc), ErrorKind.INVALID)
-        return TokenizeResult(rid, tuple(ids), tuple(map(self.token_texts, ids)), text)
+        texts = tuple(map(self.token_texts, ids))
+        return TokenizeResult(request_id=rid, token_ids=tuple(ids), token_strs=texts, text=text)
 
     def _encode(self, request: TokenizeRequest) -> list[int]:
         if (request.prompt is None) == (request.messages is None):
@@ -374,7 +375,8 @@ class TextProcessor:
             return []
         ended = self.ranked.pop(request.request_id)
         prompt_rows = next((d.prompt_logprobs for _, d in ended if d.prompt_logprobs), None)
-        best = best_n(ended, lambda r: r[0], request.params.n)
+        # best_of's rule: the n of highest cumulative logprob, best first (ties: as ended)
+        best = sorted(ended, key=lambda r: r[0], reverse=True)[: request.params.n]
         # the prompt's rows (scored by one sequence) ride on output 0, whichever is best
         return [
             replace(d, index=i, prompt_logprobs=prompt_rows if i == 0 else None)

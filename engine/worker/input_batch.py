@@ -9,6 +9,9 @@ import torch
 
 from engine.core.scheduler_output import ScheduledRequest
 from engine.worker.attention.metadata import AttentionMetadata
+from engine.worker.worker_request import WorkerRequest
+
+Row = ScheduledRequest[WorkerRequest]
 
 
 @dataclass(frozen=True)
@@ -27,14 +30,14 @@ class ModelInput:
     input_ids: torch.Tensor  # [num_tokens] int64
     positions: torch.Tensor  # [num_tokens] int64
     metadata: AttentionMetadata
-    rows: tuple[ScheduledRequest, ...]  # row order of the batch
-    sample_rows: tuple[ScheduledRequest, ...]  # rows that sample, in row order
+    rows: tuple[Row, ...]  # row order of the batch
+    sample_rows: tuple[Row, ...]  # rows that sample, in row order
     logits_indices: torch.Tensor  # [num_sample_rows] int64: each sampling row's last token
     prompt_logprob_spans: tuple[PromptLogprobSpan, ...]
 
 
 def build_model_input(
-    scheduled: Sequence[ScheduledRequest], block_size: int, device: str | torch.device
+    scheduled: Sequence[Row], block_size: int, device: str | torch.device
 ) -> ModelInput:
     rows = sorted(scheduled, key=lambda s: s.num_scheduled_tokens != 1)  # stable: decodes first
     ids: list[int] = []
@@ -82,12 +85,12 @@ def _metadata(rows, starts, slots, device) -> AttentionMetadata:
     )
 
 
-def _prompt_logprob_span(row: ScheduledRequest, start: int) -> PromptLogprobSpan | None:
+def _prompt_logprob_span(row: Row, start: int) -> PromptLogprobSpan | None:
     """Positions p of this chunk with p + 1 still in the prompt and not yet scored."""
     request = row.request
     if request.params.prompt_logprobs is None:
         return None
-    done = len(request.prompt_logprobs or [None]) - 1  # entries scored so far (after the None)
+    done = request.num_scored_prompt_tokens
     first = max(row.num_computed_tokens, done)
     last = min(row.num_computed_tokens + row.num_scheduled_tokens, request.num_prompt_tokens - 1)
     if first >= last:

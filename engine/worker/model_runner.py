@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 import torch
 
 from engine.config import CacheConfig, DeviceConfig, ModelConfig
-from engine.core.request import Request
-from engine.core.scheduler_output import SchedulerOutput
+from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from engine.kv.block_count import cdiv
 from engine.worker.attention.selector import select_backend
 from engine.worker.compiled_model import compile_model
@@ -23,8 +21,9 @@ from engine.worker.kv_cache import (
     cuda_budget_bytes,
     num_blocks_for,
 )
-from engine.worker.logprobs import Logprob, TokenLogprobs, compute_token_logprobs, to_dicts
+from engine.worker.logprobs import TokenLogprobs, compute_token_logprobs, to_dicts
 from engine.worker.model_loader import load_model
+from engine.worker.model_output import LogprobDict, ModelOutput
 from engine.worker.models.prepack import prepack_linears
 from engine.worker.parallel.group import TensorParallelGroup
 from engine.worker.parallel.layers import kv_heads_per_rank
@@ -32,38 +31,6 @@ from engine.worker.sampler import Sampler
 from engine.worker.sampling_metadata import SamplingMetadata, SamplingRow
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ModelOutput:
-    """What one step produced, by request id: the sampled token (and its logprobs row),
-    and scored prompt tokens for requests that asked for prompt logprobs."""
-
-    sampled: dict[str, int]
-    logprobs: TokenLogprobs | None  # rows in the order of `logprob_rows`
-    logprob_rows: tuple[str, ...]
-    prompt_logprobs: dict[str, tuple[TokenLogprobs, tuple[int, ...]]]
-
-    def sample_logprob_dicts(
-        self, requests: Mapping[str, Request]
-    ) -> Iterator[tuple[Request, dict[int, Logprob], float]]:
-        """Per logprobs row: the request, its sampled token's dict (that token first,
-        then the request's own top `params.logprobs`), and that token's logprob."""
-        if self.logprobs is None:
-            return
-        rows = [requests[rid] for rid in self.logprob_rows]
-        tokens = [self.sampled[rid] for rid in self.logprob_rows]
-        tops = [r.params.logprobs or 0 for r in rows]
-        dicts = to_dicts(self.logprobs, tokens, tops)
-        yield from zip(rows, dicts, self.logprobs.token_logprobs.tolist(), strict=True)
-
-    def prompt_logprob_dicts(
-        self, requests: Mapping[str, Request]
-    ) -> Iterator[tuple[Request, list[dict[int, Logprob]]]]:
-        """Per request that scored prompt positions in this step: one dict per position."""
-        for rid, (lp, targets) in self.prompt_logprobs.items():
-            request = requests[rid]
-            yield request, to_dicts(lp, targets, [request.params.prompt_logprobs] * len(targets))
 
 
 class ModelRunner:
@@ -177,7 +144,7 @@ class ModelRunner:
         hidden = self.model(batch.input_ids, batch.positions, self.kv_cache, batch.metadata)
         prompt_lp = self._prompt_logprobs(batch, hidden)
         if not sample or not batch.sample_rows:
-            return ModelOutput({}, None, (), prompt_lp)
+            return ModelOutput({}, prompt_logprobs=prompt_lp)
         logits = self.model.compute_logits(hidden[batch.logits_indices])  # [S, vocab]
         ids = [r.request.request_id for r in batch.sample_rows]
         if self.group.is_first:
@@ -186,7 +153,9 @@ class ModelRunner:
         else:  # rank 0 samples; this rank only needs the tokens, for its worker
             tokens, logprobs = torch.empty(len(ids), dtype=torch.int64, device=logits.device), None
         tokens = self.group.broadcast(tokens).tolist()
-        return ModelOutput(dict(zip(ids, tokens, strict=True)), logprobs, tuple(ids), prompt_lp)
+        sampled = dict(zip(ids, tokens, strict=True))
+        rows = _sample_logprobs(batch.sample_rows, tokens, logprobs)
+        return ModelOutput(sampled, rows, prompt_lp)
 
     def move_blocks(self, plan: SchedulerOutput) -> None:
         """A step's block traffic before its forward pass: swap-outs (device -> CPU), then
@@ -218,12 +187,30 @@ class ModelRunner:
         return SamplingMetadata.from_rows(rows, self.model_config.vocab_size, self.device)
 
     def _prompt_logprobs(self, batch: ModelInput, hidden: torch.Tensor) -> dict:
+        """Each scored prompt position's row, by request."""
         result = {}
         for span in batch.prompt_logprob_spans:
             index = torch.tensor(span.token_indices, dtype=torch.int64, device=hidden.device)
             logits = self.model.compute_logits(hidden[index])  # [n, vocab]
             targets = torch.tensor(span.targets, dtype=torch.int64, device=hidden.device)
             request = next(r.request for r in batch.rows if r.request.request_id == span.request_id)
-            lp = compute_token_logprobs(logits, targets, request.params.prompt_logprobs)
-            result[span.request_id] = (lp, span.targets)
+            num_top = request.params.prompt_logprobs
+            lp = compute_token_logprobs(logits, targets, num_top)
+            result[span.request_id] = to_dicts(lp, span.targets, [num_top] * len(span.targets))
         return result
+
+
+def _sample_logprobs(
+    rows: Sequence[ScheduledRequest], tokens: list[int], logprobs: TokenLogprobs | None
+) -> dict[str, LogprobDict]:
+    """The sampled tokens' rows (each token first, then its request's own top
+    `params.logprobs`) of the requests that asked for logprobs, by request id."""
+    if logprobs is None:
+        return {}
+    tops = [r.request.params.logprobs or 0 for r in rows]
+    dicts = to_dicts(logprobs, tokens, tops)
+    return {
+        r.request.request_id: row
+        for r, row in zip(rows, dicts, strict=True)
+        if r.request.params.logprobs is not None
+    }

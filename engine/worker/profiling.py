@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from engine.core.request import Request
 from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from engine.kv.block_count import cdiv
 from engine.sampling_params import SamplingParams
+from engine.worker.worker_request import WorkerRequest
 
 
 def dummy_plan(num_tokens: int, max_model_len: int, block_size: int) -> SchedulerOutput:
@@ -15,7 +15,8 @@ def dummy_plan(num_tokens: int, max_model_len: int, block_size: int) -> Schedule
     while left > 0:
         n = min(left, max_model_len)
         blocks = cdiv(n, block_size)
-        request = Request(f"profile-{i}", None, [0] * n, SamplingParams(max_tokens=1), i)
+        params = SamplingParams(max_tokens=1)
+        request = WorkerRequest(f"profile-{i}", [0] * n, params, frozenset(), [], 0)
         table = tuple(range(next_block, next_block + blocks))
         scheduled.append(ScheduledRequest(request, 0, n, table))
         next_block, left, i = next_block + blocks, left - n, i + 1

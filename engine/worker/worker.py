@@ -1,13 +1,15 @@
-"""Worker side of the protocol: cached per-request state + a ModelRunner."""
+"""Worker side of the protocol: cached per-request state + a ModelRunner.
+
+Torch-free itself (the simulator's model-free workers run the same protocol): only the
+builders below import the torch modules (model runner, KV cache sizing), when called."""
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from engine.config import EngineConfig
-from engine.core.request import Request, RequestStatus
 from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from engine.engine_args import EngineArgs
 from engine.errors import describe
@@ -22,19 +24,21 @@ from engine.messages import (
     TokenLogprob,
     WorkerReady,
 )
-from engine.outputs import Logprob
-from engine.worker.kv_cache import DEFAULT_CPU_KV_CACHE_MEMORY, num_blocks_for
-from engine.worker.model_runner import ModelOutput, ModelRunner
-from engine.worker.parallel.group import join_group
+from engine.worker.model_output import LogprobDict, ModelOutput
 from engine.worker.parallel.table_digest import block_table_digest
+from engine.worker.worker_request import WorkerRequest
+
+if TYPE_CHECKING:
+    from engine.worker.model_runner import ModelRunner
 
 
 class Worker:
     """Applies each StepPlan's diffs to its cached requests and runs the step.
 
-    The worker keeps every running request's token ids, including the tokens it sampled
-    itself, so a plan never carries sampled tokens back. Contract: a request id is new in
-    exactly one plan, cached afterwards, and dropped when it appears in `finished_ids`.
+    The worker keeps a `WorkerRequest` replica of every running request, with the
+    tokens it sampled itself, so a plan never carries sampled tokens back. Contract: a
+    request id is new in exactly one plan, cached afterwards, and dropped when it
+    appears in `finished_ids`.
 
     The failure rule, per request: a diff that cannot be applied fails its request; a
     step whose model run raises fails every request it scheduled (under tensor
@@ -48,11 +52,10 @@ class Worker:
         self.runner = runner
         self.worker_id = worker_id
         self.eos_token_ids = runner.model_config.eos_token_ids if runner else frozenset()
-        self.requests: dict[str, Request] = {}
+        self.requests: dict[str, WorkerRequest] = {}
         self.block_tables: dict[str, list[int]] = {}
         self.failed: set[str] = set()  # forgotten after a failure, until finished
         self.num_rank_checks = 0  # steps whose block tables all ranks compared
-        self._arrivals = itertools.count()
 
     def execute(self, plan: StepPlan) -> StepResult:
         failures: dict[str, str] = {}
@@ -150,14 +153,14 @@ class Worker:
 
     def _logprobs(self, result: ModelOutput) -> Iterator[RequestLogprobs]:
         """Sampled-token logprobs of the requests that asked for them."""
-        for r, row, _ in result.sample_logprob_dicts(self.requests):
-            if r.params.logprobs is not None:
-                yield RequestLogprobs(r.request_id, (_wire_row(row),))
+        for request_id, row in result.logprobs.items():
+            yield RequestLogprobs(request_id, (_wire_row(row),))
 
     def _prompt_logprobs(self, result: ModelOutput) -> Iterator[RequestLogprobs]:
-        for request, rows in result.prompt_logprob_dicts(self.requests):
-            request.prompt_logprobs.extend(rows)  # scored once, even if recomputed later
-            yield RequestLogprobs(request.request_id, tuple(_wire_row(r) for r in rows))
+        for request_id, rows in result.prompt_logprobs.items():
+            request = self.requests[request_id]
+            request.num_scored_prompt_tokens += len(rows)  # once, even if recomputed later
+            yield RequestLogprobs(request_id, tuple(_wire_row(r) for r in rows))
 
     def _apply(self, plan: StepPlan, failures: dict[str, str]) -> None:
         for request_id in plan.finished_ids:
@@ -175,20 +178,7 @@ class Worker:
                 self._forget([request_id], describe(exc), failures)
 
     def _add(self, new: NewRequestData) -> None:
-        request = Request(
-            new.request_id,
-            None,
-            list(new.prompt_token_ids),
-            new.params,
-            next(self._arrivals),
-            eos_token_ids=self.eos_token_ids,
-            status=RequestStatus.RUNNING,
-        )
-        request.num_computed_tokens = new.num_computed_tokens
-        request.output_token_ids = list(new.output_token_ids)
-        if new.params.prompt_logprobs is not None:
-            request.prompt_logprobs = [None]
-        self.requests[new.request_id] = request
+        self.requests[new.request_id] = WorkerRequest.of(new, self.eos_token_ids)
         self.block_tables[new.request_id] = list(new.block_ids)
 
     def _update(self, cached: CachedRequestData) -> None:
@@ -216,10 +206,10 @@ class NullWorker(Worker):
 
     def _run(self, step: SchedulerOutput) -> ModelOutput:
         sampled = {s.request.request_id: self.token_id for s in step.scheduled if s.samples}
-        return ModelOutput(sampled, None, (), {})
+        return ModelOutput(sampled)
 
 
-def _check_in_step(request: Request, num_computed_tokens: int) -> None:
+def _check_in_step(request: WorkerRequest, num_computed_tokens: int) -> None:
     """The worker counts computed tokens itself between diffs; a diff must agree."""
     if request.num_computed_tokens != num_computed_tokens:
         raise RuntimeError(
@@ -228,7 +218,7 @@ def _check_in_step(request: Request, num_computed_tokens: int) -> None:
         )
 
 
-def _wire_row(row: dict[int, Logprob]) -> LogprobRow:
+def _wire_row(row: LogprobDict) -> LogprobRow:
     return tuple(TokenLogprob(t, lp.logprob, lp.rank, None) for t, lp in row.items())
 
 
@@ -239,6 +229,9 @@ def build_worker(
     (`config`: `args.build()`, when the caller has built it already). Under tensor
     parallelism this process is rank `rank`: it joins the group first (every rank must
     call this), loads its slices, and the ranks agree on the block count."""
+    from engine.worker.model_runner import ModelRunner  # torch: only a real worker
+    from engine.worker.parallel.group import join_group
+
     config = config or args.build()
     group = join_group(config.parallel, config.device.device, rank)
     runner = ModelRunner(
@@ -252,14 +245,14 @@ def build_worker(
     num_blocks, num_cpu_blocks = runner.num_blocks(), runner.num_cpu_blocks()
     runner.initialize_cache(num_blocks, num_cpu_blocks)
     ready = WorkerReady(
-        worker_id,
-        num_blocks,
-        config.cache.block_size,
-        config.model.max_model_len,
-        config.model.vocab_size,
-        num_cpu_blocks,
-        runner.backend.name,
-        runner.backend_reason,
+        worker_id=worker_id,
+        num_blocks=num_blocks,
+        block_size=config.cache.block_size,
+        max_model_len=config.model.max_model_len,
+        vocab_size=config.model.vocab_size,
+        num_cpu_blocks=num_cpu_blocks,
+        attention_backend=runner.backend.name,
+        attention_backend_reason=runner.backend_reason,
     )
     return Worker(runner, worker_id), ready
 
@@ -267,15 +260,17 @@ def build_worker(
 def build_null_worker(args: EngineArgs, worker_id: int = 0) -> tuple[NullWorker, WorkerReady]:
     """A NullWorker announcing the blocks `args.kv_cache_memory` would hold for this model
     (read from config.json only; no weights are loaded)."""
+    from engine.worker.kv_cache import DEFAULT_CPU_KV_CACHE_MEMORY, num_blocks_for  # torch
+
     config = args.build()
     budget = config.cache.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY
     m = config.model
     ready = WorkerReady(
-        worker_id,
-        num_blocks_for(m, config.cache, budget, config.parallel.tensor_parallel_size),
-        config.cache.block_size,
-        m.max_model_len,
-        m.vocab_size,
+        worker_id=worker_id,
+        num_blocks=num_blocks_for(m, config.cache, budget, config.parallel.tensor_parallel_size),
+        block_size=config.cache.block_size,
+        max_model_len=m.max_model_len,
+        vocab_size=m.vocab_size,
         attention_backend="none",
         attention_backend_reason="a null worker runs no model",
     )

@@ -39,7 +39,7 @@ from engine.messages import (
 from tests.eventually import eventually
 
 TIMEOUT = 5.0
-EMPTY_RESULT = StepResult(1, 0, (), (), (), (), None, 0.0)
+EMPTY_RESULT = StepResult.empty(1, 0)
 
 
 class EchoActor(Actor):
@@ -314,7 +314,9 @@ async def test_await_ready_returns_messages_that_came_first(ctx):
     try:
         address = ipc_address(run_dir, "ready")
         inbox, outbox = zmq_inbox(ctx, address), zmq_outbox(ctx, address)
-        ready = WorkerReady(0, 1024, 16, 2048, 32000)
+        ready = WorkerReady(
+            worker_id=0, num_blocks=1024, block_size=16, max_model_len=2048, vocab_size=32000
+        )
         await send_message(outbox, AbortRequest("early"))
         await outbox.send(b"garbage")
         await send_message(outbox, ready)

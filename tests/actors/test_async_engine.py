@@ -122,9 +122,9 @@ async def test_streams_equal_offline_outputs(served, depth):
         stats = engine.stats()
         assert stats.num_running == 0 and stats.num_free_blocks == stats.num_blocks
     finally:
-        run_dir = engine._run_dir
+        run_dir = engine.launch.run_dir
         await engine.shutdown()
-    assert engine._worker.poll() is not None  # no orphan process
+    assert engine.launch.process.poll() is not None  # no orphan process
     assert not os.path.exists(run_dir)  # no stale ipc files
 
 
@@ -133,7 +133,7 @@ async def test_killed_worker_ends_every_request_with_an_error_and_shuts_down(ser
     import time
 
     engine = await AsyncEngine.start(EngineArgs(model=served.path, **served.kwargs))
-    run_dir = engine._run_dir
+    run_dir = engine.launch.run_dir
     params = SamplingParams(max_tokens=80, ignore_eos=True)
     first_token = asyncio.Event()
 
@@ -146,7 +146,7 @@ async def test_killed_worker_ends_every_request_with_an_error_and_shuts_down(ser
 
     tasks = [asyncio.create_task(consume(f"k{i}")) for i in range(8)]
     await asyncio.wait_for(first_token.wait(), timeout=60)
-    engine._worker.send_signal(signal.SIGKILL)
+    engine.launch.process.send_signal(signal.SIGKILL)
     killed_at = time.monotonic()
     finals = await asyncio.wait_for(asyncio.gather(*tasks), timeout=5)
     assert time.monotonic() - killed_at < 5
@@ -156,7 +156,7 @@ async def test_killed_worker_ends_every_request_with_an_error_and_shuts_down(ser
         async for _ in engine.generate("again", params, "late"):
             pass
     await engine.shutdown()  # idempotent after the watchdog's own shutdown
-    assert engine._worker.poll() is not None
+    assert engine.launch.process.poll() is not None
     await eventually(lambda: not os.path.exists(run_dir), 5, f"{run_dir} removed")
 
 
@@ -191,12 +191,12 @@ async def test_500_requests_with_random_aborts_leave_every_block_free(served):
 
         def idle() -> bool:  # the last aborts and results have reached the scheduler
             stats = engine.stats()
-            return stats.num_running == stats.num_waiting == engine.scheduler.in_flight == 0
+            return stats.num_running == stats.num_waiting == engine.graph.scheduler.in_flight == 0
 
         await eventually(idle, 10, "nothing running, waiting or in flight")
         stats = engine.stats()
-        engine.scheduler.core.scheduler.check_integrity()
-        engine.block_manager.manager.check_integrity()  # the block manager's own tables
+        engine.graph.scheduler.core.scheduler.check_integrity()
+        engine.graph.block_manager.manager.check_integrity()  # the block manager's own tables
         assert stats.num_free_blocks == stats.num_blocks
         assert engine.is_healthy
     finally:

@@ -42,14 +42,14 @@ async def final(engine: AsyncEngine, prompt, params, rid: str) -> tuple[OutputDe
 
 def nothing_held(engine: AsyncEngine) -> bool:
     stats = engine.stats()
-    processor = engine.tokenizer.processor
+    processor = engine.graph.tokenizer.processor
     return (
         stats.num_free_blocks == stats.num_blocks
         and stats.num_running == stats.num_waiting == 0
         and not processor.states
         and not processor.sequences
         and not processor.clients
-        and not engine.scheduler.core.scheduler.requests
+        and not engine.graph.scheduler.core.scheduler.requests
         and not engine._streams
     )
 
@@ -65,7 +65,7 @@ async def fails_alone(engine: AsyncEngine, faulty, rid: str = "faulty") -> Outpu
     neighbour, _ = await asyncio.wait_for(healthy, 60)
     assert neighbour.finish_reason == "length" and neighbour.num_output_tokens == 400
     await eventually(lambda: nothing_held(engine), 2.0, "every block and state released")
-    engine.block_manager.manager.check_integrity()
+    engine.graph.block_manager.manager.check_integrity()
     return out
 
 
@@ -99,13 +99,13 @@ def when(request_id: str, error: Exception):
 
 async def test_an_exception_in_the_tokenizer_fails_only_its_request(engine, monkeypatch):
     fault = when("faulty", RuntimeError("tokenizer fault injected"))
-    inject(monkeypatch, engine.tokenizer.processor, "prepare", fault)
+    inject(monkeypatch, engine.graph.tokenizer.processor, "prepare", fault)
     out = await fails_alone(engine, ("hello", SHORT))
     assert "tokenizer fault injected" in out.error
 
 
 async def test_an_exception_while_detokenizing_fails_only_its_request(engine, monkeypatch):
-    processor = engine.tokenizer.processor
+    processor = engine.graph.tokenizer.processor
 
     def third_token(delta):
         state = processor.states.get(delta.request_id)
@@ -120,14 +120,14 @@ async def test_an_exception_while_detokenizing_fails_only_its_request(engine, mo
 async def test_an_exception_in_the_scheduler_fails_only_its_request(engine, monkeypatch):
     fault = when("faulty", KeyError("scheduler fault injected"))
     # after: the request holds a place in the scheduler when the handler raises
-    inject(monkeypatch, engine.scheduler.core, "add_request", fault, after=True)
+    inject(monkeypatch, engine.graph.scheduler.core, "add_request", fault, after=True)
     out = await fails_alone(engine, ("hello", LONG))
     assert "scheduler fault injected" in out.error
 
 
 async def test_n_sequences_fail_together(engine, monkeypatch):
     fault = when("faulty#1", RuntimeError("one sequence failed"))
-    inject(monkeypatch, engine.tokenizer.processor, "on_token_delta", fault)
+    inject(monkeypatch, engine.graph.tokenizer.processor, "on_token_delta", fault)
     out = await fails_alone(engine, ("hello", dataclasses.replace(LONG, n=3)))
     assert "one sequence failed" in out.error
 
@@ -143,7 +143,7 @@ async def test_a_block_manager_fault_brings_the_engine_down_cleanly():
         def broken(message):
             raise RuntimeError("block manager fault injected")
 
-        manager = engine.block_manager  # the next exchange (a block boundary) raises
+        manager = engine.graph.block_manager  # the next exchange (a block boundary) raises
         manager.handlers = {t: broken for t in manager.handlers}
         start = time.monotonic()
         outs = [out for out, _ in await asyncio.wait_for(asyncio.gather(*running), 5)]

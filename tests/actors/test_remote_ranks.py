@@ -94,7 +94,7 @@ async def test_a_remote_rank_serves_like_one_device_and_refuses_forged_frames(tm
     expected = _one_device()
     port = free_port()
     engine, worker = await _start(port, tmp_path / "worker.log")
-    head = engine._launch.head
+    head = engine.launch.head
     try:
         assert await _generate_all(engine, "a") == expected
         caplog.set_level(logging.WARNING, logger="actors.frame_auth")
@@ -116,7 +116,7 @@ async def test_a_remote_rank_serves_like_one_device_and_refuses_forged_frames(tm
     finally:
         await engine.shutdown()
     assert worker.wait(20) == 0  # the head's Shutdown reached it
-    assert all(p.poll() is not None for p in engine._workers)
+    assert all(p.poll() is not None for p in engine.launch.processes)
 
 
 @pytest.mark.timeout(120)
@@ -149,7 +149,9 @@ async def test_losing_the_remote_rank_fails_every_request_within_ten_seconds(tmp
     assert not engine.is_healthy
     await engine.shutdown()
     worker.wait()
-    await eventually(lambda: all(p.poll() is not None for p in engine._workers), 10, "ranks gone")
+    await eventually(
+        lambda: all(p.poll() is not None for p in engine.launch.processes), 10, "ranks gone"
+    )
 
 
 @pytest.mark.timeout(120)
@@ -158,7 +160,7 @@ async def test_the_remote_rank_exits_when_the_head_is_gone(tmp_path):
     collective with rank 0 fails first or its look at the head's store does."""
     engine, worker = await _start(free_port(), tmp_path / "worker.log")
     assert await _generate_all(engine, "c")
-    engine._launch.abandon()  # the local rank killed, the store stopped, no Shutdown sent
+    engine.launch.abandon()  # the local rank killed, the store stopped, no Shutdown sent
     assert worker.wait(20) == 1
     log = (tmp_path / "worker.log").read_text()
     # the store look's own words, or gloo's for a collective whose peer is gone (two

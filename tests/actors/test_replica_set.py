@@ -163,8 +163,8 @@ async def test_a_replica_that_dies_leaves_the_set_degraded_and_shutdown_leaves_n
     """Without restarts, a dead replica stays down: the set serves on the other one
     (DEGRADED, still healthy), and only when none serves is it unhealthy."""
     replicas = await ReplicaSet.start(engine_args(), 2)
-    workers = [r.engine._worker for r in replicas.replicas]
-    run_dirs = [r.engine._run_dir for r in replicas.replicas]
+    workers = [r.engine.launch.process for r in replicas.replicas]
+    run_dirs = [r.engine.launch.run_dir for r in replicas.replicas]
     try:
         os.kill(workers[1].pid, signal.SIGKILL)
         await eventually(lambda: not replicas.replicas[1].is_healthy, 10, "replica 1 down")

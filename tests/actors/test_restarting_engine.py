@@ -67,7 +67,7 @@ async def test_a_killed_worker_is_replaced_and_new_requests_are_served() -> None
     try:
         first = engine.engine
         in_flight = await started(engine, "hello", "in-flight")
-        os.kill(first._worker.pid, signal.SIGKILL)
+        os.kill(first.launch.process.pid, signal.SIGKILL)
         killed_at = time.monotonic()
         assert await asyncio.wait_for(in_flight, 5) == "error"
         assert time.monotonic() - killed_at < 1.5
@@ -80,17 +80,17 @@ async def test_a_killed_worker_is_replaced_and_new_requests_are_served() -> None
         assert engine.engine is not first and engine.num_restarts == 1
         assert engine.watch_stats().num_restarts == 1
         assert await finish(engine, "hi", SHORT, "after") == "length"
-        assert first._worker.poll() is not None
+        assert first.launch.process.poll() is not None
     finally:
         await engine.shutdown()
-    assert engine.engine._worker.poll() is not None
+    assert engine.engine.launch.process.poll() is not None
 
 
 @pytest.mark.timeout(120)
 async def test_no_restarts_keeps_the_engine_down() -> None:
     engine = await RestartingEngine.start(engine_args(), RestartPolicy(max_restarts=0))
     try:
-        os.kill(engine.engine._worker.pid, signal.SIGKILL)
+        os.kill(engine.engine.launch.process.pid, signal.SIGKILL)
         await eventually(lambda: engine.engine.ended.is_set(), 10, "the engine down")
         assert engine.status is EngineStatus.UNHEALTHY and engine.num_restarts == 0
         assert "exited" in engine.error
@@ -104,7 +104,7 @@ async def test_a_stalled_worker_is_stopped_and_replaced() -> None:
     supervision = Supervision(worker_timeout_s=0.5)
     engine = await RestartingEngine.start(engine_args(), policy, supervision=supervision)
     try:
-        stalled = engine.engine._worker
+        stalled = engine.engine.launch.process
         stalled.send_signal(signal.SIGSTOP)
         await eventually(lambda: engine.num_restarts == 1, 60, "a replacement")
         assert stalled.poll() is not None  # killed, not left stopped
@@ -117,7 +117,7 @@ async def test_a_stalled_worker_is_stopped_and_replaced() -> None:
 async def test_a_dead_replica_is_skipped_then_comes_back() -> None:
     replicas = await ReplicaSet.start(engine_args(), 2, restart=FAST)
     try:
-        dead = replicas.replicas[1].engine._worker
+        dead = replicas.replicas[1].engine.launch.process
         os.kill(dead.pid, signal.SIGKILL)
         await eventually(lambda: replicas.status is EngineStatus.DEGRADED, 10, "degraded")
         assert replicas.is_healthy and replicas.error is None

@@ -1,4 +1,6 @@
-"""Scheduler actor + worker actor over in-process transports, sync and one step ahead."""
+"""The engine's actor graph (scheduler + block manager) and a worker actor over
+in-process transports, sync and one step ahead; and a scheduler alone whose block
+manager never answers."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import random
 import pytest
 
 from actors.actor import send_message
-from actors.block_manager_actor import BlockManagerActor
+from actors.engine_graph import EngineGraph
 from actors.scheduler_actor import BlockManagerTimeout, SchedulerActor
 from actors.transport import inproc_pair
 from actors.worker_actor import WorkerActor
@@ -64,17 +66,11 @@ async def test_actors_reproduce_offline_outputs_and_free_every_block(model_dir, 
     core, blocks = parts.core, parts.block_manager
     to_sched, sched_inbox = inproc_pair()
     to_worker, worker_inbox = inproc_pair()
-    to_tok, tok_inbox = inproc_pair()
     worker_actor = WorkerActor(worker, worker_inbox, to_sched)
-    to_blocks, blocks_inbox = inproc_pair()
-    to_replies, replies_inbox = inproc_pair()
-    block_manager = BlockManagerActor(blocks, blocks_inbox, to_replies)
-    scheduler = SchedulerActor(
-        core, sched_inbox, [to_worker], to_tok, to_blocks, replies_inbox, pipeline_depth=depth
-    )
-    await block_manager.start()
+    graph = EngineGraph(core, blocks, sched_inbox, [to_worker], pipeline_depth=depth)
+    scheduler = graph.scheduler
     await worker_actor.start()
-    await scheduler.start()
+    await graph.start()
     for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
         await send_message(to_sched, AddRequest(f"r{i}", tuple(p), sp, 0.0))
     await send_message(
@@ -84,7 +80,7 @@ async def test_actors_reproduce_offline_outputs_and_free_every_block(model_dir, 
         ),
     )
     await send_message(to_sched, AbortRequest("aborted"))
-    got = await _collect(tok_inbox, {f"r{i}" for i in range(12)})
+    got = await _collect(graph.tokenizer_inbox, {f"r{i}" for i in range(12)})
     assert [got[f"r{i}"][0] for i in range(12)] == [o.outputs[0].token_ids for o in expected]
     assert all(got[f"r{i}"][1] == "length" for i in range(12))
     await eventually(lambda: scheduler.in_flight == 0, 5, "the last results back")
@@ -94,9 +90,8 @@ async def test_actors_reproduce_offline_outputs_and_free_every_block(model_dir, 
     # One exchange per step at most (decode steps inside their blocks need none), plus
     # the frees of requests that ended between steps.
     assert 0 < blocks.num_exchanges == scheduler.num_exchanges
-    await scheduler.stop()
+    await graph.stop()
     await worker_actor.stop()
-    await block_manager.stop()
     assert scheduler.num_errors == 0 and worker_actor.num_errors == 0
 
 

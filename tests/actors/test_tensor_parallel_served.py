@@ -40,7 +40,7 @@ async def test_two_served_ranks_match_one_device():
         EngineArgs(model="builtin:tiny", tensor_parallel_size=2, **KWARGS)
     )
     try:
-        assert len(engine._workers) == 2
+        assert len(engine.launch.processes) == 2
         got = await asyncio.wait_for(
             asyncio.gather(
                 *(
@@ -53,9 +53,9 @@ async def test_two_served_ranks_match_one_device():
         beam = got[2]  # beams come back ranked; compare as the offline path orders them
         assert got[:2] == expected[:2] and sorted(beam) == sorted(expected[2])
     finally:
-        run_dir = engine._run_dir
+        run_dir = engine.launch.run_dir
         await engine.shutdown()
-    assert all(p.poll() is not None for p in engine._workers)
+    assert all(p.poll() is not None for p in engine.launch.processes)
     assert not os.path.exists(run_dir)
 
 
@@ -65,9 +65,9 @@ async def test_losing_a_rank_fails_every_request_within_ten_seconds():
         EngineArgs(model="builtin:tiny", tensor_parallel_size=2, **KWARGS),
         supervision=Supervision(worker_timeout_s=5.0),
     )
-    run_dir = engine._run_dir
+    run_dir = engine.launch.run_dir
     tasks = await streams_under_way(engine, [f"k{i}" for i in range(4)])
-    engine._workers[1].send_signal(signal.SIGKILL)
+    engine.launch.processes[1].send_signal(signal.SIGKILL)
     killed_at = time.monotonic()
     finals = await asyncio.wait_for(asyncio.gather(*tasks), timeout=10)
     assert time.monotonic() - killed_at < 10
@@ -75,7 +75,9 @@ async def test_losing_a_rank_fails_every_request_within_ten_seconds():
     assert all(f.finish_reason == "error" and "exited with code" in f.error for f in finals)
     assert not engine.is_healthy
     await engine.shutdown()
-    await eventually(lambda: all(p.poll() is not None for p in engine._workers), 10, "ranks gone")
+    await eventually(
+        lambda: all(p.poll() is not None for p in engine.launch.processes), 10, "ranks gone"
+    )
     await eventually(lambda: not os.path.exists(run_dir), 10, f"{run_dir} removed")
 
 
@@ -86,13 +88,15 @@ async def test_a_frozen_rank_takes_the_group_down():
         supervision=Supervision(worker_timeout_s=2.0),
     )
     [task] = await streams_under_way(engine, ["frozen"])
-    engine._workers[1].send_signal(signal.SIGSTOP)
+    engine.launch.processes[1].send_signal(signal.SIGSTOP)
     stopped_at = time.monotonic()
     final = await asyncio.wait_for(task, timeout=10)
     assert time.monotonic() - stopped_at < 10
     assert final.finish_reason == "error" and "worker 1 has sent no heartbeat" in final.error
     await engine.shutdown()
-    await eventually(lambda: all(p.poll() is not None for p in engine._workers), 10, "ranks gone")
+    await eventually(
+        lambda: all(p.poll() is not None for p in engine.launch.processes), 10, "ranks gone"
+    )
 
 
 @pytest.mark.timeout(180)
@@ -102,14 +106,14 @@ async def test_a_lost_rank_restarts_the_whole_group():
     args = EngineArgs(model="builtin:tiny", tensor_parallel_size=2, **KWARGS)
     engine = await RestartingEngine.start(args, RestartPolicy(max_restarts=1, backoff_s=0.05))
     try:
-        old = engine.engine._workers
+        old = engine.engine.launch.processes
         old[1].send_signal(signal.SIGKILL)
         await eventually(lambda: engine.num_restarts == 1, 120, "the group replaced")
         assert all(p.poll() is not None for p in old)
-        new = engine.engine._workers
+        new = engine.engine.launch.processes
         assert len(new) == 2 and not {p.pid for p in new} & {p.pid for p in old}
         got = await asyncio.wait_for(tokens_of(engine, PROMPTS[0], PARAMS[0], "after"), 60)
         assert len(got[0]) == 20
     finally:
         await engine.shutdown()
-    assert all(p.poll() is not None for p in engine.engine._workers)
+    assert all(p.poll() is not None for p in engine.engine.launch.processes)

@@ -43,20 +43,30 @@ async def test_requests_flow_to_the_scheduler_and_text_to_the_client():
     sched, client = InboxDecoder(INBOXES["scheduler"]), InboxDecoder(INBOXES["client"])
 
     params = SamplingParams(max_tokens=8, stop=["time"])
-    await send_message(to_tok, GenerateRequest("r1", "c1", "Once upon", None, None, params))
+    await send_message(to_tok, GenerateRequest.of("r1", "c1", "Once upon", params))
     add = await _next(sched_inbox, sched)
     assert isinstance(add, AddRequest) and list(add.prompt_token_ids) == tok.encode("Once upon")
 
     # A bad request gets an error delta; the scheduler hears nothing about it.
     bad = SamplingParams(logit_bias={10**6: 1.0})
-    await send_message(to_tok, GenerateRequest("r2", "c1", "x", None, None, bad))
+    await send_message(to_tok, GenerateRequest.of("r2", "c1", "x", bad))
     err = await _next(client_inbox, client)
     assert err.request_id == "r2" and err.finish_reason == "error" and "logit_bias" in err.error
 
     await to_tok.send(b"\x00 not msgpack")  # dropped, counted, the actor goes on
     ids = tuple(tok.encode(" a time", add_special_tokens=False))
     for step, token in enumerate(ids):  # one token per step, as the scheduler sends them
-        await send_message(to_tok, TokenDeltas(step, ("r1",), (token,), (), (), ()))
+        await send_message(
+            to_tok,
+            TokenDeltas(
+                step_id=step,
+                request_ids=("r1",),
+                token_ids=(token,),
+                finished=(),
+                logprobs=(),
+                prompt_logprobs=(),
+            ),
+        )
     abort = await _next(sched_inbox, sched)
     assert abort == AbortRequest("r1")  # the stop string ended it here
     outs = [await _next(client_inbox, client)]
@@ -92,11 +102,11 @@ async def test_tokenize_calls_past_the_queue_bound_are_refused_busy_and_admissio
     sched, client = InboxDecoder(INBOXES["scheduler"]), InboxDecoder(INBOXES["client"])
     try:
         for i in range(MAX_QUEUED_TOKENIZE + 1):
-            await send_message(to_tok, TokenizeRequest(f"t{i}", "c1", "Once", None, True))
+            await send_message(to_tok, TokenizeRequest.of_prompt(f"t{i}", "c1", "Once"))
         busy = await _next(client_inbox, client)
         assert busy.request_id == f"t{MAX_QUEUED_TOKENIZE}" and busy.error_kind is ErrorKind.BUSY
         params = SamplingParams(max_tokens=2)
-        await send_message(to_tok, GenerateRequest("g", "c1", "Once", None, None, params))
+        await send_message(to_tok, GenerateRequest.of("g", "c1", "Once", params))
         assert isinstance(await _next(sched_inbox, sched), AddRequest)
     finally:
         release.set()

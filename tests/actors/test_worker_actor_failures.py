@@ -1,15 +1,15 @@
-"""A request the worker cannot run, across the actors (scheduler, block manager, worker
-over in-process transports): the scheduler hears it in StepResult.failed, frees its
-blocks and reports RequestFailed to the tokenizer; the other requests finish; the worker
-forgets it once told it finished. A failure tied to no request stops the worker actor."""
+"""A request the worker cannot run, across the actors (the engine's graph of scheduler
+and block manager, and a worker, over in-process transports): the scheduler hears it in
+StepResult.failed, frees its blocks and reports RequestFailed to the tokenizer; the
+other requests finish; the worker forgets it once told it finished. A failure tied to
+no request stops the worker actor."""
 
 from __future__ import annotations
 
 import asyncio
 
 from actors.actor import send_message
-from actors.block_manager_actor import BlockManagerActor
-from actors.scheduler_actor import SchedulerActor
+from actors.engine_graph import EngineGraph
 from actors.transport import inproc_pair
 from actors.worker_actor import WorkerActor
 from engine.codec import InboxDecoder
@@ -38,25 +38,19 @@ async def test_a_request_the_worker_cannot_run_fails_alone_and_frees_its_blocks(
     core = EngineCore(SchedulerConfig(8, 64, 256), BlockLedger(NUM_BLOCKS, BLOCK_SIZE), frozenset())
     to_sched, sched_inbox = inproc_pair()
     to_worker, worker_inbox = inproc_pair()
-    to_tok, tok_inbox = inproc_pair()
-    to_blocks, blocks_inbox = inproc_pair()
-    to_replies, replies_inbox = inproc_pair()
     worker = FaultyWorker()
     manager = BlockManager(NUM_BLOCKS, BLOCK_SIZE)
-    actors = [
-        BlockManagerActor(manager, blocks_inbox, to_replies),
-        WorkerActor(worker, worker_inbox, to_sched),
-        SchedulerActor(core, sched_inbox, [to_worker], to_tok, to_blocks, replies_inbox),
-    ]
-    for actor in actors:
-        await actor.start()
+    graph = EngineGraph(core, manager, sched_inbox, [to_worker])
+    worker_actor = WorkerActor(worker, worker_inbox, to_sched)
+    await worker_actor.start()
+    await graph.start()
     params = SamplingParams(max_tokens=20, ignore_eos=True)
     for rid in ("a", "bad", "b"):
         await send_message(to_sched, AddRequest(rid, (1, 2, 3, 4, 5), params, 0.0))
     decoder, ended, failed = InboxDecoder(INBOXES["tokenizer"]), set(), {}
     async with asyncio.timeout(10):
         while ended | set(failed) != {"a", "bad", "b"}:
-            message = decoder.decode(await tok_inbox.recv())
+            message = decoder.decode(await graph.tokenizer_inbox.recv())
             if isinstance(message, RequestFailed):
                 failed[message.request_id] = message.error
             else:
@@ -64,12 +58,12 @@ async def test_a_request_the_worker_cannot_run_fails_alone_and_frees_its_blocks(
                 ended |= {f.request_id for f in message.finished}
     assert set(failed) == {"bad"} and "no room for this one" in failed["bad"]
     assert ended == {"a", "b"}
-    scheduler = actors[-1]
+    scheduler = graph.scheduler
     await eventually(lambda: scheduler.in_flight == 0 and not core.has_unfinished)
     await eventually(lambda: manager.num_free_blocks == NUM_BLOCKS, what="blocks back")
     core.scheduler.check_integrity()
     manager.check_integrity()
     assert worker.failed == set() and not worker.requests  # told it finished: forgotten
-    assert all(a.is_alive for a in actors) and scheduler.num_errors == 1
-    for actor in reversed(actors):
-        await actor.stop()
+    assert all(a.is_alive for a in (*graph.actors, worker_actor)) and scheduler.num_errors == 1
+    await graph.stop()
+    await worker_actor.stop()

@@ -14,6 +14,7 @@ from engine.kv.block_manager import BlockManager
 from engine.kv.kv_cache_manager import KVCacheManager
 from engine.messages import BlockOpsApplied
 from engine.sampling_params import SamplingParams
+from tests.engine.hand_sampled import advance
 
 
 def _exchange(ledger: BlockLedger, manager: BlockManager) -> int:
@@ -26,7 +27,7 @@ def _exchange(ledger: BlockLedger, manager: BlockManager) -> int:
 
 def test_the_replica_knows_block_ids_at_once_and_the_manager_agrees():
     ledger, manager = BlockLedger(8, 4), BlockManager(8, 4)
-    assert ledger.allocate_slots("a", 6) and ledger.allocate_slots("b", 3)
+    assert ledger.grow("a", 6) == [0, 1] and ledger.grow("b", 3) == [2]
     assert ledger.block_table("a") == [0, 1] and ledger.num_free_blocks == 5
     traffic = ledger.take_traffic()
     assert [(op.kind, op.seq_id, op.num) for op in traffic.ops] == [
@@ -37,14 +38,14 @@ def test_the_replica_knows_block_ids_at_once_and_the_manager_agrees():
     assert manager.kv_cache.block_table("a") == [0, 1]
     assert manager.kv_cache.block_table("b") == [2]
     # Growing within a block needs no traffic at all.
-    assert ledger.allocate_slots("a", 8) and not ledger.has_traffic
+    assert ledger.grow("a", 8) == [0, 1] and not ledger.has_traffic
 
 
 def test_every_change_of_one_step_travels_in_order_in_one_message():
     ledger, manager = BlockLedger(6, 4, enable_prefix_caching=True), None
     manager = BlockManager(6, 4, enable_prefix_caching=True)
     tokens = list(range(9))
-    ledger.allocate_slots("a", 9)
+    ledger.grow("a", 9)
     ledger.cache_computed("a", lambda i, j: tokens[i:j], 9)
     ledger.fork("a", "b")
     assert ledger.copy_on_write("b", 9) is not None
@@ -61,11 +62,11 @@ def test_every_change_of_one_step_travels_in_order_in_one_message():
 
 def test_disagreement_with_the_block_manager_is_an_error():
     ledger = BlockLedger(4, 4)
-    ledger.allocate_slots("a", 4)
+    ledger.grow("a", 4)
     exchange = ledger.take_traffic().exchange_id
     with pytest.raises(BlockLedgerError, match="has ids \\[1\\], 3 free"):
         ledger.apply(BlockOpsApplied(exchange, (1,), 3, 0))
-    ledger.allocate_slots("b", 4)
+    ledger.grow("b", 4)
     exchange = ledger.take_traffic().exchange_id
     with pytest.raises(BlockLedgerError, match="no room"):
         ledger.apply(BlockOpsApplied(exchange, (), 2, 0, "op grow 'b': no room"))
@@ -76,7 +77,7 @@ def test_disagreement_with_the_block_manager_is_an_error():
 def test_a_diverged_block_manager_names_the_op_it_could_not_apply():
     ledger, manager = BlockLedger(4, 4), BlockManager(4, 4)
     manager.kv_cache.grow("intruder", 16)  # the manager's tables differ from the replica's
-    ledger.allocate_slots("a", 4)
+    ledger.grow("a", 4)
     reply = manager.apply(ledger.take_traffic())
     assert reply.error is not None and "grow 'a'" in reply.error
     with pytest.raises(BlockLedgerError, match="grow 'a'"):
@@ -85,12 +86,12 @@ def test_a_diverged_block_manager_names_the_op_it_could_not_apply():
 
 def _request(i: int, rng: random.Random) -> Request:
     prompt = [rng.randrange(2) for _ in range(rng.randint(1, 40))]  # prefixes repeat
-    return Request(f"r{i}", None, prompt, SamplingParams(max_tokens=rng.randint(1, 20)), i)
+    return Request(f"r{i}", prompt, SamplingParams(max_tokens=rng.randint(1, 20)), i)
 
 
 def _twin(request: Request) -> Request:
     r = request
-    return Request(r.request_id, None, list(r.prompt_token_ids), r.params, r.arrival_index)
+    return Request(r.request_id, list(r.prompt_token_ids), r.params, r.arrival_index)
 
 
 def _table(ledger: BlockLedger, item) -> tuple[int, ...]:
@@ -99,7 +100,7 @@ def _table(ledger: BlockLedger, item) -> tuple[int, ...]:
 
 def _plan(sched: Scheduler):
     plan = sched.schedule()
-    sched.advance(plan)
+    advance(sched, plan)
     return plan
 
 
@@ -128,9 +129,9 @@ def test_scheduler_on_a_ledger_plans_exactly_as_on_local_tables(seed, caching):
     block_size = rng.choice([1, 4, 16])
     num_blocks = 64 // block_size + 1 + rng.randint(0, 20) // block_size  # tight: preempts
     config = SchedulerConfig(rng.randint(4, 12), rng.randint(8, 80), 64)
-    local = Scheduler(config, KVCacheManager(num_blocks, block_size, caching))
-    ledger = BlockLedger(num_blocks, block_size, caching)
-    manager = BlockManager(num_blocks, block_size, caching)
+    local = Scheduler(config, KVCacheManager(num_blocks, block_size, enable_prefix_caching=caching))
+    ledger = BlockLedger(num_blocks, block_size, enable_prefix_caching=caching)
+    manager = BlockManager(num_blocks, block_size, enable_prefix_caching=caching)
     remote = Scheduler(config, ledger)
     next_id, exchanges, steps = 0, 0, 0
     for _ in range(300):

@@ -62,7 +62,7 @@ def test_tables_grow_on_demand_and_waste_stays_below_one_block():
         for step in range(300):
             seq = f"s{rng.randrange(20)}"
             grow = rng.randint(1, 40)
-            assert kv.allocate_slots(seq, tokens.get(seq, 0) + grow)
+            assert kv.grow(seq, tokens.get(seq, 0) + grow) is not None
             tokens[seq] = tokens.get(seq, 0) + grow
             if rng.random() < 0.1:
                 kv.free(seq)
@@ -75,7 +75,7 @@ def test_tables_grow_on_demand_and_waste_stays_below_one_block():
 
 def test_failed_allocation_changes_nothing():
     kv = KVCacheManager(num_blocks=3, block_size=4)
-    assert kv.allocate_slots("a", 8)
-    assert not kv.allocate_slots("b", 8)
+    assert kv.grow("a", 8) == [0, 1]
+    assert kv.grow("b", 8) is None
     assert kv.block_table("b") == [] and kv.num_free_blocks == 1
     kv.check_integrity({"a": 8})

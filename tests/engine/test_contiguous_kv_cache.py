@@ -8,10 +8,11 @@ import pytest
 from engine.config import SchedulerConfig
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
-from engine.kv.contiguous_kv_cache import ContiguousKVCacheManager
-from engine.kv.memory_shares import KVMemoryShares
-from engine.kv.reservation import ReservationPolicy, reservation_tokens
 from engine.sampling_params import SamplingParams
+from engine.sim.baselines.contiguous_kv_cache import ContiguousKVCacheManager
+from engine.sim.baselines.reservation import ReservationPolicy, reservation_tokens
+from engine.sim.memory_shares import KVMemoryShares
+from tests.engine.hand_sampled import advance
 
 MAX, POW2, ORACLE = ReservationPolicy.MAX, ReservationPolicy.POW2, ReservationPolicy.ORACLE
 
@@ -69,10 +70,9 @@ def test_first_grow_reserves_the_region_later_grows_only_lengthen_the_table(poli
     kv.free("a")
     assert kv.block_table("a") == [] and kv.num_free_blocks == 16
     assert kv.grow("a", 2) == [0]  # still expected: a preempted request grows again
-    kv.forget("a")
-    with pytest.raises(ValueError, match=r"grow\('a'\): call expect"):
-        kv.grow("a", 2)
-    kv.check_integrity()
+    with pytest.raises(ValueError, match=r"grow\('b'\): call expect"):
+        kv.grow("b", 2)
+    kv.check_integrity({"a": 2})
 
 
 @pytest.mark.timeout(10)
@@ -101,7 +101,7 @@ def test_random_workload_regions_never_overlap_and_shares_add_up(policy):
         if tokens and rng.random() < 0.3:
             seq = rng.choice(sorted(tokens))
             del tokens[seq]
-            kv.forget(seq)
+            kv.free(seq)
         elif tokens and rng.random() < 0.5:
             seq = rng.choice(sorted(tokens))
             n = min(tokens[seq] + rng.randint(1, 8), kv.reservation(seq))
@@ -113,8 +113,6 @@ def test_random_workload_regions_never_overlap_and_shares_add_up(policy):
             kv.expect(seq, prompt_len, rng.randint(1, 47 - prompt_len + 1))
             if kv.grow(seq, prompt_len) is not None:
                 tokens[seq] = prompt_len
-            else:
-                kv.forget(seq)
         held = [b for seq in tokens for b in kv.block_table(seq)]
         assert len(held) == len(set(held)), f"step {step}: two tables share a block"
         kv.check_integrity(tokens)
@@ -182,7 +180,7 @@ def test_fork_without_a_free_run_waits_for_copy_on_write():
     assert kv.fork("p", "c") == []
     assert kv.copy_on_write("c", 5) is None
     kv.check_integrity()
-    kv.forget("z")
+    kv.free("z")
     assert kv.copy_on_write("c", 5) == [(0, 2), (1, 3)]
     kv.check_integrity({"p": 6, "c": 6})
 
@@ -208,7 +206,7 @@ def test_swap_and_prefix_caching_are_refused_by_name():
 
 # -- the Scheduler driving it -------------------------------------------------------------
 def make_request(i: int, prompt_len: int, max_tokens: int) -> Request:
-    return Request(f"r{i}", None, [1] * prompt_len, SamplingParams(max_tokens=max_tokens), i)
+    return Request(f"r{i}", [1] * prompt_len, SamplingParams(max_tokens=max_tokens), i)
 
 
 def make_scheduler(kv: ContiguousKVCacheManager, budget: int = 64) -> Scheduler:
@@ -223,7 +221,7 @@ def run_to_completion(sched: Scheduler, max_steps: int = 200) -> list[int]:
         if not sched.has_unfinished:
             return running
         plan = sched.schedule()
-        sched.advance(plan)
+        advance(sched, plan)
         for item in plan.scheduled:
             if item.samples:
                 item.request.output_token_ids.append(rng.randrange(100))
@@ -263,7 +261,7 @@ def test_scheduler_preempts_a_request_that_outgrows_its_reservation():
     rng = random.Random(1)
     plan = sched.schedule()
     while not plan.preempted_ids:
-        sched.advance(plan)
+        advance(sched, plan)
         for item in plan.scheduled:
             if item.samples:
                 item.request.output_token_ids.append(rng.randrange(100))
@@ -272,7 +270,7 @@ def test_scheduler_preempts_a_request_that_outgrows_its_reservation():
     assert plan.preempted_ids == ("r1", "r0")  # latest arrival first, then itself
     assert r0.num_tokens == 9 and kv.block_table("r0") == []
     assert [r.request_id for r in sched.waiting] == ["r0", "r1"]
-    sched.advance(plan)
+    advance(sched, plan)
     kv.expect("r0", 6, 4)  # the longer length: recomputed into a larger region
     run_to_completion(sched)
     assert (r0.num_preemptions, r1.num_preemptions) == (1, 1)

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from engine import LLM, SamplingParams, SamplingParamsError
-from engine.core.sequence_group import sequence_id
+from engine.messages import sequence_id
 from tests.engine.tiny_models import VOCAB, kv_memory, save_hf_model
 
 BS = 4

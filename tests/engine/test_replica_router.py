@@ -160,7 +160,8 @@ def test_each_replica_remembers_a_bounded_number_of_prefixes_least_recent_first(
     old, new = router.prefixes([1, 2, 3]), router.prefixes([7, 8])
     router.record(0, old)
     router.record(0, new)
-    assert router.num_hashes(0) == 4
+    remembered = [router.match_depth(0, (h,)) for h in old.hashes + new.hashes]
+    assert remembered == [0, 1, 1, 1, 1]  # 4 of the 5, the least recent forgotten
     assert router.match_depth(0, old.hashes) == 0  # its first hash was forgotten
     assert router.match_depth(0, new.hashes) == 2
     router.record(0, router.prefixes([1]))  # refreshed: now the most recent

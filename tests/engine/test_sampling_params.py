@@ -203,14 +203,6 @@ def test_is_greedy():
     assert not SamplingParams().is_greedy
 
 
-def test_output_text_buffer_length():
-    assert SamplingParams().output_text_buffer_length == 0
-    assert SamplingParams(stop=["a", "abcd"]).output_text_buffer_length == 3
-    assert SamplingParams(stop="x").output_text_buffer_length == 0
-    kept = SamplingParams(stop=["abcd"], include_stop_str_in_output=True)
-    assert kept.output_text_buffer_length == 0
-
-
 def test_with_updates_validates():
     p = SamplingParams(temperature=0.7, stop="x")
     q = p.with_updates(max_tokens=32, top_k=-1)

@@ -7,6 +7,7 @@ from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
 from engine.kv.kv_cache_manager import KVCacheManager
 from engine.sampling_params import SamplingParams
+from tests.engine.hand_sampled import advance
 
 
 def make_scheduler(num_blocks=64, block_size=4, max_seqs=8, budget=32, max_len=256):
@@ -15,7 +16,7 @@ def make_scheduler(num_blocks=64, block_size=4, max_seqs=8, budget=32, max_len=2
 
 
 def make_request(i: int, prompt_len: int, max_tokens: int) -> Request:
-    return Request(f"r{i}", None, [1] * prompt_len, SamplingParams(max_tokens=max_tokens), i)
+    return Request(f"r{i}", [1] * prompt_len, SamplingParams(max_tokens=max_tokens), i)
 
 
 def run_step(sched: Scheduler, rng: random.Random) -> list[str]:
@@ -23,7 +24,7 @@ def run_step(sched: Scheduler, rng: random.Random) -> list[str]:
     plan = sched.schedule()
     assert plan.num_scheduled_tokens <= sched.config.max_num_batched_tokens
     assert len(plan.scheduled) <= sched.config.max_num_seqs
-    sched.advance(plan)
+    advance(sched, plan)
     finished = []
     for item in plan.scheduled:
         assert item.num_scheduled_tokens > 0
@@ -66,12 +67,12 @@ def test_preemption_takes_latest_arrival_and_blocks_new_admissions():
     rng = random.Random(1)
     plan = sched.schedule()
     while not plan.preempted_ids:
-        sched.advance(plan)
+        advance(sched, plan)
         _sample(sched, plan, rng)
         plan = sched.schedule()
     assert plan.preempted_ids == ("r1",)  # the most recent arrival gives its blocks back
     assert [s.request.request_id for s in plan.scheduled] == ["r0"]
-    sched.advance(plan)
+    advance(sched, plan)
     _sample(sched, plan, rng)
     sched.add_request(make_request(9, 2, 1))  # fits in the free block, but r1 waits first
     assert list(r.request_id for r in sched.waiting) == ["r1", "r9"]
@@ -79,12 +80,12 @@ def test_preemption_takes_latest_arrival_and_blocks_new_admissions():
         plan = sched.schedule()
         ids = [s.request.request_id for s in plan.scheduled]
         assert "r9" not in ids or ids.index("r1") < ids.index("r9")  # never ahead of r1
-        sched.advance(plan)
+        advance(sched, plan)
         _sample(sched, plan, rng)
         sched.check_integrity()
     while sched.has_unfinished:
         plan = sched.schedule()
-        sched.advance(plan)
+        advance(sched, plan)
         _sample(sched, plan, rng)
         sched.check_integrity()
     assert sched.kv_cache.num_free_blocks == 6
@@ -105,7 +106,7 @@ def test_preempted_request_recomputes_its_known_tokens():
     rng = random.Random(2)
     while not sched.num_preemptions:
         plan = sched.schedule()
-        sched.advance(plan)
+        advance(sched, plan)
         _sample(sched, plan, rng)
     victim = sched.requests["r1"]
     assert victim.status == RequestStatus.PREEMPTED and victim.num_computed_tokens == 0
@@ -113,7 +114,7 @@ def test_preempted_request_recomputes_its_known_tokens():
     assert known > 8  # its outputs are kept and recomputed as known tokens
     while victim.status != RequestStatus.RUNNING:
         plan = sched.schedule()
-        sched.advance(plan)
+        advance(sched, plan)
         _sample(sched, plan, rng)
     assert victim.num_output_tokens == known - 8 + 1  # exactly one new token once caught up
 

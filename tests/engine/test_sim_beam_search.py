@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 
 from engine.config import SchedulerConfig
-from engine.core.request import Request
 from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
-from engine.kv.reservation import ReservationPolicy
 from engine.sampling_params import SamplingParams
+from engine.sim.baselines.reservation import ReservationPolicy
 from engine.sim.cost_model import preset
 from engine.sim.sim_worker import FIRST_OFFER_ID, SimWorker
 from engine.sim.simulator import Simulator, SimulatorConfig
 from engine.sim.trace import TraceRequest, with_shared_prefix
+from engine.worker.worker_request import WorkerRequest
 
 OPT13 = preset("opt-13b-a100")
 
@@ -39,15 +39,15 @@ def _run(trace, allocator=None, share=True, prefix_caching=False):
     return result
 
 
-def _step(*requests: Request) -> SchedulerOutput:
+def _step(*requests: WorkerRequest) -> SchedulerOutput:
     """A step computing each request's last prompt token (so every row samples)."""
     scheduled = tuple(ScheduledRequest(r, r.num_tokens - 1, 1, [0]) for r in requests)
     return SchedulerOutput(1, scheduled, (), (), (), ())
 
 
 def test_beams_get_ranked_offers_and_other_rows_the_fixed_token():
-    beam = Request("b", None, [5, 6], SamplingParams(logprobs=6, temperature=0), 0)
-    plain = Request("p", None, [5, 6], SamplingParams(temperature=0), 1)
+    beam = WorkerRequest("b", [5, 6], SamplingParams(logprobs=6, temperature=0), frozenset(), [], 0)
+    plain = WorkerRequest("p", [5, 6], SamplingParams(temperature=0), frozenset(), [], 0)
     worker = SimWorker(token_id=7, seed=3)
     output = worker._run(_step(beam, plain))
     assert output.sampled == {"b": FIRST_OFFER_ID, "p": 7}

@@ -10,9 +10,9 @@ import random
 import pytest
 
 from engine.config import SchedulerConfig
-from engine.kv.reservation import ReservationPolicy
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
+from engine.sim.baselines.reservation import ReservationPolicy
 from engine.sim.cost_model import PRESETS, StepShape, preset
 from engine.sim.simulator import Simulator, SimulatorConfig
 from engine.sim.trace import TraceRequest, poisson_trace

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from engine.messages import ChatMessage, GenerateRequest, TokenDelta
+from engine.messages import GenerateRequest, RankedSequence, TokenDelta
 from engine.sampling_params import SamplingParams
 from engine.text.request_validation import RequestLimits
 from engine.text.text_processor import TextProcessor
@@ -19,7 +19,31 @@ def tokenizer(request):
 
 
 def _request(rid, prompt="Hello there", **params):
-    return GenerateRequest(rid, "client-1", prompt, None, None, SamplingParams(**params))
+    return GenerateRequest(
+        request_id=rid,
+        client_id="client-1",
+        prompt=prompt,
+        prompt_token_ids=None,
+        messages=None,
+        params=SamplingParams(**params),
+    )
+
+
+def delta(rid, token_ids, finish_reason) -> TokenDelta:
+    return TokenDelta(
+        request_id=rid, token_ids=token_ids, finish_reason=finish_reason, stop_reason=None
+    )
+
+
+def ranked(rid, index, token_ids, finish_reason, logprob, score) -> RankedSequence:
+    return RankedSequence(
+        request_id=rid,
+        index=index,
+        token_ids=token_ids,
+        finish_reason=finish_reason,
+        cumulative_logprob=logprob,
+        score=score,
+    )
 
 
 def _stream(proc, rid, ids, rng, finish="length"):
@@ -29,7 +53,7 @@ def _stream(proc, rid, ids, rng, finish="length"):
         n = rng.randint(1, 3)
         chunk, i = ids[i : i + n], i + n
         outs, abort = proc.on_token_delta(
-            TokenDelta(rid, tuple(chunk), finish if i >= len(ids) else None, None)
+            delta(rid, tuple(chunk), finish if i >= len(ids) else None)
         )
         out = outs[0] if outs else None
         if out is not None:
@@ -64,7 +88,7 @@ def test_stop_string_truncates_aborts_and_never_leaks(tokenizer):
     assert deltas[-1].finish_reason == "stop" and deltas[-1].stop_reason == "a time"
     assert [a.request_id for a in aborts] == ["r2"]
     # Later deltas for the stopped request (already in flight) are ignored.
-    assert proc.on_token_delta(TokenDelta("r2", (1,), None, None)) == ([], None)
+    assert proc.on_token_delta(delta("r2", (1,), None)) == ([], None)
 
 
 def test_include_stop_str_keeps_it(tokenizer):
@@ -107,7 +131,7 @@ def test_chat_messages_use_the_template():
 
     tok = Tokenizer.from_pretrained(str(shared_path("models", "stories260K")))
     proc = TextProcessor(tok, RequestLimits(tok.vocab_size, 512))
-    req = GenerateRequest("c", "client", None, None, (ChatMessage("user", "hi"),), SamplingParams())
+    req = GenerateRequest.of("c", "client", [{"role": "user", "content": "hi"}], SamplingParams())
     add = proc.admit(req, 0.0)
     assert list(add.prompt_token_ids) == tok.apply_chat_template(
         [{"role": "user", "content": "hi"}]
@@ -118,7 +142,7 @@ def test_beam_search_outputs_go_out_whole_then_the_request_is_forgotten(tokenize
     """A beam search streams nothing: its ranked outputs are each decoded whole (after
     the prompt, as a stream would be), under their index; the request's prompt logprobs
     ride on output 0; then the request is gone (a late abort is harmless)."""
-    from engine.messages import RankedSequence, RequestLogprobs, TokenLogprob
+    from engine.messages import RequestLogprobs, TokenLogprob
 
     proc = TextProcessor(tokenizer, RequestLimits(tokenizer.vocab_size, 4096))
     beams = dict(use_beam_search=True, n=2, best_of=3, temperature=0, max_tokens=8)
@@ -130,8 +154,8 @@ def test_beam_search_outputs_go_out_whole_then_the_request_is_forgotten(tokenize
     row = (TokenLogprob(prompt[1], -0.5, 1, None),)
     outs = proc.on_ranked(
         (
-            RankedSequence("b1", 0, tuple(first), "stop", -1.0, -0.5),
-            RankedSequence("b1", 1, tuple(second), "length", -2.0, -0.7),
+            ranked("b1", 0, tuple(first), "stop", -1.0, -0.5),
+            ranked("b1", 1, tuple(second), "length", -2.0, -0.7),
         ),
         (RequestLogprobs("b1", (row,)),),
     )
@@ -154,9 +178,7 @@ def _one_by_one(proc, rid, ids, finish="length"):
     how many tokens went in."""
     last = None
     for i, token in enumerate(ids):
-        outs, _ = proc.on_token_delta(
-            TokenDelta(rid, (token,), finish if i == len(ids) - 1 else None, None)
-        )
+        outs, _ = proc.on_token_delta(delta(rid, (token,), finish if i == len(ids) - 1 else None))
         last = outs[-1] if outs else last
         if last is not None and last.finish_reason is not None:
             return last, i + 1

@@ -15,7 +15,13 @@ PARAMS = SamplingParams(max_tokens=8)
 
 
 def new(rid: str, blocks: tuple[int, ...] = (0,)) -> NewRequestData:
-    return NewRequestData(rid, (1, 2, 3), PARAMS, blocks, 0)
+    return NewRequestData(
+        request_id=rid,
+        prompt_token_ids=(1, 2, 3),
+        params=PARAMS,
+        block_ids=blocks,
+        num_computed_tokens=0,
+    )
 
 
 def plan(step, new_requests=(), cached=(), scheduled=(), finished=(), copies=()) -> StepPlan:
@@ -24,7 +30,25 @@ def plan(step, new_requests=(), cached=(), scheduled=(), finished=(), copies=())
     src = tuple(s for s, _ in copies)
     dst = tuple(d for _, d in copies)
     news, finished = tuple(new_requests), tuple(finished)
-    return StepPlan(step, news, tuple(cached), ids, counts, finished, src, dst)
+    return StepPlan(
+        step_id=step,
+        new_requests=news,
+        cached_requests=tuple(cached),
+        scheduled_ids=ids,
+        num_scheduled_tokens=counts,
+        finished_ids=finished,
+        copy_src=src,
+        copy_dst=dst,
+    )
+
+
+def cached_diff(rid: str, new_blocks: tuple[int, ...], num_computed: int) -> CachedRequestData:
+    return CachedRequestData(
+        request_id=rid,
+        new_block_ids=new_blocks,
+        num_computed_tokens=num_computed,
+        resumed_from_preemption=False,
+    )
 
 
 class FaultyWorker(NullWorker):
@@ -41,7 +65,7 @@ def test_a_diff_that_cannot_be_applied_fails_only_its_request():
     first = worker.execute(plan(1, [new("a"), new("b", (1,))], scheduled=[("a", 3), ("b", 3)]))
     assert first.sampled_ids == ("a", "b") and first.failed == ()
     # "b" disagrees about its computed tokens; "ghost" was never sent: both fail alone.
-    cached = [CachedRequestData("b", (), 99, False), CachedRequestData("ghost", (5,), 1, False)]
+    cached = [cached_diff("b", (), 99), cached_diff("ghost", (5,), 1)]
     second = worker.execute(plan(2, cached=cached, scheduled=[("a", 1), ("b", 1), ("ghost", 1)]))
     assert second.sampled_ids == ("a",)
     failed = {f.request_id: f.error for f in second.failed}

@@ -11,7 +11,7 @@ def test_step_plans_carry_only_what_changed():
     from engine.core.request import Request
     from engine.core.scheduler_output import ScheduledRequest
 
-    r = Request("a", None, [1, 2, 3, 4, 5], SamplingParams(), 0)
+    r = Request("a", [1, 2, 3, 4, 5], SamplingParams(), 0)
     builder = StepPlanBuilder()
     first = builder.build(SchedulerOutput(1, (ScheduledRequest(r, 0, 5, (7, 8)),), ()))
     assert [n.block_ids for n in first.new_requests] == [(7, 8)] and not first.cached_requests

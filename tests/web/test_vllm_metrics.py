@@ -169,7 +169,18 @@ def test_recording_api_feeds_both_vocabularies():
 
 
 def delta(index: int, finish: str | None, outputs: int, kind: ErrorKind | None = None):
-    return OutputDelta("r", "", (), finish, None, 5, outputs, None, index=index, error_kind=kind)
+    return OutputDelta(
+        request_id="r",
+        text="",
+        token_ids=(),
+        finish_reason=finish,
+        stop_reason=None,
+        num_prompt_tokens=5,
+        num_output_tokens=outputs,
+        error=None,
+        index=index,
+        error_kind=kind,
+    )
 
 
 def test_every_sequence_ends_exactly_once():

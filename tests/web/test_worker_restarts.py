@@ -20,7 +20,7 @@ from tests.eventually import eventually
 from tests.web.conftest import start_server, stop_server
 from tests.web.processes import workers_of
 from web.client import AsyncClient
-from web.client_stream import RetryPolicy
+from web.client_connection import RetryPolicy
 
 pytestmark = pytest.mark.timeout(300)
 LONG = {"max_tokens": 1900, "ignore_eos": True}

@@ -1,4 +1,4 @@
-"""`PlanRelay`: the offline engine's step plans, from rank 0 to the other ranks, over
+"""`PlanRelay`: the offline `LLM`'s step plans, from rank 0 to the other ranks, over
 the tensor-parallel group itself.
 
 The served engine's scheduler pushes each plan to every rank over ZeroMQ. The offline

@@ -5,11 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.kv.block_count import cdiv
-from engine.kv.buddy_allocator import BuddyAllocator
-from engine.kv.memory_shares import KVMemoryShares
-from engine.kv.reservation import ReservationPolicy, reservation_tokens
-
-BlockCopy = tuple[int, int]  # (source block id, destination block id)
+from engine.kv.block_tables import BlockCopy
+from engine.sim.baselines.buddy_allocator import BuddyAllocator
+from engine.sim.baselines.reservation import ReservationPolicy, reservation_tokens
+from engine.sim.memory_shares import KVMemoryShares
 
 
 @dataclass
@@ -35,8 +34,7 @@ class ContiguousKVCacheManager:
     """Block tables the way Orca keeps them: each sequence reserves one contiguous run
     of blocks for everything it will ever store, placed by a buddy allocator, so
     internal (over-reservation) and external (rounding, unusable holes) fragmentation
-    are real. A drop-in for the parts of `KVCacheManager` the `Scheduler` uses with
-    recompute preemption and no prefix caching.
+    are real. `BlockTables` for recompute preemption and no prefix caching.
 
     - `expect(seq_id, prompt_len, output_len)` comes before the first `grow(seq_id, ...)`:
       the reservation (`policy`, see `ReservationPolicy`) depends on the true output length.
@@ -47,8 +45,7 @@ class ContiguousKVCacheManager:
       whose true output outgrew its `expect` must be expected again, longer, before it
       is re-admitted, or it is preempted each time it reaches its reservation).
     - `free(seq_id)`: the run goes back to the buddy allocator and the table is dropped;
-      the expected lengths stay (a preempted request is recomputed and grows again)
-      until `forget(seq_id)`.
+      the expected lengths stay (a preempted request is recomputed and grows again).
     - `fork(parent, child, num_tokens)`: nothing is shared; the child reserves its own
       region (its own `expect`, else its parent's) and its first `copy_on_write` returns
       a copy of every parent block it holds, whatever `start` is. If no run is free at
@@ -100,10 +97,6 @@ class ContiguousKVCacheManager:
         return self.buddy.num_free
 
     @property
-    def largest_free_run(self) -> int:
-        return self.buddy.largest_free_run
-
-    @property
     def num_used_blocks(self) -> int:
         """Blocks of every run handed out (a reservation's unused rest included)."""
         return self.buddy.num_allocated
@@ -132,11 +125,6 @@ class ContiguousKVCacheManager:
         reservation_tokens(self.policy, prompt_len, output_len, self.max_model_len)  # checks
         self._expected[seq_id] = (prompt_len, output_len)
 
-    def forget(self, seq_id: str) -> None:
-        """Frees the sequence's region and drops its expected lengths."""
-        self.free(seq_id)
-        self._expected.pop(seq_id, None)
-
     def reservation(self, seq_id: str) -> int:
         """Token slots the policy reserves for `seq_id`."""
         if seq_id not in self._expected:
@@ -145,9 +133,6 @@ class ContiguousKVCacheManager:
         return reservation_tokens(self.policy, prompt_len, output_len, self.max_model_len)
 
     # -- the primitives ------------------------------------------------------------------
-    def allocate_slots(self, seq_id: str, num_tokens: int) -> bool:
-        return self.grow(seq_id, num_tokens) is not None
-
     def grow(self, seq_id: str, num_tokens: int) -> list[int] | None:
         """The table holding `num_tokens` tokens, reserving the region on the first grow;
         None (nothing changed) when no run fits or the reservation is too small."""

@@ -52,9 +52,6 @@ class BuddyAllocator:
             self._push(start, order)
 
     # -- the protocol ----------------------------------------------------------------
-    def can_allocate(self, n: int) -> bool:
-        return n <= self.largest_free_run
-
     def allocate(self, n: int) -> int | None:
         """Start block of a free run of 2**ceil(log2 n) blocks, or None (nothing changed)."""
         if n < 1:
@@ -91,17 +88,6 @@ class BuddyAllocator:
     @property
     def num_allocated(self) -> int:
         return self.num_blocks - self.num_free
-
-    @property
-    def largest_free_run(self) -> int:
-        """Blocks in the largest run `allocate` can hand out now (0 when none is free)."""
-        order = next((k for k in reversed(range(self._max_order + 1)) if self._free[k]), None)
-        return 0 if order is None else 1 << order
-
-    @property
-    def roots(self) -> list[tuple[int, int]]:
-        """(start, size) of each root, lowest address first."""
-        return [(s, 1 << k) for s, k in zip(self._root_starts, self._root_orders, strict=True)]
 
     def run_size(self, start: int) -> int:
         """Blocks in the allocated run starting at `start`."""

@@ -8,7 +8,8 @@ n or the beam width as if each sequence had its own prompt.
 
 from __future__ import annotations
 
-from engine.kv.kv_cache_manager import BlockCopy, KVCacheManager
+from engine.kv.block_tables import BlockCopy
+from engine.kv.kv_cache_manager import KVCacheManager
 
 
 class UnsharedKVCacheManager(KVCacheManager):

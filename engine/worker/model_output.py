@@ -1,0 +1,22 @@
+"""What one model step produced, as plain values (no tensors: the worker reads it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.outputs import Logprob
+
+LogprobDict = dict[int, Logprob]  # one position's row: the chosen token first, then the top
+
+
+@dataclass(frozen=True)
+class ModelOutput:
+    """One step's results by request id: the sampled token of each row that sampled;
+    for those whose request asked for logprobs, the sampled token's row (that token
+    first, with its true rank, then the request's own top `params.logprobs`); and for
+    requests asking for prompt logprobs, one row per prompt position scored in this
+    step (each next prompt token first, then the top `params.prompt_logprobs`)."""
+
+    sampled: dict[str, int]
+    logprobs: dict[str, LogprobDict] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[LogprobDict]] = field(default_factory=dict)

@@ -1,0 +1,41 @@
+"""A worker's replica of one request: what it needs to build each step's batch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.core.request import KnownTokens
+from engine.messages import NewRequestData
+from engine.sampling_params import SamplingParams
+
+
+@dataclass(eq=False)
+class WorkerRequest(KnownTokens):
+    """What a worker caches about a request between plans (the scheduler's `Request` is
+    the authority). Built from the plan that first sends it (`of`), then kept in step
+    by the plans' diffs and by the worker itself.
+
+    Known tokens are the prompt followed by the outputs, including the tokens this
+    worker sampled itself; the worker counts `num_computed_tokens` itself between diffs.
+    `num_scored_prompt_tokens`: prompt positions whose logprobs were already sent (a
+    request asking for prompt logprobs has them scored once, even if recomputed later).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: frozenset[int]
+    output_token_ids: list[int]
+    num_computed_tokens: int
+    num_scored_prompt_tokens: int = 0
+
+    @classmethod
+    def of(cls, new: NewRequestData, eos_token_ids: frozenset[int]) -> WorkerRequest:
+        return cls(
+            new.request_id,
+            list(new.prompt_token_ids),
+            new.params,
+            eos_token_ids,
+            list(new.output_token_ids),
+            new.num_computed_tokens,
+        )
