@@ -19,6 +19,7 @@ _API = {
     "RequestOutput": "engine.outputs",
     "SamplingParams": "engine.sampling_params",
     "SamplingParamsError": "engine.sampling_params",
+    "StructuredOutputsParams": "engine.structured_outputs",
 }
 __all__ = [
     "LLM",
@@ -30,6 +31,7 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "SamplingParamsError",
+    "StructuredOutputsParams",
 ]
 
 if TYPE_CHECKING:
@@ -39,6 +41,7 @@ if TYPE_CHECKING:
     from engine.llm import LLM
     from engine.outputs import CompletionOutput, Logprob, RequestOutput
     from engine.sampling_params import SamplingParams, SamplingParamsError
+    from engine.structured_outputs import StructuredOutputsParams
 
 
 def __getattr__(name: str) -> Any:

@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.structured_outputs import StructuredOutputsError, StructuredOutputsParams
 from engine.text.text_checks import check_text
 
 MAX_LOGPROBS = 20  # the most top logprobs a request may ask for, per token
@@ -102,6 +103,7 @@ class SamplingParams:
     use_beam_search: bool = False  # beam width: best_of, else n; returns the n best beams
     length_penalty: float = 1.0  # beam score = sum logprob / generated length ** this
     early_stopping: bool | str = False  # True, False (a heuristic) or "never", as in HF
+    structured_outputs: StructuredOutputsParams | None = None  # what the output must match
 
     def __post_init__(self) -> None:
         self._check_floats()
@@ -110,7 +112,9 @@ class SamplingParams:
         self._set("stop", _normalize_stop(self.stop))
         self._set("stop_token_ids", _normalize_stop_token_ids(self.stop_token_ids))
         self._set("logit_bias", _normalize_logit_bias(self.logit_bias))
+        self._set("structured_outputs", _normalize_structured(self.structured_outputs))
         self._check_beam_search()
+        self._check_structured()
 
     def _set(self, name: str, value: Any) -> None:
         object.__setattr__(self, name, value)
@@ -181,12 +185,28 @@ class SamplingParams:
         for name, (value, default) in sampling.items():
             if value != default:
                 _fail(name, f"{default!r} with use_beam_search (beams rank raw logprobs)", value)
+        if self.structured_outputs is not None:
+            rule = "None with use_beam_search (beams would each need their own grammar state)"
+            _fail("structured_outputs", rule, self.structured_outputs.kind.value)
         if self.logprobs is not None:
             rule = "None with use_beam_search (beam outputs carry no per-token logprobs)"
             _fail("logprobs", rule, self.logprobs)
         if self.beam_width > MAX_BEAM_WIDTH:
             rule = f"<= {MAX_BEAM_WIDTH} with use_beam_search (the beam width)"
             _fail("best_of", rule, self.beam_width)
+
+    def _check_structured(self) -> None:
+        """A grammar ends its output with the end-of-sequence token, the only token it
+        allows once complete: ignore_eos would sample past it, and min_tokens could
+        forbid it when the grammar is complete sooner."""
+        if self.structured_outputs is None:
+            return
+        if self.ignore_eos:
+            rule = "False with structured_outputs (the output ends on EOS once it matches)"
+            _fail("ignore_eos", rule, self.ignore_eos)
+        if self.min_tokens:
+            rule = "0 with structured_outputs (the grammar decides where the output ends)"
+            _fail("min_tokens", rule, self.min_tokens)
 
     @property
     def beam_width(self) -> int:
@@ -273,3 +293,15 @@ def _token_id_key(key: Any) -> int:
         rule = f"keyed by token ids (ints in [0, {MAX_COUNT}] or strings of their digits)"
         _fail("logit_bias", rule, key)
     return key
+
+
+def _normalize_structured(value: Any) -> StructuredOutputsParams | None:
+    """None, or a StructuredOutputsParams (an object of its fields is converted)."""
+    if value is None:
+        return None
+    try:
+        return StructuredOutputsParams.from_dict(value)
+    except StructuredOutputsError as exc:
+        raise SamplingParamsError(str(exc)) from None
+    except TypeError as exc:  # a field of the wrong kind for a keyword
+        raise SamplingParamsError(f"structured_outputs: {exc}") from None

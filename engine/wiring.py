@@ -7,6 +7,7 @@ only known once the worker has loaded the model and sized the KV cache).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from engine.config import EngineConfig, PreemptionMode, SchedulerConfig
@@ -19,6 +20,8 @@ from engine.messages import WorkerReady
 from engine.text.request_validation import RequestLimits
 from engine.text.text_processor import TextProcessor
 from engine.text.tokenizer import Tokenizer, load_tokenizer
+from engine.worker.grammar.backend import build_backend
+from engine.worker.grammar.checker import GrammarChecker
 
 
 @dataclass(frozen=True)
@@ -81,7 +84,12 @@ def build_engine(
         max_tokens_per_request=config.max_tokens_per_request,
     )
     manager = BlockManager(**tables) if with_block_manager else None
-    return EngineParts(core, TextProcessor(tokenizer, limits), manager)
+    grammar_backend = functools.partial(
+        build_backend, tokenizer, ready.vocab_size, model.eos_token_ids
+    )
+    checker = GrammarChecker(grammar_backend)
+    processor = TextProcessor(tokenizer, limits, checker.check)
+    return EngineParts(core, processor, manager)
 
 
 def load_engine_tokenizer(config: EngineConfig) -> Tokenizer | None:

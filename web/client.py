@@ -143,7 +143,9 @@ class AsyncClient:
         **sampling: Any,
     ) -> Stream:
         """One request (a text prompt, token ids, or chat `messages`); sampling fields as
-        in the OpenAI API / vLLM (max_tokens, temperature, top_p, seed, stop, ...).
+        in the OpenAI API / vLLM (max_tokens, temperature, top_p, seed, stop, ...), and
+        `structured_outputs` (a dict of vLLM's StructuredOutputsParams fields, e.g.
+        `{"json": schema}`: what the output must match; docs/structured_outputs.md).
         `fit_history`: the server leaves out the oldest messages (never system ones)
         that would not fit the model's context. `timeout`: this request's limit."""
         if (prompt is None) == (messages is None):

@@ -84,7 +84,7 @@ def _some(
 _V = Origin.VLLM
 _NO_TOOLS = "this server has no tool calling"
 _TEXT_ONLY = "this server serves a text-only model"
-_NO_GUIDED = "this server has no guided (structured) decoding"
+_DOC = "[structured_outputs.md](structured_outputs.md)"
 _A_TOOL = {"type": "function", "function": {"name": "f", "parameters": {}}}
 
 COMMON = [
@@ -117,12 +117,10 @@ COMMON = [
         "up to 256 characters that only identify the caller: logged with the request id "
         "(INFO), nothing else",
     ),
-    _some(
+    _supported(
         "response_format",
-        '`{"type": "text"}`',
-        lambda v: v == {"type": "text"},
-        f"{_NO_GUIDED} (no JSON mode, no JSON schema)",
-        ({"type": "text"}, {"type": "json_object"}),
+        '`{"type": "text"}` (no constraint), `"json_object"` or `"json_schema"` (its `schema` '
+        f"is enforced, whatever `strict` says; `name` and `description` only label it): {_DOC}",
     ),
     _some(
         "service_tier",
@@ -155,15 +153,44 @@ COMMON = [
     _supported("include_stop_str_in_output", "keep the stop string that ended a choice", _V),
     _supported("stop_token_ids", "up to 1,024 token ids that end a choice", _V),
     _supported("use_beam_search", "beam width `best_of`, else `n`; returns the n best", _V),
-    _supported("length_penalty", "beam score = sum of logprobs / length ** length_penalty", _V),
-    _supported("early_stopping", 'true, false or "never", as in Hugging Face', _V),
-    _refused("guided_json", _NO_GUIDED, {"type": "object"}, _V),
-    _refused("guided_regex", _NO_GUIDED, "[a-z]+", _V),
-    _refused("guided_choice", _NO_GUIDED, ["yes", "no"], _V),
-    _refused("guided_grammar", _NO_GUIDED, "root ::= 'a'", _V),
-    _refused("guided_decoding_backend", _NO_GUIDED, "xgrammar", _V),
-    _refused("guided_whitespace_pattern", _NO_GUIDED, " ", _V),
-    _refused("structured_outputs", _NO_GUIDED, {"regex": "[a-z]+"}, _V),
+    _supported(
+        "length_penalty",
+        "beam score = sum of logprobs / length ** length_penalty; other than 1 only with "
+        "use_beam_search",
+        _V,
+    ),
+    _supported(
+        "early_stopping",
+        'true, false or "never", as in Hugging Face; other than false only with use_beam_search',
+        _V,
+    ),
+    _supported(
+        "structured_outputs",
+        "one of `json`, `regex`, `choice`, `grammar`, `json_object`, `structural_tag`, with "
+        f"`disable_any_whitespace`, `disable_additional_properties`: {_DOC}",
+        _V,
+    ),
+    _supported("guided_json", "as `structured_outputs.json` (a schema object or its text)", _V),
+    _supported("guided_regex", "as `structured_outputs.regex`", _V),
+    _supported("guided_choice", "as `structured_outputs.choice`", _V),
+    _supported("guided_grammar", "as `structured_outputs.grammar` (EBNF)", _V),
+    _some(
+        "guided_decoding_backend",
+        '`"xgrammar"`, `"auto"`',
+        lambda v: v in ("xgrammar", "auto"),
+        "structured outputs are compiled by xgrammar",
+        ("xgrammar", "outlines"),
+        _V,
+    ),
+    _refused(
+        "guided_whitespace_pattern",
+        "xgrammar takes no whitespace pattern: use structured_outputs.disable_any_whitespace",
+        " ",
+        _V,
+    ),
+    _refused(
+        "structural_tag", "send it as structured_outputs.structural_tag", '{"structures": []}', _V
+    ),
     _refused("truncate_prompt_tokens", "prompts are never truncated: shorten it", 8, _V),
     _refused("allowed_token_ids", "not implemented: use logit_bias", [1, 2], _V),
     _refused("bad_words", "not implemented: use logit_bias", ["x"], _V),
@@ -224,8 +251,14 @@ CHAT_ONLY = [
         "system, user, assistant and tool turns with string content or text parts; "
         "image, audio and file parts are refused (text-only model)",
     ),
-    _supported("max_completion_tokens", "as max_tokens (and preferred to it)"),
-    _supported("logprobs", "true: each token's logprob, its text and bytes"),
+    _supported(
+        "max_completion_tokens", "as max_tokens (and preferred to it); with both, they must agree"
+    ),
+    _supported(
+        "logprobs",
+        "true: each token's logprob, its text and bytes (`top_logprobs: []` unless "
+        "top_logprobs asks for alternatives)",
+    ),
     _supported("top_logprobs", "0 to 20 alternatives per token; needs logprobs: true"),
     _some("tools", "`[]`", lambda v: v == [], _NO_TOOLS, ([], [_A_TOOL])),
     _some("tool_choice", '`"none"`', lambda v: v == "none", _NO_TOOLS, ("none", "auto")),

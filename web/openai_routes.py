@@ -5,7 +5,9 @@ the prompt's shared blocks (a seeded request gives sequence i the seed `seed + i
 vLLM's `use_beam_search` (with `length_penalty`, `early_stopping`; width `best_of`, else
 `n`) returns the n best beams, each choice whole when the search ends. Which fields each
 route takes, with which values, is web/openai_fields.py's table: nothing sent is
-ignored.
+ignored. Structured outputs, in any of their spellings (`response_format`,
+`structured_outputs`, `guided_*`), become the request's one StructuredOutputsParams
+(web/structured_fields.py); their errors name the field as the client spelled it.
 
 Every request gets an answer that says what happened: a result; a 4xx naming the field
 at fault; a 5xx when the engine failed it (504 past the request timeout, 503 when the
@@ -57,6 +59,7 @@ from web.params import (
     user_of,
 )
 from web.server_config import ServerConfig
+from web.structured_fields import respell
 
 logger = logging.getLogger(__name__)
 COMPLETION_FIELDS = accepted(COMPLETION_RULES)  # some with some values only (the table)
@@ -116,6 +119,7 @@ class OpenAIRoutes:
         except ApiError as err:
             if chat and err.param == "max_tokens" and _given(body, "max_completion_tokens"):
                 err.param = "max_completion_tokens"  # the field this client sent
+            err = respell(err, body)  # structured outputs: as this client spelled them
             headers = {"Retry-After": "1"} if err.status in (429, 503) else {}
             headers |= {"Connection": "close"} if err.close else {}
             return JSONResponse(err.openai_body(), err.status, headers=headers)
@@ -137,9 +141,7 @@ class OpenAIRoutes:
         base = sampling_params(body, chat=chat, default_max_tokens=self.config.default_max_tokens)
         params = dataclasses.replace(base, n=n, best_of=ranked)
         prompts = [chat_messages(body.get("messages"))] if chat else _prompts(body.get("prompt"))
-        top = body.get("top_logprobs") if chat else body.get("logprobs")
-        if chat and not body.get("logprobs"):
-            top = None
+        top = base.logprobs  # chat's logprobs: true alone is 0: the chosen token's own
         if echo and top is not None:  # the prompt's tokens, scored, before each choice's
             params = dataclasses.replace(params, prompt_logprobs=top)
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex

@@ -6,9 +6,10 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from engine.text.text_checks import check_text
 from web.errors import invalid
+from web.structured_fields import structured_outputs
 
 # Body fields passed through to SamplingParams under the same name.
 SAMPLING_FIELDS = (
@@ -35,18 +36,55 @@ MAX_N = 16
 
 def sampling_params(body: dict[str, Any], *, chat: bool, default_max_tokens: int) -> SamplingParams:
     """The SamplingParams of one OpenAI-style body (`chat`: the chat completions
-    flavour of logprobs); n is left at 1 (the caller fans out `n`)."""
+    flavour of logprobs); n is left at 1 (the caller fans out `n`). Its structured
+    outputs come from whichever spelling the body uses (web/structured_fields.py). A
+    value that would change nothing (beam search extras without use_beam_search) is
+    refused naming it."""
     fields = (*SAMPLING_FIELDS, *BEAM_FIELDS)
     kwargs: dict[str, Any] = {k: body[k] for k in fields if body.get(k) is not None}
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    kwargs["max_tokens"] = default_max_tokens if max_tokens is None else max_tokens
+    kwargs["max_tokens"] = _max_tokens(body, default_max_tokens)
     if body.get("logit_bias") is not None:
         kwargs["logit_bias"] = _logit_bias(body["logit_bias"])
     kwargs.update(_logprobs(body, chat))
+    kwargs["structured_outputs"] = structured_outputs(body)
     try:
-        return SamplingParams(**kwargs)
+        params = SamplingParams(**kwargs)
     except ValueError as exc:
         raise invalid(str(exc), field_of(str(exc))) from None
+    _check_beam_extras(params)
+    return params
+
+
+def _max_tokens(body: dict[str, Any], default: int) -> Any:
+    """max_completion_tokens (chat's name), else max_tokens, else `default`; both set
+    to different values is refused (neither would be honoured silently)."""
+    given = [body[k] for k in ("max_completion_tokens", "max_tokens") if body.get(k) is not None]
+    if len(given) == 2 and given[0] != given[1]:
+        raise invalid(
+            f"max_tokens ({_short(given[1])}) and max_completion_tokens ({_short(given[0])}) "
+            "differ; send one (max_completion_tokens is preferred)",
+            "max_tokens",
+        )
+    return given[0] if given else default
+
+
+def _check_beam_extras(params: SamplingParams) -> None:
+    """length_penalty and early_stopping shape a beam search only: without
+    use_beam_search, a value other than the default would be ignored."""
+    if params.use_beam_search:
+        return
+    if params.length_penalty != 1.0:
+        raise invalid(
+            f"length_penalty={params.length_penalty:g} needs use_beam_search: true (it "
+            "scores beams; sampling ignores it)",
+            "length_penalty",
+        )
+    if params.early_stopping is not False:
+        raise invalid(
+            f"early_stopping={params.early_stopping!r} needs use_beam_search: true (it "
+            "ends a beam search; sampling ignores it)",
+            "early_stopping",
+        )
 
 
 def best_of(body: dict[str, Any], n: int, stream: bool) -> int | None:
@@ -86,30 +124,41 @@ def _logit_bias(value: Any) -> dict[int, float]:
 
 
 def _logprobs(body: dict[str, Any], chat: bool) -> dict[str, Any]:
+    """The engine's `logprobs`: a count of top alternatives per token, 0 for the chosen
+    token's own logprob only (chat's `logprobs: true` without top_logprobs)."""
     if chat:  # chat: logprobs is a bool, top_logprobs the count
         wanted, top = body.get("logprobs"), body.get("top_logprobs")
         if wanted is not None and not isinstance(wanted, bool):
-            raise invalid(f"logprobs must be a bool, got {wanted!r}", "logprobs")
+            raise invalid(f"logprobs must be a bool, got {_short(wanted)}", "logprobs")
         if top is not None and not wanted:
             raise invalid("top_logprobs needs logprobs=true", "top_logprobs")
+        if top is not None and not (_is_int(top) and 0 <= top <= MAX_LOGPROBS):
+            rule = f"an int in [0, {MAX_LOGPROBS}]"
+            raise invalid(f"top_logprobs must be {rule}, got {_short(top)}", "top_logprobs")
         return {"logprobs": top or 0} if wanted else {}
     count = body.get("logprobs")  # completions: logprobs is the count
     return {} if count is None else {"logprobs": count}
 
 
 _FIELD_HEAD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_STRUCTURED_PATH = re.compile(r"\bstructured_outputs(?:\.[A-Za-z_][A-Za-z0-9_]*)?\b")
 KNOWN_FIELDS = frozenset(
     {*SAMPLING_FIELDS, *BEAM_FIELDS, "n", "best_of", "max_tokens", "logprobs", "top_logprobs"}
     | {"logit_bias", "prompt", "messages", "prompt_token_ids", "request_id", "use_beam_search"}
-    | {"prompt_logprobs", "max_completion_tokens"}
+    | {"prompt_logprobs", "max_completion_tokens", "structured_outputs"}
 )
 
 
 def field_of(message: str) -> str | None:
     """The field an engine error names: validation errors start with it
-    ("seed must be ...", "messages[0].content holds ...")."""
+    ("seed must be ...", "messages[0].content holds ..."); a structured-outputs error
+    is named down to its field ("structured_outputs.regex"), wherever the message
+    mentions it (the grammar compiler's errors may not start with it)."""
     head = _FIELD_HEAD.match(message)
-    return head.group() if head and head.group() in KNOWN_FIELDS else None
+    if head and head.group() in KNOWN_FIELDS and head.group() != "structured_outputs":
+        return head.group()
+    path = _STRUCTURED_PATH.search(message)
+    return path.group() if path else None
 
 
 # Content part types of OpenAI's and vLLM's chat messages that carry media, not text.
@@ -174,6 +223,10 @@ def _text_part(part: Any, where: str) -> str:
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 60 else f"{text[:57]}..."
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def stream_options(body: dict[str, Any], stream: bool) -> bool:

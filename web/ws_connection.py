@@ -3,7 +3,7 @@
 Client -> server (JSON text frames, or msgpack binary frames):
   {"type": "auth", "token": KEY}                      first message, when no header
   {"type": "generate", "id": ID, "prompt" | "messages" | "prompt_token_ids": ...,
-   "fit_history"?: bool, "params": {...sampling fields...}}
+   "fit_history"?: bool, "params": {...sampling fields, "structured_outputs"?...}}
   {"type": "generate", "id": ID, "session_id": SID, "message": TEXT, "params": {...}}
   {"type": "cancel", "id": ID}
   {"type": "session.open", "id"?: ID, "session_id"?: SID, "system"?: TEXT}
@@ -433,7 +433,7 @@ def _request_id(message: dict[str, Any]) -> str:
 
 
 def _check_params(body: dict[str, Any]) -> dict[str, Any]:
-    allowed = {*SAMPLING_FIELDS, "max_tokens", "logprobs", "logit_bias"}
+    allowed = {*SAMPLING_FIELDS, "max_tokens", "logprobs", "logit_bias", "structured_outputs"}
     only_keys(body, allowed, f"params (allowed: {sorted(allowed)})")
     return body
 

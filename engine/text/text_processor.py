@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from engine.messages import (
@@ -20,6 +21,7 @@ from engine.messages import (
     TokenizeResult,
     sequence_id,
 )
+from engine.structured_outputs import StructuredOutputsParams
 from engine.text.detokenizer import IncrementalDetokenizer
 from engine.text.request_validation import RequestLimits, validate_request
 from engine.text.stop_strings import find_stop, hold_back
@@ -76,11 +78,22 @@ class TextProcessor:
     output tokens, and one found in text flushed at the end still ends it with "stop".
     Without a tokenizer (`skip_tokenizer_init`) prompts must be token ids, and outputs
     carry token ids only (empty text, no decoded logprob tokens).
+
+    `check_grammar` (injected: engine/wiring.py gives the grammar backend's checker)
+    refuses a `structured_outputs` constraint that cannot compile for this engine, with
+    a StructuredOutputsError (a ValueError) naming the field, as `prepare` refuses any
+    invalid request; without one, constraints are only checked where they compile.
     """
 
-    def __init__(self, tokenizer: Tokenizer | None, limits: RequestLimits) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer | None,
+        limits: RequestLimits,
+        check_grammar: Callable[[StructuredOutputsParams], None] | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.limits = limits
+        self.check_grammar = check_grammar
         self.states: dict[str, _TextState] = {}  # by sequence id
         self.sequences: dict[str, list[str]] = {}  # request id -> its sequence ids
         self.clients: dict[str, str] = {}  # request id -> its client id
@@ -109,6 +122,9 @@ class TextProcessor:
         field = "messages" if request.messages is not None else "prompt"
         strict = request.strict_max_tokens
         validate_request(token_ids, request.params, self.limits, field, strict_max_tokens=strict)
+        constraint = request.params.structured_outputs
+        if constraint is not None and self.check_grammar is not None:
+            self.check_grammar(constraint)
         return token_ids
 
     def tokenize(self, request: TokenizeRequest | DetokenizeRequest) -> TokenizeResult:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -30,6 +31,10 @@ from engine.worker.parallel.layers import kv_heads_per_rank
 from engine.worker.sampler import Sampler
 from engine.worker.sampling_metadata import SamplingMetadata, SamplingRow
 
+if TYPE_CHECKING:
+    from engine.worker.grammar.matchers import GrammarMatchers
+    from engine.worker.grammar.step_bitmask import GrammarBitmask
+
 logger = logging.getLogger(__name__)
 
 
@@ -44,6 +49,10 @@ class ModelRunner:
     weights and its key/value heads; every rank runs every plan (the layers' collectives
     pair up), all ranks agree on the smallest block count, and rank 0 samples and
     broadcasts the sampled tokens, so every rank's worker appends the same ones.
+
+    Structured outputs: on the rank that samples (`grammars`), each step's rows whose
+    request holds a grammar matcher sample only what it allows (a bitmask applied to the
+    processed logits); a step without such rows builds no mask.
     """
 
     def __init__(
@@ -54,8 +63,10 @@ class ModelRunner:
         max_num_batched_tokens: int,
         max_num_seqs: int = 256,
         group: TensorParallelGroup | None = None,
+        grammars: GrammarMatchers | None = None,
     ) -> None:
         self.group = group or TensorParallelGroup()
+        self.grammars = grammars
         self.model_config = model_config
         self.cache_config = cache_config
         self.device = device_config.device
@@ -184,7 +195,15 @@ class ModelRunner:
             if not r.params.ignore_eos:
                 stops |= r.eos_token_ids
             rows.append(SamplingRow(r.params, r.prompt_token_ids, r.output_token_ids, stops))
-        return SamplingMetadata.from_rows(rows, self.model_config.vocab_size, self.device)
+        grammar = self._grammar_bitmask(batch)
+        return SamplingMetadata.from_rows(rows, self.model_config.vocab_size, self.device, grammar)
+
+    def _grammar_bitmask(self, batch: ModelInput) -> GrammarBitmask | None:
+        """The step's grammar mask over its sampling rows; None when none is constrained."""
+        if self.grammars is None:
+            return None
+        matchers = [r.request.grammar for r in batch.sample_rows]
+        return self.grammars.step_bitmask(matchers, self.device)
 
     def _prompt_logprobs(self, batch: ModelInput, hidden: torch.Tensor) -> dict:
         """Each scored prompt position's row, by request."""

@@ -29,8 +29,9 @@ class Sampler:
     """Samples one token per row of a [B, V] logits tensor, vectorized over the batch.
 
     Order: logit_bias, min_tokens mask, repetition penalty, presence/frequency
-    penalties; greedy rows take the argmax of that; random rows then divide by
-    temperature, apply top-k, top-p and min-p, and draw with the exponential race
+    penalties, the grammar mask (structured outputs: tokens it forbids go to -inf);
+    greedy rows take the argmax of that; random rows then divide by temperature, apply
+    top-k, top-p and min-p, and draw with the exponential race
     argmax(probs / q), q ~ Exp(1). Unseeded rows draw q from `generator` (torch's global
     RNG when None; it must live on the logits' device); seeded rows draw q from a fresh
     generator seeded with their stateless per-step seed. The input logits are not changed.
@@ -61,7 +62,8 @@ class Sampler:
 
     @staticmethod
     def process_logits(logits: Tensor, md: SamplingMetadata) -> Tensor:
-        """Bias, min_tokens mask and penalties on a float32 copy: [B, V] -> [B, V]."""
+        """Bias, min_tokens mask, penalties and the grammar mask on a float32 copy:
+        [B, V] -> [B, V]."""
         x = logits.to(torch.float32, copy=True)  # [B, V]
         if md.logit_bias is not None:
             rows, tokens, values = md.logit_bias
@@ -71,6 +73,8 @@ class Sampler:
             x.index_put_((rows, tokens), x.new_tensor(float("-inf")))
         if md.any_penalties:
             x = _apply_penalties(x, md)
+        if md.grammar is not None:
+            md.grammar.apply(x)
         return x
 
     def _sample_random(self, x: Tensor, md: SamplingMetadata) -> Tensor:

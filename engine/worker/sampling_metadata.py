@@ -4,11 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from engine.sampling_params import SamplingParams, SamplingParamsError
+
+if TYPE_CHECKING:
+    from engine.worker.grammar.step_bitmask import GrammarBitmask
 
 _MASK64 = (1 << 64) - 1
 
@@ -53,7 +57,8 @@ class SamplingMetadata:
     carry temperature 1.0 (never divided by zero). `top_k` is in [1, V] (V = disabled).
     The `any_*` flags are False when the stage would be a no-op for every row, so the
     sampler can skip it without reading tensors. Penalty tensors are None unless
-    `any_penalties`. Sparse index tensors are 1-D and of equal length.
+    `any_penalties`. Sparse index tensors are 1-D and of equal length. `grammar`: the
+    structured-outputs mask of the constrained rows (None: no row is constrained).
     """
 
     vocab_size: int
@@ -78,6 +83,7 @@ class SamplingMetadata:
     seeded_rows: list[tuple[int, int]] = field(default_factory=list)  # (row, step seed)
     max_num_logprobs: int = 0
     logprobs_rows: list[int | None] = field(default_factory=list)
+    grammar: GrammarBitmask | None = None
 
     @property
     def batch_size(self) -> int:
@@ -89,7 +95,11 @@ class SamplingMetadata:
 
     @classmethod
     def from_rows(
-        cls, rows: list[SamplingRow], vocab_size: int, device: torch.device | str
+        cls,
+        rows: list[SamplingRow],
+        vocab_size: int,
+        device: torch.device | str,
+        grammar: GrammarBitmask | None = None,
     ) -> SamplingMetadata:
         """Build every tensor of the step at once (a few host-to-device copies)."""
         params = [row.params for row in rows]
@@ -125,6 +135,7 @@ class SamplingMetadata:
             seeded_rows=_seeded_rows(rows),
             max_num_logprobs=max((n for n in logprobs_rows if n is not None), default=0),
             logprobs_rows=logprobs_rows,
+            grammar=grammar,
         )
         if md.any_penalties:
             md.output_counts, md.prompt_mask = _penalty_tensors(rows, penalized, vocab_size, device)

@@ -29,6 +29,8 @@ from engine.worker.parallel.table_digest import block_table_digest
 from engine.worker.worker_request import WorkerRequest
 
 if TYPE_CHECKING:
+    from engine.worker.grammar.backend import GrammarMatcher
+    from engine.worker.grammar.matchers import GrammarMatchers
     from engine.worker.model_runner import ModelRunner
 
 
@@ -46,11 +48,22 @@ class Worker:
     forgotten, named in `StepResult.failed`, and its rows in plans already on their way
     are skipped until a plan lists it as finished. A step that also moved blocks (copies,
     swaps) cannot be tied to its requests: its exception propagates (the engine stops).
+
+    Structured outputs: with `grammars` (the rank that samples), a request with
+    `params.structured_outputs` gets its matcher when it is added (a constraint that
+    does not compile fails it), and each token it samples advances the matcher before
+    the next plan runs; a token the grammar refuses fails the request.
     """
 
-    def __init__(self, runner: ModelRunner | None, worker_id: int = 0) -> None:
+    def __init__(
+        self,
+        runner: ModelRunner | None,
+        worker_id: int = 0,
+        grammars: GrammarMatchers | None = None,
+    ) -> None:
         self.runner = runner
         self.worker_id = worker_id
+        self.grammars = grammars
         self.eos_token_ids = runner.model_config.eos_token_ids if runner else frozenset()
         self.requests: dict[str, WorkerRequest] = {}
         self.block_tables: dict[str, list[int]] = {}
@@ -83,7 +96,7 @@ class Worker:
         )
         step = SchedulerOutput(plan.step_id, scheduled, (), copies, swap_out, swap_in)
         try:
-            result = self._sample(step)
+            result = self._sample(step, failures)
         except Exception as exc:
             if copies or swap_out or swap_in or self._is_rank_of_group:
                 raise  # a group's rank cannot fail alone: the ranks' caches would differ
@@ -119,13 +132,19 @@ class Worker:
             runnable.append((rid, n))
         return runnable
 
-    def _sample(self, step: SchedulerOutput) -> StepResult:
+    def _sample(self, step: SchedulerOutput, failures: dict[str, str]) -> StepResult:
         """Runs the step, advances the requests it ran, and reports what they sampled."""
         result = self._run(step)
         for item in step.scheduled:
             item.request.num_computed_tokens += item.num_scheduled_tokens
+        refused = []
         for request_id, token in result.sampled.items():
-            self.requests[request_id].output_token_ids.append(token)
+            request = self.requests[request_id]
+            request.output_token_ids.append(token)
+            if request.grammar is not None and not _advance(request.grammar, token):
+                refused.append(request_id)
+        if refused:
+            result = self._drop_refused(result, refused, failures)
         return StepResult.sampled(
             step.step_id,
             self.worker_id,
@@ -133,6 +152,20 @@ class Worker:
             tuple(self._logprobs(result)),
             tuple(self._prompt_logprobs(result)),
         )
+
+    def _drop_refused(
+        self, result: ModelOutput, refused: list[str], failures: dict[str, str]
+    ) -> ModelOutput:
+        """Fails the requests whose grammar refused the token they sampled (only a
+        row whose every token was masked samples one), and drops their tokens."""
+        for request_id in refused:
+            token = result.sampled[request_id]
+            error = f"the grammar (structured_outputs) refused sampled token {token}"
+            self._forget([request_id], error, failures)
+        sampled = {r: t for r, t in result.sampled.items() if r not in refused}
+        logprobs = {r: row for r, row in result.logprobs.items() if r not in refused}
+        prompt = {r: rows for r, rows in result.prompt_logprobs.items() if r not in refused}
+        return ModelOutput(sampled, logprobs, prompt)
 
     @staticmethod
     def _result(result: StepResult, failures: dict[str, str]) -> StepResult:
@@ -178,7 +211,11 @@ class Worker:
                 self._forget([request_id], describe(exc), failures)
 
     def _add(self, new: NewRequestData) -> None:
-        self.requests[new.request_id] = WorkerRequest.of(new, self.eos_token_ids)
+        request = WorkerRequest.of(new, self.eos_token_ids)
+        constraint = new.params.structured_outputs
+        if constraint is not None and self.grammars is not None:
+            request.grammar = self.grammars.matcher(constraint, request.output_token_ids)
+        self.requests[new.request_id] = request
         self.block_tables[new.request_id] = list(new.block_ids)
 
     def _update(self, cached: CachedRequestData) -> None:
@@ -194,6 +231,9 @@ class Worker:
         request.num_computed_tokens = cached.num_computed_tokens
         if cached.last_token_id is not None:
             request.output_token_ids[-1] = cached.last_token_id
+            if request.grammar is not None:
+                request.grammar.rollback(1)
+                _advance(request.grammar, cached.last_token_id)
 
 
 class NullWorker(Worker):
@@ -207,6 +247,12 @@ class NullWorker(Worker):
     def _run(self, step: SchedulerOutput) -> ModelOutput:
         sampled = {s.request.request_id: self.token_id for s in step.scheduled if s.samples}
         return ModelOutput(sampled)
+
+
+def _advance(grammar: GrammarMatcher, token: int) -> bool:
+    """Accepts `token`; a terminated grammar ignores it (a token planned one step past
+    the sequence's end, which the engine throws away). False: the grammar refused it."""
+    return grammar.is_terminated or grammar.accept(token)
 
 
 def _check_in_step(request: WorkerRequest, num_computed_tokens: int) -> None:
@@ -234,6 +280,7 @@ def build_worker(
 
     config = config or args.build()
     group = join_group(config.parallel, config.device.device, rank)
+    grammars = _grammar_matchers(config) if group.is_first else None  # the rank that samples
     runner = ModelRunner(
         config.model,
         config.cache,
@@ -241,6 +288,7 @@ def build_worker(
         config.scheduler.max_num_batched_tokens,
         config.scheduler.max_num_seqs,
         group,
+        grammars,
     )
     num_blocks, num_cpu_blocks = runner.num_blocks(), runner.num_cpu_blocks()
     runner.initialize_cache(num_blocks, num_cpu_blocks)
@@ -254,7 +302,20 @@ def build_worker(
         attention_backend=runner.backend.name,
         attention_backend_reason=runner.backend_reason,
     )
-    return Worker(runner, worker_id), ready
+    return Worker(runner, worker_id, grammars), ready
+
+
+def _grammar_matchers(config: EngineConfig) -> GrammarMatchers:
+    """Matchers whose backend loads the engine's tokenizer on the first structured request."""
+    from engine.wiring import load_engine_tokenizer
+    from engine.worker.grammar.backend import build_backend
+    from engine.worker.grammar.matchers import GrammarMatchers
+
+    def make_backend():
+        m = config.model
+        return build_backend(load_engine_tokenizer(config), m.vocab_size, m.eos_token_ids)
+
+    return GrammarMatchers(make_backend)
 
 
 def build_null_worker(args: EngineArgs, worker_id: int = 0) -> tuple[NullWorker, WorkerReady]:

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from engine.core.request import KnownTokens
 from engine.messages import NewRequestData
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.worker.grammar.backend import GrammarMatcher
 
 
 @dataclass(eq=False)
@@ -19,6 +23,8 @@ class WorkerRequest(KnownTokens):
     worker sampled itself; the worker counts `num_computed_tokens` itself between diffs.
     `num_scored_prompt_tokens`: prompt positions whose logprobs were already sent (a
     request asking for prompt logprobs has them scored once, even if recomputed later).
+    `grammar`: the matcher of a request with `params.structured_outputs`, on the rank
+    that samples; it has accepted every output token (it survives preemption with them).
     """
 
     request_id: str
@@ -28,6 +34,7 @@ class WorkerRequest(KnownTokens):
     output_token_ids: list[int]
     num_computed_tokens: int
     num_scored_prompt_tokens: int = 0
+    grammar: GrammarMatcher | None = None
 
     @classmethod
     def of(cls, new: NewRequestData, eos_token_ids: frozenset[int]) -> WorkerRequest:

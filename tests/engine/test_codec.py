@@ -12,6 +12,7 @@ import pytest
 from engine import messages as m
 from engine.codec import DecodeError, InboxDecoder, encode
 from engine.sampling_params import SamplingParams
+from engine.structured_outputs import StructuredOutputsParams
 
 ROW = (m.TokenLogprob(42, -0.25, 1, None), m.TokenLogprob(7, -1.5, 2, None))
 DECODED = (m.TokenLogprob(12, -0.5, 3, " once"),)
@@ -41,6 +42,20 @@ SAMPLES = [
         prompt_token_ids=None,
         messages=(m.ChatMessage("user", "hi"),),
         params=PARAMS,
+    ),
+    m.GenerateRequest(
+        request_id="r4",
+        client_id="c2",
+        prompt="pick",
+        prompt_token_ids=None,
+        messages=None,
+        params=SamplingParams(structured_outputs=StructuredOutputsParams(choice=["a", "b"])),
+    ),
+    m.AddRequest(
+        "r5",
+        (1, 2),
+        SamplingParams(structured_outputs={"json": {"type": "object"}}),
+        2.0,
     ),
     m.AbortRequest("r1"),
     m.Shutdown("test"),
@@ -382,6 +397,17 @@ FIELD_ORDER = {
         "use_beam_search",
         "length_penalty",
         "early_stopping",
+        "structured_outputs",
+    ],
+    "StructuredOutputsParams": [
+        "json",
+        "regex",
+        "choice",
+        "grammar",
+        "json_object",
+        "disable_any_whitespace",
+        "disable_additional_properties",
+        "structural_tag",
     ],
 }
 
@@ -411,6 +437,7 @@ def test_field_order_is_pinned():
         if isinstance(cls, type) and dataclasses.is_dataclass(cls)
     }
     classes["SamplingParams"] = SamplingParams
+    classes["StructuredOutputsParams"] = StructuredOutputsParams
     assert set(classes) == set(FIELD_ORDER)
     for name, cls in classes.items():
         assert [f.name for f in dataclasses.fields(cls)] == FIELD_ORDER[name], name

@@ -42,7 +42,9 @@ from web.params import SAMPLING_FIELDS
 from web.ws_connection import GENERATE_KEYS
 
 # The `params` object of a WebSocket generate (web/ws_connection.py, _check_params).
-WS_PARAM_FIELDS = frozenset({*SAMPLING_FIELDS, "max_tokens", "logprobs", "logit_bias"})
+WS_PARAM_FIELDS = frozenset(
+    {*SAMPLING_FIELDS, "max_tokens", "logprobs", "logit_bias", "structured_outputs"}
+)
 # The keys generate_frames() sets (kept in step with GENERATE_KEYS by a test).
 GENERATE_FRAME_KEYS = frozenset(
     {"type", "id", "prompt", "prompt_token_ids", "messages", "session_id", "message", "params"}
@@ -387,6 +389,29 @@ _COMMON_VALID: dict[str, SearchStrategy] = {
     "use_beam_search": st.booleans(),
     "length_penalty": st.floats(-2, 2),
     "early_stopping": st.sampled_from([False, True, "never"]),
+    # structured outputs: small constraints (each compiles in milliseconds)
+    "response_format": st.sampled_from(
+        [
+            {"type": "text"},
+            {"type": "json_object"},
+            {
+                "type": "json_schema",
+                "json_schema": {"name": "n", "schema": {"type": "object"}, "strict": True},
+            },
+        ]
+    ),
+    "structured_outputs": st.sampled_from(
+        [
+            {"regex": "[a-z]{1,4}"},
+            {"choice": ["yes", "no"]},
+            {"json_object": True},
+            {"json": {"type": "string"}, "disable_any_whitespace": True},
+        ]
+    ),
+    "guided_json": st.just({"type": "object", "properties": {"a": {"type": "integer"}}}),
+    "guided_regex": st.just("[0-9]+"),
+    "guided_choice": st.just(["a", "b"]),
+    "guided_grammar": st.just('root ::= "a" | "b"'),
 }
 
 

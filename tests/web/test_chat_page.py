@@ -242,3 +242,36 @@ async def test_a_long_chat_on_a_small_context_forgets_its_oldest_turns(
         assert await page.eval("transcript.at(-2).content") == "turn 10: tell me more"
         failed = await page.eval("document.querySelectorAll('#messages .msg.failed').length")
         assert failed == 0
+
+
+RECORD_FRAMES = (
+    "(() => { window.sent = []; const send = WebSocket.prototype.send;"
+    " WebSocket.prototype.send = function (data) { window.sent.push(data);"
+    " return send.call(this, data); }; })()"
+)
+GENERATE_PARAMS = (
+    "window.sent.map((d) => JSON.parse(d)).filter((f) => f.type === 'generate').at(-1).params"
+)
+
+
+async def test_the_json_switch_asks_for_a_json_object(builtin_server, browser: Browser) -> None:
+    """With JSON on, a turn goes out with structured_outputs {json_object: true} (the
+    server takes it: the reply streams, no error); off, with no constraint."""
+    async with connect(browser.devtools_url(), max_size=None, proxy=None) as ws:
+        page = await Page.open(ws)
+        await page.call("Page.navigate", url=builtin_server.http + "/")
+        await page.wait_for("document.readyState === 'complete'")
+        await page.eval(RECORD_FRAMES)
+        await page.fill("#max-tokens", "8")
+        for turn, json_mode in enumerate([True, False], start=1):
+            if await page.eval("document.getElementById('json-mode').checked") != json_mode:
+                await page.click("#json-mode")
+            await page.fill("#prompt", "name a colour, as JSON")
+            await page.click("#send")
+            await page.wait_for(f"{ASSISTANT}.length === {turn} && !({STREAMING})", timeout=30)
+            assert await page.eval("document.getElementById('error').hidden"), await page.eval(
+                "document.getElementById('error').textContent"
+            )
+            params = await page.eval(GENERATE_PARAMS)
+            want = {"json_object": True} if json_mode else None
+            assert params.get("structured_outputs") == want, params

@@ -27,7 +27,8 @@ REQUIRED = {
     "use_beam_search", "length_penalty", "early_stopping", "prompt_logprobs",
     "add_generation_prompt", "continue_final_message", "chat_template",
     "chat_template_kwargs", "add_special_tokens", "guided_json", "guided_regex",
-    "guided_choice", "guided_grammar",
+    "guided_choice", "guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern",
+    "structured_outputs",
 }  # fmt: skip
 BASE = {
     "completions": {"prompt": "Once upon a time", "max_tokens": 4, "temperature": 0},
