@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.text.pending_prefix import pending_prefix_len
+
 
 @dataclass(frozen=True)
 class StopMatch:
@@ -46,20 +48,6 @@ def find_stop(
 
 
 def hold_back(text: str, stops: tuple[str, ...]) -> int:
-    """How many trailing chars of `text` could be the start of a stop string.
-
-    A streamer keeps that many chars back until later text shows whether a stop begins
-    there. Only proper prefixes count: a whole stop in `text` is `find_stop`'s business.
-    """
-    if not text:
-        return 0
-    last, longest = text[-1], 0
-    for stop in stops:
-        # Only prefixes ending in text's last char can match: jump between them.
-        n = stop.rfind(last, 0, min(len(stop) - 1, len(text))) + 1
-        while n > longest:
-            if text.endswith(stop[:n]):
-                longest = n
-                break
-            n = stop.rfind(last, 0, n - 1) + 1
-    return longest
+    """How many trailing chars of `text` could be the start of a stop string (kept back
+    until later text decides; a whole stop in `text` is `find_stop`'s business)."""
+    return pending_prefix_len(text, stops)

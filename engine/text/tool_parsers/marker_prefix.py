@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
+from engine.text.pending_prefix import pending_prefix_len
+
 
 def partial_marker_len(text: str, marker: str) -> int:
-    """The length of the longest proper prefix of `marker` that `text` ends with.
-
-    A streaming parser keeps that many chars back until later text shows whether the
-    marker begins there; a whole marker in `text` is the caller's to find. (The same rule
-    as stop strings' hold-back, kept apart because the layout test pins stop-string
-    matching to the text processor.)"""
-    for n in range(min(len(text), len(marker) - 1), 0, -1):
-        if text.endswith(marker[:n]):
-            return n
-    return 0
+    """The length of the longest proper prefix of `marker` that `text` ends with (a
+    streaming parser keeps that many chars back until later text decides)."""
+    return pending_prefix_len(text, (marker,))
 
 
 def is_marker_prefix(text: str, marker: str) -> bool:
