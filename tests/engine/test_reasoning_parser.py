@@ -16,6 +16,7 @@ from engine.text.reasoning_parser import (
     reasoning_parser,
 )
 from engine.text.tool_parsers import counting_call_ids, tool_parser
+from tests.engine.chunkings import cuttings
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -51,15 +52,7 @@ CASES = [
 
 
 def _cuttings(text: str, seeds: int = 12) -> list[list[str]]:
-    cuts = [[text], list(text)]
-    for seed in range(seeds):
-        rng, pieces, at = random.Random(seed), [], 0
-        while at < len(text):
-            size = rng.randint(1, 6)
-            pieces.append(text[at : at + size])
-            at += size
-        cuts.append(pieces)
-    return cuts
+    return cuttings(text, seeds, max_size=6)
 
 
 def _streamed(name: str, pieces: list[str], in_reasoning: bool | None = None):

@@ -20,6 +20,7 @@ from engine.text.tool_parsers import (
     counting_call_ids,
     tool_parser,
 )
+from tests.engine.chunkings import cuttings
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -50,16 +51,7 @@ def _hermes_block(name: str, args: dict | str, key: str = "arguments") -> str:
 
 
 def _cuttings(text: str, seeds: int = 12) -> list[list[str]]:
-    """The whole text, one char at a time, and seeded random cuts (1 to 9 chars)."""
-    cuts = [[text], list(text)]
-    for seed in range(seeds):
-        rng, pieces, at = random.Random(seed), [], 0
-        while at < len(text):
-            size = rng.randint(1, 9)
-            pieces.append(text[at : at + size])
-            at += size
-        cuts.append(pieces)
-    return cuts
+    return cuttings(text, seeds, max_size=9)
 
 
 def _streamed(name: str, pieces: list[str]) -> tuple[ParsedToolCalls, ParsedToolCalls]:
