@@ -41,10 +41,10 @@ class StructuredOutputsParams:
     without optional whitespace; `disable_additional_properties`: a schema's objects
     take no properties beyond those it names.
 
-    Normalized on construction: `json` and `structural_tag` are compact JSON text (keys
-    kept in their order: a schema's property order is the order the output follows, so
-    schemas differing only in key order are two constraints), `choice` a tuple. Invalid input
-    raises `StructuredOutputsError` naming the field as `structured_outputs.<field>`."""
+    Normalized on construction: `json` and `structural_tag` are compact JSON text, keys
+    kept in their order (a schema's property order is the order the output follows, so
+    schemas differing only in key order are two constraints); `choice` a tuple. Invalid
+    input raises `StructuredOutputsError` naming the field as `structured_outputs.<field>`."""
 
     json: str | None = None
     regex: str | None = None
@@ -108,7 +108,7 @@ def _is_set(value: Any) -> bool:
 
 
 def _json_text(name: str, value: Any, kinds: tuple[type, ...]) -> str | None:
-    """`value` (a parsed JSON value or its text) as canonical JSON text."""
+    """`value` (a parsed JSON value or its text) as compact JSON text, keys in order."""
     if value is None:
         return None
     parsed = value
