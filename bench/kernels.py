@@ -6,8 +6,7 @@ contexts scattered over a shuffled block pool (block size 16), attended by
 `paged_attention_decode`; the same K/V laid out `[B, kv_heads, context, head]` and
 attended by `scaled_dot_product_attention`. Median time per call of many; the ratio
 paged / contiguous is what the paper's Fig. 18a measured (its kernel paid 20-26%).
-With a GPU (and the CUDA kernels loaded) the same runs on it, with the achieved
-bandwidth (K/V bytes read / time) beside the device's peak copy bandwidth.
+On a GPU, bench/gpu_kernels.py measures the CUDA kernels the same way.
 
     python bench/kernels.py --out bench/results/kernels.json
     python bench/kernels.py --quick

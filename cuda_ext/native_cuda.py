@@ -45,8 +45,26 @@ PARTITION_SIZE = 512  # kPartitionSize in launchers.h: context tokens per v2 thr
 ALIGNMENT = 16  # bytes: the kernels' widest vector load
 
 
+GROUPED_HEADS = 4  # kMaxGroupedHeads in csrc/cuda/paged_attention.cuh
+GROUPED_TOKEN_LANES = 8  # kTokenLanes in csrc/cuda/paged_attention_grouped.cuh
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def decode_thread_blocks(
+    num_seqs: int, num_heads: int, num_kv_heads: int, head_size: int, dtype: torch.dtype
+) -> int:
+    """Thread blocks of one v1 decode launch, by the launcher's own rule: the grouped
+    kernel (one block per KV head and slice of GROUPED_HEADS query heads) where it takes
+    the head size, else one block per query head; times the sequences."""
+    chunk = 16 // dtype.itemsize  # elements per 16-byte load
+    if head_size in (64, 80, 96, 128) and head_size % (GROUPED_TOKEN_LANES * chunk) == 0:
+        group = num_heads // num_kv_heads
+        slices = 1 if group == 1 else cdiv(group, GROUPED_HEADS)
+        return num_seqs * num_kv_heads * slices
+    return num_seqs * num_heads
 
 
 @functools.cache
@@ -252,13 +270,17 @@ class CudaKernels:
         scale: float,
         max_seq_len: int | None = None,  # >= max(seq_lens); None reads it (a device sync)
     ) -> None:
-        """Decode attention, v1 when every context fits one partition or the batch alone
-        gives each SM a few thread blocks, else v2. The rule is the design's, unmeasured:
-        a bench/ script on a GPU should set it."""
+        """Decode attention: v2 when a context spans more than one PARTITION_SIZE
+        partition and v1 would launch fewer thread blocks than the GPU has SMs, else v1.
+        On an H200 that was the crossover (bench/gpu_kernels.py; docs/performance.md)."""
         _check_decode(out, query, key_cache, value_cache, block_tables, seq_lens)
         max_seq_len = _max_seq_len(seq_lens, max_seq_len, block_tables, key_cache)
+        num_seqs, num_heads, head_size = query.shape
+        blocks = decode_thread_blocks(
+            num_seqs, num_heads, key_cache.shape[2], head_size, query.dtype
+        )
         sms = torch.cuda.get_device_properties(query.device).multi_processor_count
-        if max_seq_len <= PARTITION_SIZE or query.shape[0] * query.shape[1] >= 4 * sms:
+        if max_seq_len <= PARTITION_SIZE or blocks >= sms:
             self._ops.paged_attention_v1(
                 out, query, key_cache, value_cache, block_tables, seq_lens, float(scale)
             )

@@ -73,10 +73,8 @@ class CacheConfig:
     """How large the paged KV cache is and how it is cut into blocks."""
 
     block_size: int = 16
-    kv_cache_memory: int | None = (
-        None  # bytes, CPU (default: min(2 GiB, max_num_seqs full sequences))
-    )
-    gpu_memory_utilization: float = 0.9  # CUDA: fraction of total device memory
+    kv_cache_memory: int | None = None  # bytes; None: the device's default (docs/serving.md)
+    gpu_memory_utilization: float = 0.9  # CUDA without kv_cache_memory: fraction of memory
     enable_prefix_caching: bool = True  # reuse cached full blocks across requests
     swap_space: float = 0.0  # GiB of CPU memory for blocks of swapped-out sequences
     preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE  # SWAP needs swap_space

@@ -62,7 +62,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes (CPU)")
+    p.add_argument(
+        "--kv-cache-memory",
+        type=int,
+        default=None,
+        help="KV cache bytes (default: 2 GiB on CPU; on CUDA from --gpu-memory-utilization)",
+    )
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     p.add_argument("--seed", type=int, default=0)

@@ -43,8 +43,8 @@ def num_blocks_for(
             f"the KV cache budget of {budget_bytes / mib:.1f} MiB holds {num_blocks} blocks of "
             f"{cache.block_size} tokens ({per_block / mib:.3f} MiB each), but one sequence of "
             f"max_model_len={model.max_model_len} tokens needs {needed} blocks "
-            f"({needed * per_block / mib:.1f} MiB); raise kv_cache_memory (CPU) or "
-            "gpu_memory_utilization (CUDA), or lower max_model_len"
+            f"({needed * per_block / mib:.1f} MiB); raise kv_cache_memory or "
+            "gpu_memory_utilization (CUDA without kv_cache_memory), or lower max_model_len"
         )
     concurrency = num_blocks * cache.block_size / model.max_model_len
     logger.info(

@@ -41,8 +41,8 @@ logger = logging.getLogger(__name__)
 class ModelRunner:
     """One device's executor: model weights, KV cache, sampler.
 
-    `num_blocks()` sizes the cache from the memory budget (CPU: kv_cache_memory bytes;
-    CUDA: gpu_memory_utilization minus weights and a profiled peak), `initialize_cache`
+    `num_blocks()` sizes the cache from the memory budget (kv_cache_memory bytes where
+    set; else on CUDA gpu_memory_utilization minus weights and a profiled peak), `initialize_cache`
     allocates it, and `execute(plan)` runs the plan's flattened batch.
 
     Under tensor parallelism (`group`) each rank's runner holds its slices of the
@@ -87,8 +87,10 @@ class ModelRunner:
         self.swap_cache: KVCache = []  # CPU blocks of swapped-out sequences
 
     def num_blocks(self) -> int:
-        if self.device == "cpu" or not str(self.device).startswith("cuda"):
-            budget = self.cache_config.kv_cache_memory or self._default_cpu_budget()
+        if self.cache_config.kv_cache_memory is not None:  # the user's byte count, any device
+            budget = self.cache_config.kv_cache_memory
+        elif not str(self.device).startswith("cuda"):
+            budget = self._default_cpu_budget()
         else:
             budget = cuda_budget_bytes(
                 self.cache_config, self._profile_peak(), torch.device(self.device)

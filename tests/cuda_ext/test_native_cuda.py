@@ -142,7 +142,7 @@ def test_reshape_and_cache_takes_key_and_value_views_of_a_fused_projection(kerne
 
 
 def run_decode(kernels, version: str, query, kv: PagedKV, scale: float) -> torch.Tensor:
-    out = torch.empty(query.shape, dtype=query.dtype, device=DEVICE)
+    out = torch.full(query.shape, float("nan"), dtype=query.dtype, device=DEVICE)  # poisoned
     args = (out, query, kv.key_cache, kv.value_cache, kv.block_tables, kv.seq_lens_tensor, scale)
     if version == "v1":
         kernels.paged_attention_v1(*args)
@@ -166,6 +166,22 @@ def test_paged_attention_matches_reference(kernels, version, dtype, head_size, b
     scale = head_size**-0.5
     got = run_decode(kernels, version, query, kv, scale)
     want = expected_attention(query, kv, [1] * len(seq_lens), scale)
+    torch.testing.assert_close(got, want, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize(
+    "version,dtype,head_size,heads",
+    grid(["v1", "v2"], DTYPES, [64, 128], [(6, 3), (9, 3), (12, 2)]),
+)
+def test_paged_attention_takes_groups_of_any_size(kernels, version, dtype, head_size, heads):
+    """The grouped kernel attends a KV head's query heads in slices of four: groups of 2, 3
+    and 6 leave a slice part-filled, whose idle heads must write nothing."""
+    num_heads, num_kv_heads = heads
+    seq_lens = [1, 17, 600]
+    kv = make_paged_kv(seq_lens, num_kv_heads, head_size, 16, dtype)
+    query = torch.randn(len(seq_lens), num_heads, head_size, device=DEVICE).to(dtype)
+    got = run_decode(kernels, version, query, kv, head_size**-0.5)
+    want = expected_attention(query, kv, [1] * len(seq_lens), head_size**-0.5)
     torch.testing.assert_close(got, want, **TOLERANCE[dtype])
 
 

@@ -23,6 +23,13 @@ namespace pagedserve {
 
 constexpr int kAttnThreads = 128;
 constexpr int kAttnWarps = kAttnThreads / kWarpSize;
+constexpr int kMaxGroupedHeads = 4;  // query heads per thread block on the grouped path
+
+}  // namespace pagedserve
+
+#include "paged_attention_grouped.cuh"
+
+namespace pagedserve {
 
 // The first of VEC consecutive dims that lane `lane` owns in its i-th slice of a head.
 template <int VEC>
@@ -230,8 +237,10 @@ __global__ void __launch_bounds__(kAttnThreads) paged_attention_kernel(
   }
 }
 
-// Launches paged_attention_kernel over grid (num_heads, num_seqs, num_partitions) for the
-// storage type, head size and block size given at run time.
+// Launches the decode kernel for the storage type, head size and block size given at run
+// time: paged_attention_grouped_kernel (paged_attention_grouped.cuh) where it takes the
+// head size, over grid (num_kv_heads * slices of its query heads, num_seqs, partitions);
+// else paged_attention_kernel over grid (num_heads, num_seqs, num_partitions).
 template <int PARTITION_SIZE>
 cudaError_t launch_paged_attention_kernel(void* out, float* exp_sums, float* max_logits,
                                           float* tmp_out, int num_partitions,
@@ -247,20 +256,38 @@ cudaError_t launch_paged_attention_kernel(void* out, float* exp_sums, float* max
       num_seqs > 65535 || num_partitions <= 0 || num_partitions > 65535) {
     return cudaErrorInvalidValue;
   }
-  const dim3 grid(num_heads, num_seqs, num_partitions);
+  const int group = num_heads / num_kv_heads;
   return dispatch_dtype(dtype, [&](auto dtype_tag) {
     using T = decltype(dtype_tag);
     return dispatch_head_size(head_size, [&](auto head_tag) {
       constexpr int kHead = decltype(head_tag)::value;
       return dispatch_block_size(block_size, [&](auto block_tag) {
         constexpr int kBlock = decltype(block_tag)::value;
-        paged_attention_kernel<T, kHead, kBlock, PARTITION_SIZE>
-            <<<grid, kAttnThreads, 0, stream>>>(
-                static_cast<T*>(out), exp_sums, max_logits, tmp_out,
-                static_cast<const T*>(query), query_stride,
-                static_cast<const T*>(key_cache), static_cast<const T*>(value_cache),
-                block_tables, seq_lens, max_blocks_per_seq, num_kv_heads, head_size, scale);
-        return cudaGetLastError();
+        if constexpr (kHead != 0 && grouped_head_size<T>(kHead)) {
+          // The fast path: one thread block per (KV head, slice of its query heads).
+          const auto launch = [&](auto group_tag) {
+            constexpr int kGroup = decltype(group_tag)::value;
+            const dim3 grid(num_kv_heads * cdiv(group, kGroup), num_seqs, num_partitions);
+            paged_attention_grouped_kernel<T, kHead, kBlock, PARTITION_SIZE, kGroup>
+                <<<grid, kAttnThreads, 0, stream>>>(
+                    static_cast<T*>(out), exp_sums, max_logits, tmp_out,
+                    static_cast<const T*>(query), query_stride,
+                    static_cast<const T*>(key_cache), static_cast<const T*>(value_cache),
+                    block_tables, seq_lens, max_blocks_per_seq, num_heads, num_kv_heads,
+                    scale);
+            return cudaGetLastError();
+          };
+          return group == 1 ? launch(IntConst<1>{}) : launch(IntConst<kMaxGroupedHeads>{});
+        } else {
+          const dim3 grid(num_heads, num_seqs, num_partitions);
+          paged_attention_kernel<T, kHead, kBlock, PARTITION_SIZE>
+              <<<grid, kAttnThreads, 0, stream>>>(
+                  static_cast<T*>(out), exp_sums, max_logits, tmp_out,
+                  static_cast<const T*>(query), query_stride,
+                  static_cast<const T*>(key_cache), static_cast<const T*>(value_cache),
+                  block_tables, seq_lens, max_blocks_per_seq, num_kv_heads, head_size, scale);
+          return cudaGetLastError();
+        }
       });
     });
   });

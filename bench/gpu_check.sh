@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# Everything a lent GPU machine should run, in one call, in priority order: build the CUDA
+# kernels, run the gpu-marked tests, check the engine end to end against the CPU and
+# llama2.c, then time the kernels and the engine. Each stage has its own time limit, so a
+# slow one cannot starve the rest. $OUT (default /tmp/gpu_check) gets at most 8 files:
+# summary.txt (read it first), pytest.log, and each bench's JSON (and PNG).
+#
+#   bash bench/gpu_check.sh ASSETS   # ASSETS: stories260K/ and stories260K_greedy.json
+set -u
+ASSETS=${1:?usage: gpu_check.sh ASSETS_DIR}
+OUT=${OUT:-/tmp/gpu_check}
+LOGS=$(mktemp -d)
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16}
+export PAGEDSERVE_CACHE_DIR=/tmp/pagedserve_cache
+SUMMARY="$OUT/summary.txt"
+stage() { echo "== $1 ($(date +%T))" >>"$SUMMARY"; }
+# report NAME RC LOG: the rc, the log's tagged lines, and its tail when it failed
+report() {
+  echo "$1 rc $2" >>"$SUMMARY"
+  grep -a '^\[gpu_' "$3" | cut -c1-500 >>"$SUMMARY"
+  [ "$2" = 0 ] || tail -c 2500 "$3" >>"$SUMMARY"
+}
+
+stage env
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
+  python3 -c 'import torch, transformers; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0), "transformers", transformers.__version__)'
+  nvcc --version | tail -1
+} >>"$SUMMARY" 2>&1
+
+stage build
+timeout 200 python3 -c '
+import time
+from cuda_ext import native_cuda
+t = time.perf_counter()
+k = native_cuda.load_cuda_kernels()
+print("[gpu_build]", "built" if k else "FAILED", round(time.perf_counter() - t, 1), "s", native_cuda.cuda_unavailable_reason() or "")
+' >"$LOGS/build.log" 2>&1
+report build $? "$LOGS/build.log"
+
+stage "gpu tests + engine checks, concurrently"
+timeout 170 python3 -m pytest -m gpu tests/cuda_ext/test_native_cuda.py -q -n 6 --timeout 120 \
+  -p no:cacheprovider -rfE >"$OUT/pytest.log" 2>&1 &
+tests=$!
+PAGEDSERVE_NATIVE=0 timeout 170 python3 bench/gpu_e2e.py --stories "$ASSETS/stories260K" \
+  --reference "$ASSETS/stories260K_greedy.json" --parts checks \
+  --out "$OUT/gpu_e2e_checks.json" >/dev/null 2>"$LOGS/checks.log"
+report "engine checks" $? "$LOGS/checks.log"
+wait $tests
+echo "gpu tests rc $?" >>"$SUMMARY"
+tail -n 25 "$OUT/pytest.log" >>"$SUMMARY"
+
+stage "kernel timings: GQA 32/8 heads, then MHA 32/32"
+timeout 90 python3 bench/gpu_kernels.py --out "$OUT/gpu_kernels.json" >/dev/null 2>"$LOGS/kernels.log"
+report kernels $? "$LOGS/kernels.log"
+timeout 60 python3 bench/gpu_kernels.py --kv-heads 32 --batch 1 32 256 --context 1024 16384 \
+  --no-prefill --out "$OUT/gpu_kernels_mha.json" >/dev/null 2>"$LOGS/kernels_mha.log"
+report "kernels MHA" $? "$LOGS/kernels_mha.log"
+
+stage "engine throughput"
+timeout 120 python3 bench/gpu_e2e.py --stories "$ASSETS/stories260K" \
+  --reference "$ASSETS/stories260K_greedy.json" --parts throughput \
+  --out "$OUT/gpu_e2e_throughput.json" >/dev/null 2>"$LOGS/throughput.log"
+report throughput $? "$LOGS/throughput.log"
+stage done
+cat "$SUMMARY"

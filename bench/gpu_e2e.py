@@ -1,0 +1,319 @@
+"""The whole engine on a CUDA device: checked token for token, then timed.
+
+Checks (a real checkpoint, stories260K, float32 so the CPU is an exact reference):
+  - llama2.c's own greedy outputs, batched, whole prompts and 64-token chunks, and with
+    the scheduler one step ahead (pipeline_depth=2);
+  - the same requests on CUDA and on the CPU give the same tokens: greedy with logprobs,
+    beam search, shared prefixes (prefix caching) and a KV cache small enough to preempt;
+  - float16 / bfloat16 run, with the share of greedy tokens equal to float32's;
+  - n=4 seeded sampling finishes with four outputs.
+Timing: a random Llama-shaped model (about 1.2B parameters, bfloat16) serving random
+prompts offline, our engine against Hugging Face `generate` on the same weights.
+
+    python bench/gpu_e2e.py --stories DIR --reference FILE --out bench/results/gpu_e2e.json
+    python bench/gpu_e2e.py ... --device cpu --parts checks   # a dry run of the checks' code
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO)]
+
+import torch  # noqa: E402
+from report import invocation, machine, write_report  # noqa: E402
+
+from engine import LLM, SamplingParams  # noqa: E402
+
+
+def log(msg: str) -> None:
+    print(f"[gpu_e2e] {msg}", file=sys.stderr, flush=True)
+
+
+def native(device: str) -> dict:
+    """On CUDA, insist on our kernels: 'auto' would fall back to SDPA if they broke."""
+    return {"attention_backend": "native"} if device.startswith("cuda") else {}
+
+
+def tokens(outputs) -> list[list[list[int]]]:
+    return [[c.token_ids for c in o.outputs] for o in outputs]
+
+
+def reference_params(cases) -> list[SamplingParams]:
+    # llama2.c counts positions after BOS: prompt - 1 + generated <= max_total_tokens.
+    return [
+        SamplingParams(
+            temperature=0, max_tokens=c["max_total_tokens"] - len(c["prompt_token_ids"]) + 1
+        )
+        for c in cases
+    ]
+
+
+def check_reference(stories: str, device: str, cases, **kwargs) -> dict:
+    kwargs |= native(device)
+    with LLM(stories, device=device, dtype="float32", kv_cache_memory=32 << 20, **kwargs) as llm:
+        outs = llm.generate(
+            [c["prompt_token_ids"] for c in cases], reference_params(cases), use_tqdm=False
+        )
+    got = [o.outputs[0].token_ids for o in outs]
+    matches = [g == c["greedy_token_ids"] for g, c in zip(got, cases, strict=True)]
+    return dict(cases=len(cases), identical=sum(matches), ok=all(matches))
+
+
+def scenario() -> tuple[list[list[int]], list[SamplingParams]]:
+    """Shared prefixes, greedy with logprobs, and beam search, on the stories vocabulary."""
+    rng = random.Random(0)
+    prefix = [1] + [rng.randrange(3, 512) for _ in range(40)]
+    prompts = [
+        prefix + [rng.randrange(3, 512) for _ in range(rng.randrange(1, 30))] for _ in range(12)
+    ]
+    params = [SamplingParams(temperature=0, max_tokens=48, logprobs=2, ignore_eos=True)] * 10
+    params += [SamplingParams(n=2, use_beam_search=True, max_tokens=24, temperature=0)] * 2
+    return prompts, params
+
+
+def check_against_cpu(stories: str, device: str, kv_cache_memory: int) -> dict:
+    prompts, params = scenario()
+    runs = {}
+    for where in ("cpu", device):
+        with LLM(
+            stories, device=where, dtype="float32", kv_cache_memory=kv_cache_memory, **native(where)
+        ) as llm:
+            runs[where] = llm.generate(prompts, params, use_tqdm=False)
+            stats = llm.stats()
+    same = [a == b for a, b in zip(tokens(runs["cpu"]), tokens(runs[device]), strict=True)]
+    worst = 0.0
+    for a, b in zip(runs["cpu"][:10], runs[device][:10], strict=True):
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=False):
+            for tid, lp in la.items():
+                if tid in lb:
+                    worst = max(worst, abs(lp.logprob - lb[tid].logprob))
+    return dict(
+        kv_cache_memory=kv_cache_memory,
+        requests=len(prompts),
+        identical=sum(same),
+        ok=all(same),
+        max_logprob_diff=worst,
+        stats=str(stats)[:400],
+    )
+
+
+def check_half_dtypes(stories: str, device: str, cases) -> dict:
+    prompts = [c["prompt_token_ids"] for c in cases]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    result = {}
+    base = None
+    for dtype in ("float32", "float16", "bfloat16"):
+        with LLM(
+            stories, device=device, dtype=dtype, kv_cache_memory=32 << 20, **native(device)
+        ) as llm:
+            got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        base = base or got
+        agree = sum(
+            x == y for g, b in zip(got, base, strict=True) for x, y in zip(g, b, strict=True)
+        )
+        result[dtype] = round(agree / sum(len(b) for b in base), 3)
+    return dict(greedy_tokens_equal_to_float32=result)
+
+
+def check_sampling(stories: str, device: str) -> dict:
+    with LLM(stories, device=device, kv_cache_memory=32 << 20, **native(device)) as llm:
+        [out] = llm.generate(
+            [1, 400, 30],
+            SamplingParams(n=4, seed=7, max_tokens=20, temperature=0.8),
+            use_tqdm=False,
+        )
+        [again] = llm.generate(
+            [1, 400, 30],
+            SamplingParams(n=4, seed=7, max_tokens=20, temperature=0.8),
+            use_tqdm=False,
+        )
+    return dict(
+        outputs=len(out.outputs),
+        seeded_repeatable=tokens([out]) == tokens([again]),
+        ok=len(out.outputs) == 4,
+    )
+
+
+LLAMA_1B = dict(
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=32000,
+    max_position_embeddings=4096,
+)
+
+
+def random_llama(path: Path) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(LlamaConfig(**LLAMA_1B, dtype="bfloat16"))
+    model.to(torch.bfloat16).save_pretrained(path)
+
+
+def time_ours(path: Path, prompts, out_len: int, max_num_seqs: int, depth: int) -> dict:
+    params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
+    with LLM(
+        str(path),
+        device="cuda",
+        dtype="bfloat16",
+        skip_tokenizer_init=True,
+        max_num_seqs=max_num_seqs,
+        gpu_memory_utilization=0.3,
+        pipeline_depth=depth,
+        attention_backend="native",
+    ) as llm:
+        llm.generate(prompts[:4], params, use_tqdm=False)  # warm-up
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+    generated = sum(len(o.outputs[0].token_ids) for o in outs)
+    return dict(
+        system="ours",
+        max_num_seqs=max_num_seqs,
+        pipeline_depth=depth,
+        seconds=round(seconds, 2),
+        output_tok_s=round(generated / seconds, 1),
+        total_tok_s=round((generated + sum(len(p) for p in prompts)) / seconds, 1),
+    )
+
+
+def time_hf(path: Path, prompts, out_len: int, batch: int) -> dict:
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    ids = torch.tensor(prompts, device="cuda")  # equal lengths: no padding
+
+    def run(rows):
+        mask = torch.ones_like(rows)
+        return model.generate(
+            rows,
+            attention_mask=mask,
+            max_new_tokens=out_len,
+            min_new_tokens=out_len,
+            do_sample=False,
+        )
+
+    run(ids[:2])
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for i in range(0, len(prompts), batch):
+        run(ids[i : i + batch])
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    generated = len(prompts) * out_len
+    return dict(
+        system="hf_generate",
+        batch=batch,
+        seconds=round(seconds, 2),
+        output_tok_s=round(generated / seconds, 1),
+        total_tok_s=round((generated + ids.numel()) / seconds, 1),
+    )
+
+
+def throughput(num_prompts: int, in_len: int, out_len: int, hf_batch: int) -> dict:
+    rng = random.Random(0)
+    prompts = [
+        [rng.randrange(3, LLAMA_1B["vocab_size"]) for _ in range(in_len)]
+        for _ in range(num_prompts)
+    ]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        random_llama(Path(tmp))
+        for max_num_seqs, depth in [(256, 2), (256, 1)]:
+            rows.append(time_ours(Path(tmp), prompts, out_len, max_num_seqs, depth))
+            log(str(rows[-1]))
+        rows.append(time_hf(Path(tmp), prompts, out_len, hf_batch))
+        log(str(rows[-1]))
+    ours = max(r["output_tok_s"] for r in rows if r["system"] == "ours")
+    return dict(
+        model=LLAMA_1B,
+        num_prompts=num_prompts,
+        input_len=in_len,
+        output_len=out_len,
+        rows=rows,
+        ours_best_over_hf=round(ours / rows[-1]["output_tok_s"], 2),
+    )
+
+
+def guarded(name: str, fn, *args) -> dict:
+    """One part's result, or the error it raised (the other parts still run)."""
+    start = time.perf_counter()
+    try:
+        result = fn(*args)
+    except Exception as exc:  # noqa: BLE001 - a report of what broke is the point
+        result = dict(
+            ok=False, error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()[-3000:]
+        )
+    result["seconds"] = round(time.perf_counter() - start, 1)
+    log(f"{name}: {json.dumps(result)[:1500]}")
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--stories", required=True, help="the stories260K checkpoint directory")
+    p.add_argument("--reference", required=True, help="llama2.c's stories260K_greedy.json")
+    p.add_argument("--num-prompts", type=int, default=256)
+    p.add_argument("--input-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--hf-batch", type=int, default=128)
+    p.add_argument(
+        "--parts", nargs="+", choices=["checks", "throughput"], default=["checks", "throughput"]
+    )
+    p.add_argument("--device", default="cuda", help="cpu: a dry run of the checks' code")
+    p.add_argument("--out", type=Path)
+    a = p.parse_args(argv)
+    cases = json.loads(Path(a.reference).read_text())["cases"]
+    stories, dev = a.stories, a.device
+    checks = (
+        {}
+        if "checks" not in a.parts
+        else dict(
+            reference=guarded("reference", check_reference, stories, dev, cases),
+            reference_chunked=guarded(
+                "reference_chunked",
+                lambda: check_reference(stories, dev, cases, max_num_batched_tokens=64),
+            ),
+            reference_one_step_ahead=guarded(
+                "reference_one_step_ahead",
+                lambda: check_reference(stories, dev, cases, pipeline_depth=2),
+            ),
+            against_cpu=guarded("against_cpu", check_against_cpu, stories, dev, 32 << 20),
+            against_cpu_preempting=guarded(
+                "against_cpu_preempting", check_against_cpu, stories, dev, 1 << 20
+            ),
+            half_dtypes=guarded("half_dtypes", check_half_dtypes, stories, dev, cases),
+            sampling=guarded("sampling", check_sampling, stories, dev),
+        )
+    )
+    result = dict(
+        command=invocation(__file__),
+        device=torch.cuda.get_device_name(0) if a.device == "cuda" else a.device,
+        torch=torch.__version__,
+        checks=checks,
+        machine=machine(),
+    )
+    if "throughput" in a.parts:
+        result["throughput"] = guarded(
+            "throughput", throughput, a.num_prompts, a.input_len, a.output_len, a.hf_batch
+        )
+    write_report(result, a.out)
+    return 0 if all(c.get("ok", True) for c in checks.values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
