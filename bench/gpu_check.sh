@@ -6,6 +6,9 @@
 # summary.txt (read it first), pytest.log, and each bench's JSON (and PNG).
 #
 #   bash bench/gpu_check.sh ASSETS   # ASSETS: stories260K/ and stories260K_greedy.json
+#
+# Wheels the machine lacks (xgrammar and its pydantic, jsonschema for the structured-output
+# checks) go in .whl/ at the repository root; they are installed to /tmp/site first.
 set -u
 ASSETS=${1:?usage: gpu_check.sh ASSETS_DIR}
 OUT=${OUT:-/tmp/gpu_check}
@@ -23,6 +26,10 @@ report() {
 }
 
 stage env
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl >>"$SUMMARY" 2>&1 && export PYTHONPATH=/tmp/site
+fi
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
   python3 -c 'import torch, transformers; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0), "transformers", transformers.__version__)'
@@ -44,7 +51,7 @@ timeout 170 python3 -m pytest -m gpu tests/cuda_ext/test_native_cuda.py -q -n 6 
   -p no:cacheprovider -rfE >"$OUT/pytest.log" 2>&1 &
 tests=$!
 PAGEDSERVE_NATIVE=0 timeout 170 python3 bench/gpu_e2e.py --stories "$ASSETS/stories260K" \
-  --reference "$ASSETS/stories260K_greedy.json" --parts checks \
+  --reference "$ASSETS/stories260K_greedy.json" --parts checks structured \
   --out "$OUT/gpu_e2e_checks.json" >/dev/null 2>"$LOGS/checks.log"
 report "engine checks" $? "$LOGS/checks.log"
 wait $tests

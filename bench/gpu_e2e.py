@@ -6,7 +6,8 @@ Checks (a real checkpoint, stories260K, float32 so the CPU is an exact reference
   - the same requests on CUDA and on the CPU give the same tokens: greedy with logprobs,
     beam search, shared prefixes (prefix caching) and a KV cache small enough to preempt;
   - float16 / bfloat16 run, with the share of greedy tokens equal to float32's;
-  - n=4 seeded sampling finishes with four outputs.
+  - n=4 seeded sampling finishes with four outputs;
+  - structured outputs (xgrammar's masks on this device's logits) on the built-in model.
 Timing: a random Llama-shaped model (about 1.2B parameters, bfloat16) serving random
 prompts offline, our engine against Hugging Face `generate` on the same weights.
 
@@ -143,6 +144,26 @@ def check_sampling(stories: str, device: str) -> dict:
     )
 
 
+def check_structured(device: str) -> dict:
+    """Every constraint of tests/engine/test_structured_outputs.py (JSON schemas, regex,
+    choice, EBNF) on the built-in random model, greedy and sampled beside an unconstrained
+    request, in step and one step ahead: the masks applied to this device's logits."""
+    from tests.engine.test_structured_outputs import run_all_cases
+
+    for depth in (1, 2):
+        with LLM(
+            "builtin:tiny",
+            device=device,
+            block_size=16,
+            seed=0,
+            kv_cache_memory=32 << 20,
+            pipeline_depth=depth,
+            **native(device),
+        ) as llm:
+            run_all_cases(llm)  # raises unless every output matches its constraint
+    return dict(ok=True, pipeline_depths=[1, 2])
+
+
 LLAMA_1B = dict(
     hidden_size=2048,
     intermediate_size=8192,
@@ -272,7 +293,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--hf-batch", type=int, default=128)
     p.add_argument(
-        "--parts", nargs="+", choices=["checks", "throughput"], default=["checks", "throughput"]
+        "--parts",
+        nargs="+",
+        choices=["checks", "structured", "throughput"],
+        default=["checks", "structured", "throughput"],
     )
     p.add_argument("--device", default="cuda", help="cpu: a dry run of the checks' code")
     p.add_argument("--out", type=Path)
@@ -307,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
         checks=checks,
         machine=machine(),
     )
+    if "structured" in a.parts:
+        checks["structured"] = guarded("structured", check_structured, dev)
     if "throughput" in a.parts:
         result["throughput"] = guarded(
             "throughput", throughput, a.num_prompts, a.input_len, a.output_len, a.hf_batch
