@@ -33,9 +33,12 @@ from engine.engine_args import EngineArgs
 from engine.messages import (
     INBOXES,
     AbortRequest,
+    ChatInput,
+    ChatPrompt,
     DetokenizeRequest,
     GenerateRequest,
     OutputDelta,
+    PromptInput,
     TokenizeRequest,
     TokenizeResult,
     WorkerReady,
@@ -142,7 +145,7 @@ class AsyncEngine:
 
     async def generate(
         self,
-        prompt: str | list[int] | list[dict],
+        prompt: PromptInput,
         params: SamplingParams | None = None,
         request_id: str | None = None,
         *,
@@ -173,7 +176,7 @@ class AsyncEngine:
 
     async def tokenize(
         self,
-        prompt: str | list[dict],
+        prompt: str | ChatInput,
         *,
         add_special_tokens: bool = True,
         add_generation_prompt: bool = True,
@@ -184,9 +187,13 @@ class AsyncEngine:
                 rid, CLIENT_ID, prompt, add_special_tokens=add_special_tokens
             )
         else:
-            chat = chat_of(prompt)
+            chat = prompt if isinstance(prompt, ChatPrompt) else ChatPrompt(chat_of(prompt))
             message = TokenizeRequest.of_chat(
-                rid, CLIENT_ID, chat, add_generation_prompt=add_generation_prompt
+                rid,
+                CLIENT_ID,
+                chat.messages,
+                add_generation_prompt=add_generation_prompt,
+                template_args=chat.template_args,
             )
         return await self._call(message)
 

@@ -14,7 +14,7 @@ from typing import Protocol
 from actors.engine_status import EngineStatus
 from actors.supervisor import WatchStats
 from engine.core.stats import EngineStats
-from engine.messages import OutputDelta, TokenizeResult, WorkerReady
+from engine.messages import ChatInput, OutputDelta, PromptInput, TokenizeResult, WorkerReady
 from engine.sampling_params import SamplingParams
 
 
@@ -47,7 +47,7 @@ class EngineClient(Protocol):
 
     def generate(
         self,
-        prompt: str | list[int] | list[dict],
+        prompt: PromptInput,
         params: SamplingParams | None = None,
         request_id: str | None = None,
         *,
@@ -67,7 +67,7 @@ class EngineClient(Protocol):
 
     async def tokenize(
         self,
-        prompt: str | list[dict],
+        prompt: str | ChatInput,
         *,
         add_special_tokens: bool = True,
         add_generation_prompt: bool = True,

@@ -25,7 +25,14 @@ from engine.config import EngineConfig
 from engine.core.replica_router import ReplicaRouter, RoutedPrompt
 from engine.core.stats import EngineStats
 from engine.engine_args import EngineArgs
-from engine.messages import OutputDelta, TokenizeResult, WorkerReady
+from engine.messages import (
+    ChatInput,
+    ChatPrompt,
+    OutputDelta,
+    PromptInput,
+    TokenizeResult,
+    WorkerReady,
+)
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -135,7 +142,7 @@ class ReplicaSet:
 
     async def generate(
         self,
-        prompt: str | list[int] | list[dict],
+        prompt: PromptInput,
         params: SamplingParams | None = None,
         request_id: str | None = None,
         *,
@@ -158,7 +165,7 @@ class ReplicaSet:
             self.loads[replica] -= 1
             del self._owner[request_id]
 
-    def _route(self, prompt: str | list[int] | list[dict]) -> int:
+    def _route(self, prompt: PromptInput) -> int:
         """The router's pick among the healthy replicas; input it cannot read goes to the
         least-loaded healthy replica, whose validation refuses it with an error naming
         the field. RuntimeError when no replica serves."""
@@ -179,7 +186,7 @@ class ReplicaSet:
 
     async def tokenize(
         self,
-        prompt: str | list[dict],
+        prompt: str | ChatInput,
         *,
         add_special_tokens: bool = True,
         add_generation_prompt: bool = True,
@@ -224,8 +231,10 @@ class ReplicaSet:
         await asyncio.gather(*(r.shutdown(timeout) for r in self.replicas))
 
 
-def _routed(prompt: str | list[int] | list[dict]) -> RoutedPrompt:
+def _routed(prompt: PromptInput) -> RoutedPrompt:
     """What the router reads: a chat's messages as (role, content) pairs."""
+    if isinstance(prompt, ChatPrompt):
+        return [(m.role, m.content) for m in prompt.messages]
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
         return [(str(m.get("role")), str(m.get("content"))) for m in prompt]
     return prompt

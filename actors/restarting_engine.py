@@ -29,7 +29,7 @@ from actors.supervisor import WatchStats
 from actors.worker_launch import WorkerLaunch
 from engine.core.stats import EngineStats
 from engine.engine_args import EngineArgs
-from engine.messages import OutputDelta, TokenizeResult, WorkerReady
+from engine.messages import ChatInput, OutputDelta, PromptInput, TokenizeResult, WorkerReady
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -122,7 +122,7 @@ class RestartingEngine:
 
     async def generate(
         self,
-        prompt: str | list[int] | list[dict],
+        prompt: PromptInput,
         params: SamplingParams | None = None,
         request_id: str | None = None,
         *,
@@ -140,7 +140,7 @@ class RestartingEngine:
 
     async def tokenize(
         self,
-        prompt: str | list[dict],
+        prompt: str | ChatInput,
         *,
         add_special_tokens: bool = True,
         add_generation_prompt: bool = True,

@@ -15,7 +15,7 @@ killed with their parent (PR_SET_PDEATHSIG) on Linux.
 
 Frames on the pipes are a 4-byte big-endian length and a msgpack map: first
 {source, name, variables, max_chars, memory_bytes} to the child, then per render
-{messages, add_generation_prompt} → {text} or {error, recycle}.
+{messages, add_generation_prompt, variables?} → {text} or {error, recycle}.
 """
 
 from __future__ import annotations
@@ -101,10 +101,13 @@ class IsolatedRenderer:
         self._closed = False
         self.num_killed = 0  # children killed past their deadline or crashed
 
-    def render(self, messages: list[dict], add_generation_prompt: bool) -> str:
+    def render(
+        self, messages: list[dict], add_generation_prompt: bool, variables: dict | None = None
+    ) -> str:
         child = self._checkout()
+        frame = {"messages": messages, "add_generation_prompt": add_generation_prompt}
         try:
-            child.send({"messages": messages, "add_generation_prompt": add_generation_prompt})
+            child.send(frame | ({"variables": variables} if variables else {}))
             reply = child.receive(self.budget.deadline_s)
         except TimeoutError:
             self._discard(child)
@@ -240,9 +243,9 @@ def child_main() -> None:
     _write(out, {"ready": True})
     while (frame := _read(inp)) is not None:
         try:
-            text = render(
-                template, frame["messages"], frame["add_generation_prompt"], init["max_chars"]
-            )
+            messages, prompt = frame["messages"], frame["add_generation_prompt"]
+            variables = frame.get("variables")
+            text = render(template, messages, prompt, init["max_chars"], variables)
             _write(out, {"text": text})
         except ChatTemplateError as exc:
             _write(out, {"error": str(exc), "recycle": isinstance(exc, TemplateBudgetError)})

@@ -15,6 +15,7 @@ from engine.core.stats import EngineStats
 from engine.engine_args import EngineArgs
 from engine.in_process import InProcessEngine, Prompt
 from engine.logging_setup import configure_logging
+from engine.messages import ChatPrompt
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.wiring import build_engine
@@ -113,14 +114,24 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        *,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
-        """Applies the tokenizer's chat template to one conversation or a list of them."""
+        """Applies the tokenizer's chat template to one conversation or a list of them.
+        `tools` (OpenAI's list of function tools) and `chat_template_kwargs` (extra
+        template variables, e.g. `{"enable_thinking": False}`) reach the template as in
+        vLLM's `LLM.chat`; messages may hold assistant `tool_calls` and `tool` turns."""
         if self.engine.tokenizer is None:
             raise ValueError("chat needs a tokenizer; this LLM was built with skip_tokenizer_init")
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [
-            self.engine.tokenizer.apply_chat_template(c, add_generation_prompt) for c in convs
-        ]
+        prompts = []
+        for conv in convs:
+            chat = ChatPrompt.of(list(conv), tools=tools, chat_template_kwargs=chat_template_kwargs)
+            variables = None if chat.template_args is None else chat.template_args.variables()
+            dicts = [m.template_dict() for m in chat.messages]
+            tokenizer = self.engine.tokenizer
+            prompts.append(tokenizer.apply_chat_template(dicts, add_generation_prompt, variables))
         params = _as_params_list(sampling_params, len(prompts))
         return self._run(prompts, params, use_tqdm)
 

@@ -12,6 +12,7 @@ index)`, and the scheduler's and workers' messages carry those ids.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import StrEnum
@@ -33,11 +34,119 @@ def request_id_of(seq_id: str) -> str:
 
 
 @dataclass(frozen=True)
+class ChatToolCall:
+    """A function call an assistant turn made: `arguments` is JSON text (OpenAI's
+    `function.arguments`)."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True)
 class ChatMessage:
-    """One chat turn; `role` is system, user, assistant or tool."""
+    """One chat turn; `role` is system, user, assistant or tool. An assistant turn may
+    carry the `tool_calls` it made (its content may then be empty); a tool turn names
+    the call it answers (`tool_call_id`) and may name the function (`name`)."""
 
     role: str
     content: str
+    tool_calls: tuple[ChatToolCall, ...] = ()
+    tool_call_id: str | None = None
+    name: str | None = None
+
+    @classmethod
+    def of(cls, message: dict) -> ChatMessage:
+        """From an OpenAI-shaped message dict (checked already by its sender)."""
+        calls = tuple(
+            ChatToolCall(
+                str(c.get("id")),
+                str(c["function"].get("name")),
+                str(c["function"].get("arguments")),
+            )
+            for c in message.get("tool_calls") or ()
+        )
+        return cls(
+            str(message.get("role")),
+            str(message.get("content") or ""),
+            calls,
+            message.get("tool_call_id"),
+            message.get("name"),
+        )
+
+    def template_dict(self) -> dict:
+        """What the chat template sees: role and content, and the tool fields set. Call
+        arguments that are a JSON object reach it parsed (templates write them with
+        `tojson`, as transformers' and vLLM's callers pass them)."""
+        out: dict = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            out["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.name, "arguments": _json_object_or_text(c.arguments)},
+                }
+                for c in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+
+def _json_object_or_text(text: str) -> object:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, dict) else text
+
+
+@dataclass(frozen=True)
+class ChatTemplateArgs:
+    """What a chat template sees beside the messages: the request's `tools` (OpenAI's
+    list, as JSON text) and its `chat_template_kwargs` (a JSON object's text: extra
+    template variables, e.g. Qwen3's `enable_thinking`). JSON text because the wire
+    carries typed fields, and these are any JSON the client sent (checked by it)."""
+
+    tools_json: str | None = None
+    kwargs_json: str | None = None
+
+    def variables(self) -> dict:
+        """The template variables these add (`tools` and each kwarg)."""
+        out = json.loads(self.kwargs_json) if self.kwargs_json else {}
+        if self.tools_json:
+            out["tools"] = json.loads(self.tools_json)
+        return out
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    """A chat as a prompt: its messages and what its template sees beside them. Where a
+    prompt may be a chat, a list of message dicts is one with no template args."""
+
+    messages: tuple[ChatMessage, ...]
+    template_args: ChatTemplateArgs | None = None
+
+    @classmethod
+    def of(
+        cls,
+        messages: list[dict],
+        *,
+        tools: list | None = None,
+        chat_template_kwargs: dict | None = None,
+    ) -> ChatPrompt:
+        """From message dicts, the `tools` list and `chat_template_kwargs` (None: unset)."""
+        args = None
+        if tools or chat_template_kwargs:
+            args = ChatTemplateArgs(
+                json.dumps(tools, ensure_ascii=False) if tools else None,
+                json.dumps(chat_template_kwargs, ensure_ascii=False)
+                if chat_template_kwargs
+                else None,
+            )
+        return cls(chat_of(messages), args)
 
 
 @dataclass(frozen=True)
@@ -92,6 +201,12 @@ class Shutdown:
 # ---------------------------------------------------------------- tokenizer inbox
 
 
+# What a client may pass as a prompt: text, token ids, or a chat (its message dicts, or a
+# ChatPrompt with the template's tools and kwargs); and as a chat alone.
+ChatInput = list[dict] | ChatPrompt
+PromptInput = str | list[int] | ChatInput
+
+
 @dataclass(frozen=True, kw_only=True)
 class GenerateRequest:
     """A client's request. Exactly one of prompt, prompt_token_ids, messages is set;
@@ -106,6 +221,7 @@ class GenerateRequest:
     messages: tuple[ChatMessage, ...] | None
     params: SamplingParams
     strict_max_tokens: bool = False
+    template_args: ChatTemplateArgs | None = None  # a chat's tools and template kwargs
 
     @classmethod
     def of(
@@ -117,12 +233,15 @@ class GenerateRequest:
         *,
         strict_max_tokens: bool = False,
     ) -> GenerateRequest:
-        """From what a caller passes as a prompt: text, token ids, or a chat (a list of
-        {"role", "content"} dicts). ValueError for anything else."""
-        text = ids = chat = None
+        """From what a caller passes as a prompt: text, token ids, or a chat (a
+        ChatPrompt, or a list of OpenAI-shaped message dicts). ValueError for anything
+        else."""
+        text = ids = chat = args = None
         items = list(prompt) if isinstance(prompt, list | tuple) else None
         if isinstance(prompt, str):
             text = prompt
+        elif isinstance(prompt, ChatPrompt):
+            chat, args = prompt.messages, prompt.template_args
         elif items and all(isinstance(m, dict) for m in items):
             chat = chat_of(items)
         elif items is not None and all(type(t) is int for t in items):
@@ -137,12 +256,13 @@ class GenerateRequest:
             messages=chat,
             params=params,
             strict_max_tokens=strict_max_tokens,
+            template_args=args,
         )
 
 
 def chat_of(messages: list[dict]) -> tuple[ChatMessage, ...]:
-    """Chat messages as {"role", "content"} dicts -> ChatMessages."""
-    return tuple(ChatMessage(str(m.get("role")), str(m.get("content"))) for m in messages)
+    """OpenAI-shaped message dicts -> ChatMessages."""
+    return tuple(ChatMessage.of(m) for m in messages)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -159,6 +279,7 @@ class TokenizeRequest:
     messages: tuple[ChatMessage, ...] | None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    template_args: ChatTemplateArgs | None = None  # a chat's tools and template kwargs
 
     @classmethod
     def of_prompt(
@@ -181,6 +302,7 @@ class TokenizeRequest:
         messages: tuple[ChatMessage, ...],
         *,
         add_generation_prompt: bool = True,
+        template_args: ChatTemplateArgs | None = None,
     ) -> TokenizeRequest:
         """Tokenize a chat as the chat template renders it."""
         return cls(
@@ -189,6 +311,7 @@ class TokenizeRequest:
             prompt=None,
             messages=messages,
             add_generation_prompt=add_generation_prompt,
+            template_args=template_args,
         )
 
 

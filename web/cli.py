@@ -233,6 +233,25 @@ def _add_serve_parser(sub) -> None:
         "(default: no limit)",
     )
     serve.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='let chat requests use tool_choice "auto" (the default with tools): calls are '
+        "parsed from the model's text by --tool-call-parser",
+    )
+    serve.add_argument(
+        "--tool-call-parser",
+        default=None,
+        metavar="NAME",
+        help="the format of tool calls in the model's text: hermes (Qwen 2.5/3, Hermes, "
+        "SmolLM3), llama3_json (Llama 3.x), mistral",
+    )
+    serve.add_argument(
+        "--reasoning-parser",
+        default=None,
+        metavar="NAME",
+        help="split <think> reasoning into the reply's reasoning_content: deepseek_r1, qwen3",
+    )
+    serve.add_argument(
         "--max-concurrent-per-key",
         type=_positive_count,
         default=None,
@@ -435,6 +454,7 @@ def _run_server(args, engine_args, engine_config, launches, default_name, builti
     from actors.transport import remove_stale_run_dirs
     from web.api_keys import ApiKeys
     from web.app import create_app
+    from web.chat_parsing import ChatParsing
     from web.draining_server import DrainingServer
     from web.http_protocol import HeaderTimeoutH11Protocol
     from web.redaction import redact_request_lines
@@ -462,6 +482,9 @@ def _run_server(args, engine_args, engine_config, launches, default_name, builti
         log_stats_interval_s=args.log_stats_interval,
         data_parallel_size=args.data_parallel_size,
         max_concurrent_per_key=args.max_concurrent_per_key,
+        chat_parsing=ChatParsing(
+            args.tool_call_parser, args.enable_auto_tool_choice, args.reasoning_parser
+        ),
     )
     engine_config = engine_config or engine_args.build()  # configuration errors surface here
     for stale in remove_stale_run_dirs():

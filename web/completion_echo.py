@@ -7,9 +7,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from actors.engine_client import EngineClient
-from engine.messages import LogprobRow, OutputDelta
+from engine.messages import LogprobRow, OutputDelta, PromptInput
 from web.errors import ApiError, invalid
-from web.generation import PromptInput
 
 
 @dataclass(frozen=True)

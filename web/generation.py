@@ -9,14 +9,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from actors.engine_client import EngineClient
-from engine.messages import ErrorKind, OutputDelta
+from engine.messages import ErrorKind, OutputDelta, PromptInput
 from engine.sampling_params import SamplingParams
 from web.client_concurrency import ClientConcurrency
 from web.errors import ApiError, invalid
 from web.metrics import FinishReason, Metrics
 from web.params import field_of
-
-PromptInput = str | list[int] | list[dict]
 
 
 @dataclass

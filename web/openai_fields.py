@@ -82,9 +82,10 @@ def _some(
 
 
 _V = Origin.VLLM
-_NO_TOOLS = "this server has no tool calling"
+_OLD_FUNCTIONS = "OpenAI's deprecated spelling: send tools and tool_choice"
 _TEXT_ONLY = "this server serves a text-only model"
 _DOC = "[structured_outputs.md](structured_outputs.md)"
+_TOOLS_DOC = "[tool_calling.md](tool_calling.md)"
 _A_TOOL = {"type": "function", "function": {"name": "f", "parameters": {}}}
 
 COMMON = [
@@ -137,8 +138,8 @@ COMMON = [
         (False, True),
     ),
     _refused("metadata", "only with `store: true`, and this server stores nothing", {"k": "v"}),
-    _refused("functions", _NO_TOOLS, [{"name": "f", "parameters": {}}]),
-    _refused("function_call", _NO_TOOLS, "auto"),
+    _refused("functions", _OLD_FUNCTIONS, [{"name": "f", "parameters": {}}]),
+    _refused("function_call", _OLD_FUNCTIONS, "auto"),
     _refused("audio", _TEXT_ONLY, {"voice": "alloy", "format": "wav"}),
     _refused("prediction", "no predicted outputs", {"type": "content", "content": "x"}),
     _refused("reasoning_effort", "the model is not a reasoning model", "low"),
@@ -248,8 +249,9 @@ COMPLETIONS_ONLY = [
 CHAT_ONLY = [
     _supported(
         "messages",
-        "system, user, assistant and tool turns with string content or text parts; "
-        "image, audio and file parts are refused (text-only model)",
+        "system, user, assistant and tool turns with string content or text parts, an "
+        "assistant's `tool_calls` and a tool's `tool_call_id` (and `name`); image, audio "
+        "and file parts are refused (text-only model)",
     ),
     _supported(
         "max_completion_tokens", "as max_tokens (and preferred to it); with both, they must agree"
@@ -260,14 +262,20 @@ CHAT_ONLY = [
         "top_logprobs asks for alternatives)",
     ),
     _supported("top_logprobs", "0 to 20 alternatives per token; needs logprobs: true"),
-    _some("tools", "`[]`", lambda v: v == [], _NO_TOOLS, ([], [_A_TOOL])),
-    _some("tool_choice", '`"none"`', lambda v: v == "none", _NO_TOOLS, ("none", "auto")),
-    _some(
+    _supported(
+        "tools",
+        "function tools (up to 128, unique names); their `parameters` schemas constrain "
+        f"`required` and named choices: {_TOOLS_DOC}",
+    ),
+    _supported(
+        "tool_choice",
+        '`"none"`, `"required"` or a named function (a grammar writes the calls); `"auto"` '
+        "(the default with tools) with `--enable-auto-tool-choice --tool-call-parser`",
+    ),
+    _supported(
         "parallel_tool_calls",
-        "`true`, `false`",
-        lambda v: isinstance(v, bool),
-        "tools must be []: no tool is ever called, in parallel or not",
-        (True, "yes"),
+        '`false` holds `"required"` to one call; refused under `"auto"` (free text cannot '
+        "be held to it)",
     ),
     _some(
         "modalities",
@@ -301,7 +309,17 @@ CHAT_ONLY = [
         _V,
     ),
     _refused("chat_template", "the model's own chat template is used", "{{ messages }}", _V),
-    _refused("chat_template_kwargs", "the model's own chat template is used", {"a": 1}, _V),
+    _supported(
+        "chat_template_kwargs",
+        "extra chat template variables (e.g. `enable_thinking`); not `messages`, `tools`, "
+        "`documents`, `add_generation_prompt`",
+        _V,
+    ),
+    _supported(
+        "include_reasoning",
+        "false drops `reasoning_content` (with `--reasoning-parser`); default true",
+        _V,
+    ),
     _refused(
         "add_special_tokens",
         "a chat prompt is the template's text, with BOS when the template leaves it out",

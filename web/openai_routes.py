@@ -31,14 +31,15 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from engine.messages import OutputDelta
+from engine.messages import ChatPrompt, OutputDelta, PromptInput
 from engine.sampling_params import SamplingParams
+from web.chat_reply import ChatReplyShape, finish_reason
 from web.choice_chunks import ChoiceChunks, ChunkShape
 from web.client_concurrency import Client
 from web.completion_echo import PromptEcho, prompt_echoes
 from web.errors import ApiError, invalid
 from web.frames import read_json_body
-from web.generation import Generator, PromptInput, Timing, failure
+from web.generation import Generator, Timing, failure
 from web.openai_fields import CHAT_RULES, COMPLETION_RULES, accepted, check_fields
 from web.openai_format import (
     ChoiceTally,
@@ -56,10 +57,13 @@ from web.params import (
     num_choices,
     sampling_params,
     stream_options,
+    template_kwargs,
     user_of,
 )
 from web.server_config import ServerConfig
 from web.structured_fields import respell
+from web.tool_choice import respell_tools, with_tool_choice
+from web.tool_fields import tool_request
 
 logger = logging.getLogger(__name__)
 COMPLETION_FIELDS = accepted(COMPLETION_RULES)  # some with some values only (the table)
@@ -80,6 +84,7 @@ class Job:
     client: Client  # whose open requests it counts among (--max-concurrent-per-key)
     echo: bool = False  # completions: the prompt before each choice
     strict_max_tokens: bool = False  # the client chose max_tokens: refused past the context
+    reply: ChatReplyShape | None = None  # chat: how each choice's text becomes a message
 
     @property
     def echo_logprobs(self) -> bool:
@@ -120,6 +125,7 @@ class OpenAIRoutes:
             if chat and err.param == "max_tokens" and _given(body, "max_completion_tokens"):
                 err.param = "max_completion_tokens"  # the field this client sent
             err = respell(err, body)  # structured outputs: as this client spelled them
+            err = respell_tools(err, body)  # a tool choice's grammar: as the tools
             headers = {"Retry-After": "1"} if err.status in (429, 503) else {}
             headers |= {"Connection": "close"} if err.close else {}
             return JSONResponse(err.openai_body(), err.status, headers=headers)
@@ -140,7 +146,12 @@ class OpenAIRoutes:
         user = user_of(body)
         base = sampling_params(body, chat=chat, default_max_tokens=self.config.default_max_tokens)
         params = dataclasses.replace(base, n=n, best_of=ranked)
-        prompts = [chat_messages(body.get("messages"))] if chat else _prompts(body.get("prompt"))
+        reply = None
+        if chat:
+            chat_prompt, params, reply = self._chat(body, params)
+            prompts: list[PromptInput] = [chat_prompt]
+        else:
+            prompts = _prompts(body.get("prompt"))
         top = base.logprobs  # chat's logprobs: true alone is 0: the chosen token's own
         if echo and top is not None:  # the prompt's tokens, scored, before each choice's
             params = dataclasses.replace(params, prompt_logprobs=top)
@@ -148,7 +159,30 @@ class OpenAIRoutes:
         if user is not None:
             logger.info("%s is from user %r", request_id, user)
         strict = _given(body, "max_tokens") or _given(body, "max_completion_tokens")
-        return Job(request_id, prompts, params, stream, include_usage, top, client, echo, strict)
+        return Job(
+            request_id, prompts, params, stream, include_usage, top, client, echo, strict, reply
+        )
+
+    def _chat(
+        self, body: dict[str, Any], params: SamplingParams
+    ) -> tuple[ChatPrompt, SamplingParams, ChatReplyShape]:
+        """A chat body's prompt (messages, tools, template kwargs), its params with the
+        grammar its tool choice needs, and the shape of its replies."""
+        parsing = self.config.chat_parsing
+        tools = tool_request(body, parsing)
+        params = with_tool_choice(params, tools, parsing, body)
+        prompt = ChatPrompt.of(
+            chat_messages(body.get("messages")),
+            tools=None if tools is None else tools.tools,
+            chat_template_kwargs=template_kwargs(body),
+        )
+        reply = ChatReplyShape.of(
+            tools,
+            parsing,
+            include_reasoning=flag(body, "include_reasoning", True),
+            constrained=params.structured_outputs is not None,
+        )
+        return prompt, params, reply
 
     # -- running -------------------------------------------------------------------
     async def _choices(self, job: Job) -> AsyncIterator[tuple[list[int], OutputDelta]]:
@@ -239,9 +273,12 @@ class OpenAIRoutes:
         """One choice of a whole reply; `echo`: its prompt's PromptEcho and logprob rows."""
         top = job.top_logprobs
         logprobs = None
+        reason = tally.final.finish_reason
         if chat:
-            choice = {"index": index, "message": {"role": "assistant", "content": tally.text}}
+            message, calls_tools = job.reply.message(tally.text)
+            choice = {"index": index, "message": message}
             logprobs = None if top is None else chat_logprobs(tally.rows, top)
+            reason = finish_reason(reason, calls_tools)
         else:
             text, head = tally.text, []
             if echo is not None:
@@ -252,7 +289,7 @@ class OpenAIRoutes:
                 logprobs = completion_logprobs([*head, *entries(tally.rows, top)])
         return choice | {
             "logprobs": logprobs,
-            "finish_reason": tally.final.finish_reason,
+            "finish_reason": reason,
             "stop_reason": tally.final.stop_reason,
         }
 
@@ -274,9 +311,8 @@ class OpenAIRoutes:
             "model": self.config.model_name,
         }
         tallies: dict[int, ChoiceTally] = {}
-        chunks = ChoiceChunks(
-            ChunkShape(chat, job.params.n, job.top_logprobs, job.echo_logprobs), echoes, tallies
-        )
+        shape = ChunkShape(chat, job.params.n, job.top_logprobs, job.echo_logprobs, job.reply)
+        chunks = ChoiceChunks(shape, echoes, tallies)
         items = _prepend(first, stream)
         try:
             async for which, out in items:

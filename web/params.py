@@ -168,36 +168,115 @@ MEDIA_PART_TYPES = frozenset(
 )
 
 
-def chat_messages(value: Any) -> list[dict[str, str]]:
-    """OpenAI chat messages -> [{role, content}] (text content parts joined). A message
-    field other than role and content, and a content part that is not text (an image,
-    audio, a file), is refused by its path: the model reads text only, and nothing
-    sent is dropped."""
+# The message fields beside role and content that reach the chat template, by role.
+TOOL_FIELDS = {"assistant": frozenset({"tool_calls"}), "tool": frozenset({"tool_call_id", "name"})}
+
+
+def chat_messages(value: Any) -> list[dict[str, Any]]:
+    """OpenAI chat messages -> [{role, content, ...}] (text content parts joined; an
+    assistant turn's `tool_calls`, a tool turn's `tool_call_id` and `name` kept). Any
+    other message field, and a content part that is not text (an image, audio, a file),
+    is refused by its path: the model reads text only, and nothing sent is dropped."""
     if not isinstance(value, list) or not value:
         raise invalid("messages must be a non-empty list of {role, content}", "messages")
-    out = []
-    for i, m in enumerate(value):
-        if not (isinstance(m, dict) and isinstance(m.get("role"), str)):
-            raise invalid(f"messages[{i}] must be an object with a role", "messages")
-        extra = sorted(set(m) - {"role", "content"}, key=repr)
-        if extra:
-            where = f"messages[{i}].{extra[0]}"
-            raise invalid(
-                f"{where} is not supported: a message reaches the chat template as its role "
-                "and content only (this server has no tool calling or participant names)",
-                where,
-            )
-        content = m.get("content")
-        if isinstance(content, list):  # OpenAI content parts: text only
-            parts = enumerate(content)
-            content = "".join(_text_part(part, f"messages[{i}].content[{j}]") for j, part in parts)
-        if not isinstance(content, str):
-            raise invalid(
-                f"messages[{i}].content must be a string or a list of text parts",
-                f"messages[{i}].content",
-            )
-        out.append({"role": m["role"], "content": content})
+    return [_chat_message(m, f"messages[{i}]") for i, m in enumerate(value)]
+
+
+def _chat_message(m: Any, where: str) -> dict[str, Any]:
+    if not (isinstance(m, dict) and isinstance(m.get("role"), str)):
+        raise invalid(f"{where} must be an object with a role", "messages")
+    allowed = TOOL_FIELDS.get(m["role"], frozenset())
+    extra = sorted(set(m) - {"role", "content"} - allowed, key=repr)
+    if extra:
+        path = f"{where}.{extra[0]}"
+        raise invalid(
+            f"{path} is not supported on a {m['role']!r} turn: a message reaches the chat "
+            "template as its role and content (and an assistant's tool_calls, a tool's "
+            "tool_call_id and name); participant names are not supported",
+            path,
+        )
+    out: dict[str, Any] = {"role": m["role"]}
+    calls = _tool_calls(m.get("tool_calls"), f"{where}.tool_calls")
+    content = m.get("content")
+    if content is None and calls:
+        content = ""  # a turn that only called tools
+    if isinstance(content, list):  # OpenAI content parts: text only
+        parts = enumerate(content)
+        content = "".join(_text_part(part, f"{where}.content[{j}]") for j, part in parts)
+    if not isinstance(content, str):
+        raise invalid(
+            f"{where}.content must be a string or a list of text parts", f"{where}.content"
+        )
+    out["content"] = content
+    if calls:
+        out["tool_calls"] = calls
+    for key in ("tool_call_id", "name"):
+        if m.get(key) is not None:
+            if not isinstance(m[key], str):
+                raise invalid(f"{where}.{key} must be a string", f"{where}.{key}")
+            out[key] = m[key]
+    if m["role"] == "tool" and "tool_call_id" not in out:
+        raise invalid(
+            f"{where}.tool_call_id must name the call this answers", f"{where}.tool_call_id"
+        )
     return out
+
+
+def _tool_calls(value: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant turn's calls, OpenAI's shape: [{id, type: "function", function: {name,
+    arguments (JSON text)}}]."""
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise invalid(f"{where} must be a list of tool calls", where)
+    out = []
+    for i, call in enumerate(value):
+        path = f"{where}[{i}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        ok = isinstance(call, dict) and call.get("type", "function") == "function"
+        ok = ok and isinstance(call.get("id"), str) and isinstance(function, dict)
+        ok = ok and isinstance(function.get("name"), str)
+        ok = ok and isinstance(function.get("arguments"), str)
+        if not ok:
+            raise invalid(
+                f'{path} must be {{"id": str, "type": "function", "function": {{"name": str, '
+                '"arguments": JSON text}}}',
+                path,
+            )
+        named = {"name": function["name"], "arguments": function["arguments"]}
+        out.append({"id": call["id"], "type": "function", "function": named})
+    return out
+
+
+TEMPLATE_RESERVED = frozenset({"messages", "add_generation_prompt", "tools", "documents"})
+MAX_TEMPLATE_KWARGS = 64
+
+
+def template_kwargs(body: dict[str, Any]) -> dict[str, Any] | None:
+    """vLLM's `chat_template_kwargs`: extra variables for the chat template (Qwen3's
+    `enable_thinking`, ...). Names the template sets itself (`messages`, `tools`, ...)
+    are refused: they have fields of their own."""
+    value = body.get("chat_template_kwargs")
+    if value is None:
+        return None
+    if not isinstance(value, dict) or len(value) > MAX_TEMPLATE_KWARGS:
+        raise invalid(
+            f"chat_template_kwargs must be an object of at most {MAX_TEMPLATE_KWARGS} "
+            "template variables",
+            "chat_template_kwargs",
+        )
+    for key in value:
+        if not (isinstance(key, str) and key.isidentifier()):
+            raise invalid(
+                f"chat_template_kwargs keys must be identifiers, got {_short(key)}",
+                "chat_template_kwargs",
+            )
+        if key in TEMPLATE_RESERVED:
+            raise invalid(
+                f"chat_template_kwargs.{key} is set by the request itself, not as a kwarg",
+                f"chat_template_kwargs.{key}",
+            )
+    return value
 
 
 def _text_part(part: Any, where: str) -> str:

@@ -8,6 +8,7 @@ from actors.async_engine import Supervision
 from actors.replica_launch import check_num_replicas
 from actors.restarting_engine import RestartPolicy
 from web.api_keys import ApiKeys
+from web.chat_parsing import ChatParsing
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,7 @@ class ServerConfig:
     # generation requests one client (API key, else address) may have open at once
     max_concurrent_per_key: int | None = None
     restart: RestartPolicy = field(default_factory=RestartPolicy)  # a dead worker comes back
+    chat_parsing: ChatParsing = field(default_factory=ChatParsing)  # tool calls, reasoning
 
     def __post_init__(self) -> None:
         for name in ("max_queued_requests", "max_requests_per_connection", "max_message_bytes"):

@@ -73,9 +73,13 @@ class ChatTemplate:
 
 
 class ChatRenderer(Protocol):
-    """Turns messages into a template's text; raises ChatTemplateError otherwise."""
+    """Turns messages into a template's text; raises ChatTemplateError otherwise.
+    `variables`: more template variables for this render (`tools`, a request's
+    `chat_template_kwargs`), over the template's own."""
 
-    def render(self, messages: list[dict], add_generation_prompt: bool) -> str: ...
+    def render(
+        self, messages: list[dict], add_generation_prompt: bool, variables: dict | None = None
+    ) -> str: ...
 
 
 # A few conversations every chat template should render (one of them, at least).
@@ -98,16 +102,19 @@ def render(
     messages: list[dict],
     add_generation_prompt: bool,
     max_chars: int = TemplateBudget.max_chars,
+    variables: dict | None = None,
 ) -> str:
     """The template's text for `messages`; ChatTemplateError naming the template when it
-    refuses them, fails, or passes `max_chars` characters of output."""
+    refuses them, fails, or passes `max_chars` characters of output. `variables` (the
+    request's `tools`, its template kwargs) are set over the template's own."""
     try:
         compiled = _compile(template.source)
         context = {
             **template.variables,
-            "messages": messages,
             "tools": None,
             "documents": None,
+            **(variables or {}),
+            "messages": messages,
             "add_generation_prompt": add_generation_prompt,
         }
         return _bounded_join(compiled.generate(**context), max_chars, template.name)
@@ -151,8 +158,11 @@ class InlineRenderer:
         self.template = template
         self.budget = budget or TemplateBudget()
 
-    def render(self, messages: list[dict], add_generation_prompt: bool) -> str:
-        return render(self.template, messages, add_generation_prompt, self.budget.max_chars)
+    def render(
+        self, messages: list[dict], add_generation_prompt: bool, variables: dict | None = None
+    ) -> str:
+        max_chars = self.budget.max_chars
+        return render(self.template, messages, add_generation_prompt, max_chars, variables)
 
 
 def _bounded_join(chunks: Iterable[str], max_chars: int, name: str) -> str:

@@ -9,6 +9,7 @@ from engine.messages import (
     AbortRequest,
     AddRequest,
     ChatMessage,
+    ChatTemplateArgs,
     DetokenizeRequest,
     ErrorKind,
     GenerateRequest,
@@ -111,7 +112,7 @@ class TextProcessor:
         other request's tokenizing."""
         if request.messages is None or self.tokenizer is None:
             return None
-        return self._render_chat(request.messages, add_generation_prompt=True)
+        return self._render_chat(request.messages, True, request.template_args)
 
     def prepare(self, request: GenerateRequest, rendered: str | None = None) -> list[int]:
         """The request's prompt token ids, checked against the limits (ValueError naming
@@ -152,7 +153,9 @@ class TextProcessor:
             raise ValueError("set exactly one of prompt, messages")
         if request.prompt is not None:
             return self._encode_prompt(request.prompt, request.add_special_tokens)
-        text = self._render_chat(request.messages, request.add_generation_prompt)
+        text = self._render_chat(
+            request.messages, request.add_generation_prompt, request.template_args
+        )
         return self.tokenizer.encode_chat(text)
 
     def _known_ids(self, token_ids: tuple[int, ...]) -> list[int]:
@@ -278,12 +281,19 @@ class TextProcessor:
         self._check_length("prompt", len(prompt))
         return self.tokenizer.encode(prompt, add_special_tokens)
 
-    def _render_chat(self, messages: tuple[ChatMessage, ...], add_generation_prompt: bool) -> str:
+    def _render_chat(
+        self,
+        messages: tuple[ChatMessage, ...],
+        add_generation_prompt: bool,
+        template_args: ChatTemplateArgs | None,
+    ) -> str:
         """The chat's text; refused when its messages, or what the template makes of
         them (it can write more than they hold), cannot fit the context: before the
         work of rendering, then before the work of tokenizing."""
         self._check_length("messages", sum(len(m.content) for m in messages))
-        text = self.tokenizer.render_chat(_chat_dicts(messages), add_generation_prompt)
+        variables = None if template_args is None else template_args.variables()
+        dicts = [m.template_dict() for m in messages]
+        text = self.tokenizer.render_chat(dicts, add_generation_prompt, variables)
         too_long = self._too_long(len(text))
         if too_long is not None:
             raise ValueError(
@@ -427,7 +437,3 @@ class TextProcessor:
         for seq_id in self.sequences.pop(request_id, [request_id]):
             self.states.pop(seq_id, None)
         self.ranked.pop(request_id, None)
-
-
-def _chat_dicts(messages: tuple[ChatMessage, ...]) -> list[dict]:
-    return [{"role": m.role, "content": m.content} for m in messages]

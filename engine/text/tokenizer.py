@@ -248,10 +248,16 @@ class Tokenizer:
             )
         return self.hf_tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The chat template's text for `messages` (validated first). Unless
-        `parse_special_tokens_in_content`, added-token text inside message content comes
-        back between markers that `encode_chat` reads (and `plain_chat_text` drops)."""
+    def render_chat(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        variables: dict | None = None,
+    ) -> str:
+        """The chat template's text for `messages` (validated first) and `variables`
+        (`tools`, template kwargs). Unless `parse_special_tokens_in_content`, added-token
+        text inside message content comes back between markers that `encode_chat` reads
+        (and `plain_chat_text` drops)."""
         validate_messages(messages)
         if self.renderer is None:
             raise ValueError(
@@ -260,7 +266,7 @@ class Tokenizer:
             )
         if not self.parse_special_tokens_in_content:
             messages = [self._mark_content(m) for m in messages]
-        return self.renderer.render(messages, add_generation_prompt)
+        return self.renderer.render(messages, add_generation_prompt, variables)
 
     def _mark_content(self, message: dict) -> dict:
         content = plain_chat_text(message["content"])
@@ -285,10 +291,13 @@ class Tokenizer:
         return ids
 
     def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = True
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        variables: dict | None = None,
     ) -> list[int]:
         """Token ids of the rendered chat (see the class docstring for the BOS rule)."""
-        return self.encode_chat(self.render_chat(messages, add_generation_prompt))
+        return self.encode_chat(self.render_chat(messages, add_generation_prompt, variables))
 
 
 def plain_chat_text(text: str) -> str:

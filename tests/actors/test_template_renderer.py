@@ -10,9 +10,11 @@ import time
 import pytest
 
 from actors.template_renderer import IsolatedRenderer, isolate_templates
+from engine.messages import ChatPrompt
 from engine.text.chat_template import ChatTemplateError, TemplateBudget, render
 from engine.text.tokenizer import Tokenizer
 from tests.engine.test_chat_template import CHATML, CONVERSATIONS, template
+from tests.engine.test_chat_tools import CONVERSATION, HERMES_TEMPLATE, TOOLS
 from tests.engine.test_tokenizer import TEMPLATE, tiny_hf_tokenizer
 
 pytestmark = pytest.mark.timeout(60)
@@ -48,6 +50,16 @@ def test_renders_what_the_inline_renderer_renders(renderer) -> None:
         for prompt in (True, False):
             want = render(template(CHATML), conversation, prompt)
             assert isolated.render(conversation, prompt) == want
+
+
+def test_a_renders_tools_and_template_kwargs_reach_the_child(renderer) -> None:
+    chat = ChatPrompt.of(CONVERSATION, tools=TOOLS, chat_template_kwargs={"enable_thinking": False})
+    dicts = [m.template_dict() for m in chat.messages]
+    variables = chat.template_args.variables()
+    isolated = renderer(HERMES_TEMPLATE)
+    want = render(template(HERMES_TEMPLATE), dicts, True, variables=variables)
+    assert isolated.render(dicts, True, variables) == want
+    assert "tools:" in want and "<think>" in want
 
 
 def test_a_looping_render_fails_at_its_deadline_and_others_go_on(renderer) -> None:

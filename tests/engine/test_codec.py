@@ -51,6 +51,30 @@ SAMPLES = [
         messages=None,
         params=SamplingParams(structured_outputs=StructuredOutputsParams(choice=["a", "b"])),
     ),
+    m.GenerateRequest.of(
+        "r6",
+        "c2",
+        m.ChatPrompt.of(
+            [
+                {"role": "user", "content": "weather?"},
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "id": "call_1",
+                            "type": "function",
+                            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                        }
+                    ],
+                },
+                {"role": "tool", "content": "sunny", "tool_call_id": "call_1"},
+            ],
+            tools=[{"type": "function", "function": {"name": "get_weather"}}],
+            chat_template_kwargs={"enable_thinking": False},
+        ),
+        SamplingParams(),
+    ),
     m.AddRequest(
         "r5",
         (1, 2),
@@ -245,7 +269,10 @@ SAMPLES = [
 
 # The wire format: field names in order. Changing this table means a protocol change.
 FIELD_ORDER = {
-    "ChatMessage": ["role", "content"],
+    "ChatMessage": ["role", "content", "tool_calls", "tool_call_id", "name"],
+    "ChatToolCall": ["id", "name", "arguments"],
+    "ChatTemplateArgs": ["tools_json", "kwargs_json"],
+    "ChatPrompt": ["messages", "template_args"],
     "AbortRequest": ["request_id"],
     "Shutdown": ["reason"],
     "GenerateRequest": [
@@ -256,6 +283,7 @@ FIELD_ORDER = {
         "messages",
         "params",
         "strict_max_tokens",
+        "template_args",
     ],
     "TokenizeRequest": [
         "request_id",
@@ -264,6 +292,7 @@ FIELD_ORDER = {
         "messages",
         "add_special_tokens",
         "add_generation_prompt",
+        "template_args",
     ],
     "DetokenizeRequest": ["request_id", "client_id", "token_ids", "skip_special_tokens"],
     "TokenizeResult": ["request_id", "token_ids", "token_strs", "text", "error", "error_kind"],

@@ -1,5 +1,6 @@
-"""Every Python example in README.md runs as written (against a server on a free port
-instead of 8000), on the default model."""
+"""Every Python example in README.md, docs/structured_outputs.md and docs/tool_calling.md
+runs as written (against a server on a free port instead of 8000), on the default
+model."""
 
 from __future__ import annotations
 
@@ -15,7 +16,13 @@ import pytest
 pytestmark = [pytest.mark.real_model, pytest.mark.timeout(600)]
 
 REPO = Path(__file__).resolve().parents[2]
-BLOCKS = re.findall(r"```python\n(.*?)```", (REPO / "README.md").read_text(), re.S)
+PAGES = ("README.md", "docs/structured_outputs.md", "docs/tool_calling.md")
+BLOCKS = [
+    block
+    for page in PAGES
+    for block in re.findall(r"```python\n(.*?)```", (REPO / page).read_text(), re.S)
+]
+README_BLOCKS = re.findall(r"```python\n(.*?)```", (REPO / "README.md").read_text(), re.S)
 
 
 def runnable(code: str, port: int) -> str:
@@ -31,7 +38,7 @@ def runnable(code: str, port: int) -> str:
 def test_the_readme_has_examples() -> None:
     """One offline example, one through an OpenAI client, one through our SDK."""
     for marker in ("from engine import LLM", "from openai import OpenAI", "from web.client import"):
-        assert any(marker in block for block in BLOCKS), f"no README example has {marker!r}"
+        assert any(marker in block for block in README_BLOCKS), f"no README example has {marker!r}"
 
 
 @pytest.mark.parametrize("index", range(len(BLOCKS)))

@@ -415,6 +415,17 @@ _COMMON_VALID: dict[str, SearchStrategy] = {
 }
 
 
+_A_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "f",
+        "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}},
+    },
+}
+_ANOTHER_TOOL = {"type": "function", "function": {"name": "g"}}
+_NAMED_TOOL = {"type": "function", "function": {"name": "f"}}
+
+
 def _some_values(rules) -> dict[str, SearchStrategy]:
     """Fields taken with some values only: a value the table says is honoured."""
     some = Support.SOME_VALUES
@@ -442,6 +453,13 @@ CHAT_VALID: dict[str, SearchStrategy] = {
     "logprobs": st.booleans(),
     "top_logprobs": st.integers(0, 5),
     "max_completion_tokens": SMALL_TOKENS,
+    # tools: small schemas (a grammar compiles in milliseconds); auto is refused without
+    # --enable-auto-tool-choice, which the fuzzed server does not have
+    "tools": st.sampled_from([[], [_A_TOOL], [_A_TOOL, _ANOTHER_TOOL]]),
+    "tool_choice": st.sampled_from(["none", "required", "auto", _NAMED_TOOL]),
+    "parallel_tool_calls": st.booleans(),
+    "chat_template_kwargs": st.sampled_from([{}, {"enable_thinking": False}]),
+    "include_reasoning": st.booleans(),
 }
 WS_PARAMS_VALID: dict[str, SearchStrategy] = {k: COMPLETION_VALID[k] for k in WS_PARAM_FIELDS}
 

@@ -34,6 +34,7 @@ class RecordingEngine:
 
     reply: str = "ok"
     refusal: str | None = None
+    pieces: tuple[str, ...] = ()  # set: the reply streams as these deltas, one token each
     requests: list[tuple[Any, SamplingParams]] = field(default_factory=list)
     ready: WorkerReady = field(
         default_factory=lambda: WorkerReady(
@@ -61,6 +62,22 @@ class RecordingEngine:
         rid = request_id or "r"
         if self.refusal is not None:
             yield OutputDelta.failed(rid, self.refusal, ErrorKind.INVALID)
+            return
+        if self.pieces:
+            for i, piece in enumerate(self.pieces):
+                last = i == len(self.pieces) - 1
+                yield OutputDelta(
+                    request_id=rid,
+                    text=piece,
+                    token_ids=(1,),
+                    finish_reason="stop" if last else None,
+                    stop_reason=None,
+                    num_prompt_tokens=1,
+                    num_output_tokens=i + 1,
+                    error=None,
+                    logprobs=None,
+                    index=0,
+                )
             return
         for index in range(params.n):
             yield OutputDelta(
@@ -111,7 +128,7 @@ class RecordingEngine:
         pass
 
 
-def recording_app(engine: RecordingEngine) -> Starlette:
+def recording_app(engine: RecordingEngine, config: ServerConfig | None = None) -> Starlette:
     """The server's app (every route, its middleware) around `engine`."""
-    config = ServerConfig(model_name=MODEL)
+    config = config or ServerConfig(model_name=MODEL)
     return build_app(config, server=Server(engine, config))
