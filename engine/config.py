@@ -197,8 +197,13 @@ class EngineConfig:
     parse_special_tokens_in_content: bool = False
     # the most output tokens one request may ask for: max_tokens x its sequences (None: no cap)
     max_tokens_per_request: int | None = None
+    # compiled structured-output grammars kept per process (an LRU cache by constraint)
+    grammar_cache_size: int = 128
 
     def __post_init__(self) -> None:
+        size = self.grammar_cache_size
+        if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= 65536:
+            raise ValueError(f"grammar_cache_size must be an int in [1, 65536], got {size!r}")
         cap = self.max_tokens_per_request
         if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
             raise ValueError(f"max_tokens_per_request must be an int >= 1 or None, got {cap!r}")

@@ -43,6 +43,7 @@ class EngineArgs:
     distributed_init_method: str | None = None  # set by launchers: a file:// rendezvous
     parse_special_tokens_in_content: bool = False  # chat content may spell control tokens
     max_tokens_per_request: int | None = None  # max_tokens x sequences, per request
+    grammar_cache_size: int = 128  # compiled structured-output grammars kept (LRU)
 
     def build(self) -> EngineConfig:
         import torch  # here, not at import: the server's CLI imports this module first
@@ -83,4 +84,5 @@ class EngineArgs:
             parallel=parallel,
             parse_special_tokens_in_content=self.parse_special_tokens_in_content,
             max_tokens_per_request=self.max_tokens_per_request,
+            grammar_cache_size=self.grammar_cache_size,
         )

@@ -87,7 +87,7 @@ def build_engine(
     grammar_backend = functools.partial(
         build_backend, tokenizer, ready.vocab_size, model.eos_token_ids
     )
-    checker = GrammarChecker(grammar_backend)
+    checker = GrammarChecker(grammar_backend, config.grammar_cache_size)
     processor = TextProcessor(tokenizer, limits, checker.check)
     return EngineParts(core, processor, manager)
 

@@ -99,6 +99,14 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "new shape compile; measured no faster on CPU: see docs/performance.md)",
     )
     p.add_argument(
+        "--grammar-cache-size",
+        type=_positive_count,
+        default=128,
+        metavar="N",
+        help="compiled structured-output grammars (JSON schemas, regexes, tool choices) kept "
+        "per process, least recently used dropped first (default 128)",
+    )
+    p.add_argument(
         "--max-tokens-per-request",
         type=_positive_count,
         default=None,
@@ -372,6 +380,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         "tensor_parallel_size": args.tensor_parallel_size,
         "distributed_address": args.distributed_address,
         "max_tokens_per_request": args.max_tokens_per_request,
+        "grammar_cache_size": args.grammar_cache_size,
     }
 
 

@@ -315,7 +315,7 @@ def _grammar_matchers(config: EngineConfig) -> GrammarMatchers:
         m = config.model
         return build_backend(load_engine_tokenizer(config), m.vocab_size, m.eos_token_ids)
 
-    return GrammarMatchers(make_backend)
+    return GrammarMatchers(make_backend, config.grammar_cache_size)
 
 
 def build_null_worker(args: EngineArgs, worker_id: int = 0) -> tuple[NullWorker, WorkerReady]:

@@ -283,3 +283,12 @@ def test_a_length_bounded_string_is_valid_json(backend):
     assert not accepts(backend, params, '"a\x1d"')
     assert not accepts(backend, params, '""')
     assert not accepts(backend, params, '"abcd"')
+
+
+def test_the_grammar_cache_size_is_an_engine_arg() -> None:
+    from engine.engine_args import EngineArgs
+
+    assert EngineArgs(model="builtin:tiny", grammar_cache_size=3).build().grammar_cache_size == 3
+    for bad in (0, -1, True, 1.5):
+        with pytest.raises(ValueError, match="grammar_cache_size"):
+            EngineArgs(model="builtin:tiny", grammar_cache_size=bad).build()
