@@ -37,6 +37,7 @@ from web.generation import Admission, Generator
 from web.metrics import Metrics
 from web.openai_routes import OpenAIRoutes
 from web.redaction import hide_paths
+from web.responses_route import ResponsesRoute
 from web.server_config import ServerConfig
 from web.sessions import SessionStore
 from web.stats_logger import StatsLogger
@@ -101,6 +102,7 @@ class Server:
         per_client = ClientConcurrency(config.max_concurrent_per_key)
         self.generator = Generator(engine, self.metrics, self.admission, per_client)
         self.openai = OpenAIRoutes(self.generator, config)
+        self.responses_route = ResponsesRoute(self.openai, config)
         self.tokenizing = TokenizeRoutes(self.generator, config, engine.ready.max_model_len)
         self.limits = StreamLimits(
             config.max_requests_per_connection,
@@ -182,6 +184,9 @@ class Server:
     async def chat_completions(self, request: Request) -> Response:
         return await self.openai.chat_completions(request)
 
+    async def responses(self, request: Request) -> Response:
+        return await self.responses_route.responses(request)
+
     async def tokenize(self, request: Request) -> Response:
         return await self.tokenizing.tokenize(request)
 
@@ -228,6 +233,7 @@ def build_app(config: ServerConfig, lifespan=None, server: Server | None = None)
         Route("/metrics", _endpoint("metrics_route")),
         Route("/v1/completions", _endpoint("completions"), methods=["POST"]),
         Route("/v1/chat/completions", _endpoint("chat_completions"), methods=["POST"]),
+        Route("/v1/responses", _endpoint("responses"), methods=["POST"]),
         Route("/tokenize", _endpoint("tokenize"), methods=["POST"]),
         Route("/detokenize", _endpoint("detokenize"), methods=["POST"]),
         Route("/version", _endpoint("version")),

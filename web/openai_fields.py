@@ -365,8 +365,8 @@ def render() -> str:
     """docs/openai_fields.md."""
     parts = [
         "# OpenAI request fields\n",
-        "What `/v1/completions` and `/v1/chat/completions` do with each field that OpenAI "
-        "or vLLM defines. Generated from [`web/openai_fields.py`](../web/openai_fields.py) "
+        "What `/v1/completions`, `/v1/chat/completions` and `/v1/responses` do with each "
+        "field that OpenAI or vLLM defines. Generated from [`web/openai_fields.py`](../web/openai_fields.py) "
         "(`python -m web.openai_fields > docs/openai_fields.md`); a test checks that this "
         "page and the code agree.\n",
         "- **supported**: honoured as described; out-of-range values get a 400 naming "
@@ -376,9 +376,12 @@ def render() -> str:
         'A field in neither table is refused as unknown. `null` means "not set" for '
         "every field, so a refused field sent as `null` is not refused.\n",
     ]
+    from web.responses_fields import RESPONSES_RULES  # it builds on these rules
+
     for title, rules in (
         ("POST /v1/completions", COMPLETION_RULES),
         ("POST /v1/chat/completions", CHAT_RULES),
+        ("POST /v1/responses", RESPONSES_RULES),
     ):
         parts.append(f"## {title}\n\n| field | from | status | why |\n|---|---|---|---|")
         order = list(Support), list(Origin)

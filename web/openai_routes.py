@@ -119,20 +119,24 @@ class OpenAIRoutes:
             if job.stream:
                 return await self._stream(job, chat, echoes)
             work = self._complete(job, chat, echoes)
-            result = await _unless_disconnected(request, work)
+            result = await unless_disconnected(request, work)
             return JSONResponse(result) if result is not None else Response(status_code=CLIENT_GONE)
         except ApiError as err:
             if chat and err.param == "max_tokens" and _given(body, "max_completion_tokens"):
                 err.param = "max_completion_tokens"  # the field this client sent
             err = respell(err, body)  # structured outputs: as this client spelled them
-            err = respell_tools(err, body)  # a tool choice's grammar: as the tools
-            headers = {"Retry-After": "1"} if err.status in (429, 503) else {}
-            headers |= {"Connection": "close"} if err.close else {}
-            return JSONResponse(err.openai_body(), err.status, headers=headers)
+            return error_response(respell_tools(err, body))  # a tool choice's grammar: tools
         except Exception:  # a bug, never the client's input: logged, answered, served on
             logger.exception("%s failed", request.url.path)
-            err = ApiError("engine_error", "internal error while handling the request")
-            return JSONResponse(err.openai_body(), err.status)
+            return error_response(
+                ApiError("engine_error", "internal error while handling the request")
+            )
+
+    async def complete_chat(self, body: dict[str, Any], client: Client) -> dict[str, Any]:
+        """A whole chat completion for `body` (not streamed), or an ApiError: what
+        another route built on chat completions runs (/v1/responses)."""
+        job = self._parse(body, True, client)
+        return await self._complete(job, True, None)
 
     # -- parsing -------------------------------------------------------------------
     def _parse(self, body: dict[str, Any], chat: bool, client: Client) -> Job:
@@ -335,6 +339,14 @@ class OpenAIRoutes:
             await stream.aclose()  # its client's count ends with it
 
 
+def error_response(err: ApiError) -> JSONResponse:
+    """An ApiError in OpenAI's shape, with Retry-After for 429/503 and Connection: close
+    when the connection should not be reused."""
+    headers = {"Retry-After": "1"} if err.status in (429, 503) else {}
+    headers |= {"Connection": "close"} if err.close else {}
+    return JSONResponse(err.openai_body(), err.status, headers=headers)
+
+
 def _given(body: Any, name: str) -> bool:
     """Whether the body sets `name` (null is not set)."""
     return isinstance(body, dict) and body.get(name) is not None
@@ -368,7 +380,7 @@ def _prompts(prompt: Any) -> list[PromptInput]:
     )
 
 
-async def _unless_disconnected(request: Request, work: Awaitable[Any]) -> Any | None:
+async def unless_disconnected(request: Request, work: Awaitable[Any]) -> Any | None:
     """`work`'s result, or None once the client hangs up first (then `work` is
     cancelled, which aborts its engine requests: no zombie decoding)."""
     task = asyncio.ensure_future(work)
