@@ -6,6 +6,7 @@ at every step (the worker compares their digests, `Worker.num_rank_checks`)."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -102,3 +103,45 @@ def test_tensor_parallel_size_is_range_checked(tmp_path):
     save_hf_model("llama", tmp_path)
     with pytest.raises(ValueError, match=r"tensor_parallel_size must be an integer in \[1, 64\]"):
         LLM(str(tmp_path), tensor_parallel_size=0, skip_tokenizer_init=True)
+
+
+@pytest.mark.timeout(240)
+def test_structured_outputs_on_two_ranks_match_one_device():
+    """Rank 0 samples under the grammar's mask and broadcasts the token: two ranks give
+    one device's valid outputs, greedy and seeded n=2, beside an unconstrained request."""
+    from engine.structured_outputs import StructuredOutputsParams
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "x": {"type": "integer", "minimum": 0, "maximum": 9},
+            "c": {"enum": ["a", "b"]},
+        },
+        "required": ["x", "c"],
+    }
+    grammar = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+    ascii_only = {b: -100.0 for b in range(0x80, 0x100)}
+    params = [
+        SamplingParams(
+            temperature=0, max_tokens=64, structured_outputs=grammar, logit_bias=ascii_only
+        ),
+        SamplingParams(
+            n=2,
+            temperature=1.0,
+            seed=3,
+            max_tokens=64,
+            structured_outputs=grammar,
+            logit_bias=ascii_only,
+        ),
+        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+    ]
+    texts = {}
+    for tp in (1, 2):
+        with LLM("builtin:tiny", tensor_parallel_size=tp, kv_cache_memory=16 << 20, seed=0) as llm:
+            outs = llm.generate(["Q: a point. A:"] * 3, params, use_tqdm=False)
+        texts[tp] = [[c.text for c in o.outputs] for o in outs]
+    assert texts[2] == texts[1]
+    for text in [t for o in texts[2][:2] for t in o]:
+        value = json.loads(text)
+        assert 0 <= value["x"] <= 9 and value["c"] in ("a", "b"), text
+    assert not live_children()
