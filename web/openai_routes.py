@@ -298,16 +298,29 @@ class OpenAIRoutes:
         }
 
     async def _stream(self, job: Job, chat: bool, echoes: list[PromptEcho] | None) -> Response:
+        chunks = await self._chunk_stream(job, chat, echoes)
+        return StreamingResponse(_sse(chunks), media_type="text/event-stream")
+
+    async def stream_chat(
+        self, body: dict[str, Any], client: Client
+    ) -> AsyncIterator[dict[str, Any]]:
+        """A streamed chat completion for `body`, as chunk dicts (the last with usage;
+        an engine failure mid-stream as `{"error": ...}`), or an ApiError before the
+        first: what another route built on chat completions streams (/v1/responses)."""
+        body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        return await self._chunk_stream(self._parse(body, True, client), True, None)
+
+    async def _chunk_stream(
+        self, job: Job, chat: bool, echoes: list[PromptEcho] | None
+    ) -> AsyncIterator[dict[str, Any]]:
         stream = self._choices(job)
         first = await anext(stream, None)  # refusals become an HTTP error, not a stream
         if first is not None and first[1].finish_reason == "error":
             await stream.aclose()
             raise failure(first[1])
-        return StreamingResponse(
-            self._sse(job, chat, echoes, first, stream), media_type="text/event-stream"
-        )
+        return self._chunks(job, chat, echoes, first, stream)
 
-    async def _sse(self, job: Job, chat: bool, echoes, first, stream) -> AsyncIterator[str]:
+    async def _chunks(self, job: Job, chat: bool, echoes, first, stream) -> AsyncIterator[dict]:
         head = {
             "id": job.request_id,
             "object": "chat.completion.chunk" if chat else "text_completion",
@@ -321,22 +334,31 @@ class OpenAIRoutes:
         try:
             async for which, out in items:
                 if out.finish_reason == "error":
-                    yield sse({"error": failure(out).openai_body()["error"]})
+                    yield {"error": failure(out).openai_body()["error"]}
                     break
                 for index in which:
                     tally = tallies.setdefault(index, ChoiceTally())
                     if tally.final is None:
                         tally.add(out)
                         for choice in chunks.ready(index, out):
-                            yield sse({**head, "choices": [choice]})
+                            yield {**head, "choices": [choice]}
             for choice in chunks.drain():
-                yield sse({**head, "choices": [choice]})
+                yield {**head, "choices": [choice]}
             if job.include_usage:
-                yield sse({**head, "choices": [], "usage": usage(tallies, job.params.n)})
-            yield "data: [DONE]\n\n"
+                yield {**head, "choices": [], "usage": usage(tallies, job.params.n)}
         finally:
             await items.aclose()
             await stream.aclose()  # its client's count ends with it
+
+
+async def _sse(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
+    """Chunks as server-sent events, then `[DONE]`."""
+    try:
+        async for chunk in chunks:
+            yield sse(chunk)
+        yield "data: [DONE]\n\n"
+    finally:
+        await chunks.aclose()
 
 
 def error_response(err: ApiError) -> JSONResponse:

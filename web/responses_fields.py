@@ -1,8 +1,8 @@
 """OpenAI's Responses API request (`POST /v1/responses`) -> a chat completions body.
 
 The server is stateless: a response is not stored, so `previous_response_id`, `store:
-true` and what needs them are refused by name, as is streaming (not built yet). What
-is served maps onto chat completions, field by field:
+true` and what needs them are refused by name. What is served maps onto chat
+completions, field by field:
 - `input`: a string (one user turn) or a list of items: messages (`role` user, system,
   developer, assistant; `content` a string or `input_text` / `output_text` parts),
   `function_call` items (an assistant's calls) and `function_call_output` items (tool
@@ -99,10 +99,15 @@ RESPONSES_RULES: dict[str, FieldRule] = {
             "auto",
             "flex",
         ),
-        _refused(
-            "stream", "not built for /v1/responses yet: stream with /v1/chat/completions", True
+        _rule(
+            "stream",
+            _S,
+            "server-sent Responses events: items added, text, reasoning and function-call "
+            "argument deltas, items done, `response.completed`",
         ),
-        _refused("stream_options", "only with stream", {"include_obfuscation": False}),
+        _refused(
+            "stream_options", "obfuscation is not implemented", {"include_obfuscation": False}
+        ),
         _refused(
             "previous_response_id", _STATELESS + ": send the whole conversation in input", "resp_1"
         ),

@@ -5,23 +5,26 @@ a chat completions body, completed whole, and the completion reshaped into a Res
 `output` holds a `reasoning` item (with `--reasoning-parser`), a `message` item with
 one `output_text` part, and a `function_call` item per tool call; `status` is
 `incomplete` (`incomplete_details.reason: "max_output_tokens"`) when the output was cut
-by length. Errors are the chat route's, under the Responses field names."""
+by length. `stream: true` sends the Responses events (web/response_events.py). Errors
+are the chat route's, under the Responses field names."""
 
 from __future__ import annotations
 
+import json
 import logging
-import time
-import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from web.client_concurrency import Client
 from web.errors import ApiError
 from web.frames import read_json_body
 from web.openai_fields import check_fields
 from web.openai_routes import CLIENT_GONE, OpenAIRoutes, error_response, unless_disconnected
+from web.response_events import ResponseEvents
+from web.response_object import response_of
 from web.responses_fields import RESPONSES_RULES, chat_body, renamed
 from web.server_config import ServerConfig
 
@@ -40,6 +43,10 @@ class ResponsesRoute:
         try:
             body = await read_json_body(request, self.config.max_message_bytes)
             check_fields(body, RESPONSES_RULES)
+            if body.get("stream") is True:
+                chunks = await self.chat.stream_chat(chat_body(body), client)
+                events = ResponseEvents(body, self.config.model_name)
+                return StreamingResponse(_sse(events, chunks), media_type="text/event-stream")
             work = self.chat.complete_chat(chat_body(body), client)
             completion = await unless_disconnected(request, work)
             if completion is None:
@@ -54,76 +61,19 @@ class ResponsesRoute:
             )
 
 
-def response_of(completion: dict[str, Any], body: dict[str, Any]) -> dict[str, Any]:
-    """A chat completion (one choice) as a Response object."""
-    [choice] = completion["choices"]
-    cut = choice["finish_reason"] == "length"
-    usage = completion["usage"]
-    return {
-        "id": "resp_" + uuid.uuid4().hex,
-        "object": "response",
-        "created_at": completion["created"],
-        "completed_at": int(time.time()),
-        "status": "incomplete" if cut else "completed",
-        "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
-        "error": None,
-        "model": completion["model"],
-        "output": _output(choice["message"], cut),
-        "instructions": body.get("instructions"),
-        "max_output_tokens": body.get("max_output_tokens"),
-        "parallel_tool_calls": body.get("parallel_tool_calls", True),
-        "temperature": body.get("temperature"),
-        "top_p": body.get("top_p"),
-        "tool_choice": body.get("tool_choice", "auto" if body.get("tools") else "none"),
-        "tools": body.get("tools") or [],
-        "text": body.get("text") or {"format": {"type": "text"}},
-        "store": False,
-        "background": False,
-        "metadata": {},
-        "user": body.get("user"),
-        "usage": {
-            "input_tokens": usage["prompt_tokens"],
-            "input_tokens_details": {"cached_tokens": 0},
-            "output_tokens": usage["completion_tokens"],
-            "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": usage["total_tokens"],
-        },
-    }
+async def _sse(events: ResponseEvents, chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
+    """The events as server-sent events (`event: TYPE`, `data: JSON`)."""
+    try:
+        for event in events.start():
+            yield _frame(event)
+        async for chunk in chunks:
+            for event in events.feed(chunk):
+                yield _frame(event)
+        for event in events.finish():
+            yield _frame(event)
+    finally:
+        await chunks.aclose()
 
 
-def _output(message: dict[str, Any], cut: bool) -> list[dict[str, Any]]:
-    status = "incomplete" if cut else "completed"
-    items: list[dict[str, Any]] = []
-    if message.get("reasoning_content"):
-        items.append(
-            {
-                "type": "reasoning",
-                "id": "rs_" + uuid.uuid4().hex,
-                "summary": [],
-                "content": [{"type": "reasoning_text", "text": message["reasoning_content"]}],
-                "status": status,
-            }
-        )
-    if message.get("content") or not message.get("tool_calls"):
-        text = {"type": "output_text", "text": message.get("content") or "", "annotations": []}
-        items.append(
-            {
-                "type": "message",
-                "id": "msg_" + uuid.uuid4().hex,
-                "status": status,
-                "role": "assistant",
-                "content": [text],
-            }
-        )
-    for call in message.get("tool_calls") or ():
-        items.append(
-            {
-                "type": "function_call",
-                "id": "fc_" + uuid.uuid4().hex,
-                "call_id": call["id"],
-                "name": call["function"]["name"],
-                "arguments": call["function"]["arguments"],
-                "status": status,
-            }
-        )
-    return items
+def _frame(event: dict[str, Any]) -> str:
+    return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
