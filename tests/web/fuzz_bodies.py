@@ -36,9 +36,10 @@ from hypothesis import strategies as st
 from hypothesis.strategies import SearchStrategy
 
 from engine.worker.builtin_model import BUILTIN_MODEL_NAME
-from web.openai_fields import CHAT_RULES, COMPLETION_RULES, Support
+from web.openai_fields import CHAT_RULES, COMPLETION_RULES, Support, accepted
 from web.openai_routes import CHAT_FIELDS, COMPLETION_FIELDS
 from web.params import SAMPLING_FIELDS
+from web.responses_fields import RESPONSES_RULES
 from web.ws_connection import GENERATE_KEYS
 
 # The `params` object of a WebSocket generate (web/ws_connection.py, _check_params).
@@ -426,6 +427,9 @@ _ANOTHER_TOOL = {"type": "function", "function": {"name": "g"}}
 _NAMED_TOOL = {"type": "function", "function": {"name": "f"}}
 
 
+RESPONSES_FIELDS = accepted(RESPONSES_RULES)
+
+
 def _some_values(rules) -> dict[str, SearchStrategy]:
     """Fields taken with some values only: a value the table says is honoured."""
     some = Support.SOME_VALUES
@@ -462,6 +466,50 @@ CHAT_VALID: dict[str, SearchStrategy] = {
     "include_reasoning": st.booleans(),
 }
 WS_PARAMS_VALID: dict[str, SearchStrategy] = {k: COMPLETION_VALID[k] for k in WS_PARAM_FIELDS}
+_RESPONSE_ITEMS = st.lists(
+    st.one_of(
+        st.fixed_dictionaries(
+            {"role": st.sampled_from(["user", "system", "developer"]), "content": VALID_TEXT}
+        ),
+        st.fixed_dictionaries(
+            {
+                "role": st.just("user"),
+                "content": st.lists(
+                    st.fixed_dictionaries({"type": st.just("input_text"), "text": VALID_TEXT}),
+                    min_size=1,
+                    max_size=2,
+                ),
+            }
+        ),
+        st.just({"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}),
+        st.just({"type": "function_call_output", "call_id": "c1", "output": "ok"}),
+    ),
+    min_size=1,
+    max_size=3,
+)
+_FLAT_TOOL = {"type": "function", "name": "f", "parameters": {"type": "object"}}
+RESPONSES_VALID: dict[str, SearchStrategy] = {
+    "model": st.sampled_from([BUILTIN_MODEL_NAME, None]),
+    "input": weighted((2, NONEMPTY_TEXT), (2, _RESPONSE_ITEMS)),
+    "instructions": VALID_TEXT,
+    "max_output_tokens": SMALL_TOKENS,
+    "temperature": st.floats(0, 2),
+    "top_p": st.floats(0.01, 1),
+    "user": VALID_TEXT,
+    "safety_identifier": VALID_TEXT,
+    "tools": st.sampled_from([[], [_FLAT_TOOL]]),
+    "tool_choice": st.sampled_from(["none", "required", {"type": "function", "name": "f"}]),
+    "parallel_tool_calls": st.booleans(),
+    "text": st.sampled_from(
+        [
+            {"format": {"type": "text"}},
+            {"format": {"type": "json_object"}},
+            {"format": {"type": "json_schema", "name": "n", "schema": {"type": "object"}}},
+        ]
+    ),
+    "stream": st.booleans(),
+    **_some_values(RESPONSES_RULES),
+}
 
 
 # -- HTTP bodies ---------------------------------------------------------------------
@@ -482,15 +530,21 @@ RAW_HTTP_BODIES = [
 
 
 @st.composite
-def _openai_object(draw, valid: dict[str, SearchStrategy], required: str, allowed: frozenset):
+def _openai_object(
+    draw,
+    valid: dict[str, SearchStrategy],
+    required: str,
+    allowed: frozenset,
+    length: str = "max_tokens",
+):
     value = clean_or_fuzzed(draw)
     clean = value is not field_value
     body: dict[Any, Any] = {}
     if clean or draw(sometimes(9, 1)):
         body[required] = draw(value(valid[required]))
     if clean or draw(sometimes(4, 1)):
-        body["max_tokens"] = draw(value(valid["max_tokens"]))
-    optional = sorted(allowed - {required, "max_tokens"})
+        body[length] = draw(value(valid[length]))
+    optional = sorted(allowed - {required, length})
     for name in draw(st.lists(st.sampled_from(optional), max_size=5, unique=True)):
         body[name] = draw(value(valid[name]))
     if not clean and draw(sometimes(1, 6)):
@@ -499,9 +553,14 @@ def _openai_object(draw, valid: dict[str, SearchStrategy], required: str, allowe
     return body
 
 
-def _body(valid: dict[str, SearchStrategy], required: str, allowed: frozenset) -> SearchStrategy:
+def _body(
+    valid: dict[str, SearchStrategy],
+    required: str,
+    allowed: frozenset,
+    length: str = "max_tokens",
+) -> SearchStrategy:
     return weighted(
-        (30, _openai_object(valid, required, allowed)),
+        (30, _openai_object(valid, required, allowed, length)),
         (1, ANYTHING),  # a body that is not an object (or one of arbitrary keys)
         (1, st.sampled_from(RAW_HTTP_BODIES).map(Raw)),
         (1, st.binary(max_size=64).map(Raw)),
@@ -516,6 +575,11 @@ def completion_bodies() -> SearchStrategy:
 def chat_bodies() -> SearchStrategy:
     """Bodies for POST /v1/chat/completions."""
     return _body(CHAT_VALID, "messages", CHAT_FIELDS)
+
+
+def responses_bodies() -> SearchStrategy:
+    """Bodies for POST /v1/responses."""
+    return _body(RESPONSES_VALID, "input", RESPONSES_FIELDS, "max_output_tokens")
 
 
 # -- WebSocket frames ----------------------------------------------------------------

@@ -1,8 +1,9 @@
 """Property-based fuzzing of the server's client-facing inputs (Hypothesis).
 
-Targets: POST /v1/completions, POST /v1/chat/completions, and the /v1/stream WebSocket
-(`generate` frames as JSON text and as msgpack binary frames, `session.open` with one
-turn, control frames and frames that are neither JSON nor msgpack). Strategies live in
+Targets: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses, and the
+/v1/stream WebSocket (`generate` frames as JSON text and as msgpack binary frames,
+`session.open` with one turn, control frames and frames that are neither JSON nor
+msgpack). Strategies live in
 tests/web/fuzz_bodies.py.
 
 The property, per example: the request ends within TIMEOUT_S (a timeout is a hang) with
@@ -55,6 +56,8 @@ from tests.web.fuzz_bodies import (
     CHAT_VALID,
     COMPLETION_VALID,
     GENERATE_FRAME_KEYS,
+    RESPONSES_FIELDS,
+    RESPONSES_VALID,
     SESSION_OPEN_FIELDS,
     WS_GENERATE_FIELDS,
     WS_PARAM_FIELDS,
@@ -67,6 +70,7 @@ from tests.web.fuzz_bodies import (
     control_frames,
     generate_frames,
     has_surrogate,
+    responses_bodies,
     session_cases,
     to_json_text,
     to_msgpack_bytes,
@@ -95,6 +99,7 @@ STATS_ENV = "PAGEDSERVE_FUZZ_STATS"
 DEFAULT_EXAMPLES = {
     "test_completions_fuzz": 600,
     "test_chat_completions_fuzz": 500,
+    "test_responses_fuzz": 300,
     "test_ws_generate_json": 600,
     "test_ws_generate_msgpack": 500,
     "test_ws_sessions": 300,
@@ -272,6 +277,7 @@ class HttpTarget:
 
     def __init__(self, server: RunningServer, path: str, chat: bool) -> None:
         self.server, self.path, self.chat = server, path, chat
+        self.responses = path == "/v1/responses"
         self.client = httpx.Client(timeout=httpx.Timeout(TIMEOUT_S))
 
     def __repr__(self) -> str:
@@ -351,8 +357,28 @@ def parse_sse(data: bytes) -> list[dict]:
     return chunks
 
 
+def check_response_result(body: dict, reply: HttpReply) -> str:
+    """/v1/responses: a Response object, or its events ending completed or incomplete."""
+    if body.get("stream") is True:
+        assert reply.content_type.startswith("text/event-stream"), reply.content_type
+        frames = [e for e in reply.body.decode("utf-8").split("\n\n") if e.strip()]
+        events = [json.loads(f.split("\ndata: ", 1)[1]) for f in frames]
+        assert all(e["type"] != "error" for e in events), f"the stream failed: {events[-1]}"
+        assert [e["sequence_number"] for e in events] == list(range(len(events)))
+        response = events[-1]["response"]
+        assert events[-1]["type"] == f"response.{response['status']}", events[-1]["type"]
+        return "200 stream"
+    response = json.loads(reply.body)
+    assert response["object"] == "response" and isinstance(response["output"], list), response
+    assert response["status"] in ("completed", "incomplete"), response
+    assert isinstance(response["usage"]["output_tokens"], int), response
+    return "200"
+
+
 def check_http_result(target: HttpTarget, body: Any, reply: HttpReply) -> str:
     assert isinstance(body, dict), f"HTTP 200 for a body that is not an object: {reply.body[:300]}"
+    if target.responses:
+        return check_response_result(body, reply)
     if body.get("stream") is True:
         assert reply.content_type.startswith("text/event-stream"), reply.content_type
         finished: dict[int, Any] = {}
@@ -405,6 +431,8 @@ def check_http_error(target: HttpTarget, body: Any, content: bytes, reply: HttpR
     )
     param = error.get("param")
     fields = frozenset(CHAT_FIELDS if target.chat else COMPLETION_FIELDS)
+    if target.responses:
+        fields = RESPONSES_FIELDS
     if param is not None:
         assert param_names_a_field(param, keys, fields), f"param {param!r} names no field: {error}"
     else:
@@ -441,12 +469,19 @@ def _fuzz_chat(target: HttpTarget, body: Any) -> None:
     check_http(target, "test_chat_completions_fuzz", body)
 
 
+@fuzz_settings("test_responses_fuzz")
+@given(body=responses_bodies())
+def _fuzz_responses(target: HttpTarget, body: Any) -> None:
+    check_http(target, "test_responses_fuzz", body)
+
+
 def test_strategies_cover_every_field() -> None:
     """A field the routes learn must get valid values here too."""
     assert COMPLETION_FIELDS <= set(COMPLETION_VALID), COMPLETION_FIELDS - set(COMPLETION_VALID)
     assert CHAT_FIELDS <= set(CHAT_VALID), CHAT_FIELDS - set(CHAT_VALID)
     assert GENERATE_KEYS <= GENERATE_FRAME_KEYS, GENERATE_KEYS - GENERATE_FRAME_KEYS
     assert WS_PARAM_FIELDS <= set(WS_PARAMS_VALID)
+    assert RESPONSES_FIELDS <= set(RESPONSES_VALID), RESPONSES_FIELDS - set(RESPONSES_VALID)
 
 
 def test_completions_fuzz(server) -> None:
@@ -458,6 +493,12 @@ def test_completions_fuzz(server) -> None:
 def test_chat_completions_fuzz(server) -> None:
     with HttpTarget(server, "/v1/chat/completions", chat=True) as target:
         _fuzz_chat(target)
+    assert_idle(server)
+
+
+def test_responses_fuzz(server) -> None:
+    with HttpTarget(server, "/v1/responses", chat=True) as target:
+        _fuzz_responses(target)
     assert_idle(server)
 
 
