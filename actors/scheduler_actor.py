@@ -24,7 +24,14 @@ from actors.pending_reply import PendingReply
 from actors.transport import Inbox, Outbox
 from engine.codec import InboxDecoder
 from engine.core.engine_core import EngineCore
-from engine.messages import INBOXES, AbortRequest, AddRequest, RequestFailed, StepResult
+from engine.messages import (
+    INBOXES,
+    AbortRequest,
+    AddRequest,
+    PrepareGrammar,
+    RequestFailed,
+    StepResult,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +74,7 @@ class SchedulerActor(Actor):
             )
         handlers = {
             AddRequest: self.on_add,
+            PrepareGrammar: self.on_prepare_grammar,
             AbortRequest: self.on_abort,
             StepResult: self.on_result,
         }
@@ -87,6 +95,9 @@ class SchedulerActor(Actor):
 
     async def on_add(self, add: AddRequest) -> None:
         self.core.add_request(add)
+
+    async def on_prepare_grammar(self, prepare: PrepareGrammar) -> None:
+        self.core.prepare_grammar(prepare)
 
     async def on_abort(self, abort: AbortRequest) -> None:
         self.core.abort(abort.request_id)

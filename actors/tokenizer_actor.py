@@ -39,6 +39,7 @@ from engine.messages import (
     ErrorKind,
     GenerateRequest,
     OutputDelta,
+    PrepareGrammar,
     RequestFailed,
     TokenDeltas,
     TokenizeRequest,
@@ -120,6 +121,9 @@ class TokenizerActor(Actor):
         try:
             async with self.guard(rid, request):
                 try:
+                    constraint = request.params.structured_outputs
+                    if constraint is not None:  # the worker compiles while we check it
+                        await send_message(self.scheduler, PrepareGrammar(constraint))
                     rendered = None  # a chat's text, rendered apart from the admission thread
                     if request.messages is not None:
                         rendered = await self._run(self._render, self.processor.render, request)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from engine.sampling_params import SamplingParams
+from engine.structured_outputs import StructuredOutputsParams
 
 # ---------------------------------------------------------------- shared parts
 
@@ -599,6 +600,18 @@ class StepPlan:
     swap_out_dst: tuple[int, ...] = ()
     swap_in_src: tuple[int, ...] = ()  # CPU swap block -> device block, after the swap-outs
     swap_in_dst: tuple[int, ...] = ()
+    # constraints requests on their way will need: the worker starts compiling them now
+    grammars: tuple[StructuredOutputsParams, ...] = ()
+
+
+@dataclass(frozen=True)
+class PrepareGrammar:
+    """A constraint a request being admitted will need (tokenizer -> scheduler, which
+    passes it to the workers with its next StepPlan): the sampling worker compiles it in
+    the background while the tokenizer checks it, so the request's first step does not
+    stall the batch on the compile."""
+
+    params: StructuredOutputsParams
 
 
 # ---------------------------------------------------------------- client inbox
@@ -716,7 +729,7 @@ INBOXES: dict[str, tuple[type, ...]] = {
         TokenizeRequest,
         DetokenizeRequest,
     ),
-    "scheduler": (AddRequest, AbortRequest, StepResult, WorkerReady, Shutdown),
+    "scheduler": (AddRequest, AbortRequest, StepResult, WorkerReady, Shutdown, PrepareGrammar),
     "block_replies": (BlockOpsApplied,),
     "block_manager": (ApplyBlockOps, Shutdown),
     "worker": (StepPlan, Shutdown),

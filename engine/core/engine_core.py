@@ -46,6 +46,7 @@ from engine.messages import (
     ApplyBlockOps,
     BlockOpsApplied,
     LogprobRow,
+    PrepareGrammar,
     RankedSequence,
     RequestFinish,
     RequestLogprobs,
@@ -90,6 +91,11 @@ class EngineCore:
     @property
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
+
+    def prepare_grammar(self, prepare: PrepareGrammar) -> None:
+        """A request being admitted will need `prepare.params`: the next plan asks the
+        workers to start compiling it."""
+        self.builder.prepare_grammar(prepare.params)
 
     def add_request(self, add: AddRequest) -> None:
         """Queues a request; one sampling several sequences (n, best_of) becomes a

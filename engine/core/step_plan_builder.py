@@ -7,6 +7,7 @@ from collections.abc import Iterable, Sequence
 from engine.core.request import Request
 from engine.core.scheduler_output import SchedulerOutput
 from engine.messages import CachedRequestData, NewRequestData, StepPlan
+from engine.structured_outputs import StructuredOutputsParams
 
 
 class StepPlanBuilder:
@@ -23,6 +24,13 @@ class StepPlanBuilder:
     def __init__(self) -> None:
         self._sent: dict[str, tuple[int, int]] = {}  # request_id -> (blocks sent, preemptions)
         self._chosen: dict[str, int] = {}  # request_id -> its newest token, not yet sent
+        self._grammars: list[StructuredOutputsParams] = []  # to compile, not yet sent
+
+    def prepare_grammar(self, params: StructuredOutputsParams) -> None:
+        """The next plan tells the workers to start compiling `params` (a request being
+        admitted needs it: see PrepareGrammar)."""
+        if params not in self._grammars:
+            self._grammars.append(params)
 
     def choose(self, request_id: str, token_id: int) -> None:
         """`request_id`'s newest output token is `token_id`, whatever the worker sampled."""
@@ -80,7 +88,12 @@ class StepPlanBuilder:
             swap_out_dst=tuple(dst for _, dst in plan.swap_out),
             swap_in_src=tuple(src for src, _ in plan.swap_in),
             swap_in_dst=tuple(dst for _, dst in plan.swap_in),
+            grammars=self._take_grammars(),
         )
+
+    def _take_grammars(self) -> tuple[StructuredOutputsParams, ...]:
+        grammars, self._grammars = tuple(self._grammars), []
+        return grammars
 
     def _diff(
         self,

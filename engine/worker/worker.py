@@ -196,6 +196,9 @@ class Worker:
             yield RequestLogprobs(request_id, tuple(_wire_row(r) for r in rows))
 
     def _apply(self, plan: StepPlan, failures: dict[str, str]) -> None:
+        if self.grammars is not None:
+            for params in plan.grammars:  # needed soon: compiled while this step runs
+                self.grammars.prepare(params)
         for request_id in plan.finished_ids:
             self.requests.pop(request_id, None)
             self.block_tables.pop(request_id, None)

@@ -211,7 +211,9 @@ SAMPLES = [
         scheduled_ids=("r1", "b1#2", "r0", "b1#0"),
         num_scheduled_tokens=(3, 1, 1, 1),
         finished_ids=("r9",),
+        grammars=(StructuredOutputsParams(regex="[a-z]+"),),
     ),
+    m.PrepareGrammar(StructuredOutputsParams(json={"type": "object"})),
     m.OutputDelta(
         request_id="r1",
         text=" once",
@@ -386,7 +388,9 @@ FIELD_ORDER = {
         "swap_out_dst",
         "swap_in_src",
         "swap_in_dst",
+        "grammars",
     ],
+    "PrepareGrammar": ["params"],
     "OutputDelta": [
         "request_id",
         "text",

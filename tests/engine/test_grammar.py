@@ -292,3 +292,35 @@ def test_the_grammar_cache_size_is_an_engine_arg() -> None:
     for bad in (0, -1, True, 1.5):
         with pytest.raises(ValueError, match="grammar_cache_size"):
             EngineArgs(model="builtin:tiny", grammar_cache_size=bad).build()
+
+
+def test_a_prepared_constraint_compiles_in_the_background_once():
+    """PrepareGrammar: the worker starts compiling before the request arrives; the
+    request's matcher waits for that compile instead of starting another, a prepared
+    constraint that does not compile fails its request alone, and past MAX_PREPARING
+    hints are dropped rather than queued."""
+    from engine.worker.grammar.matchers import MAX_PREPARING
+
+    class Backend(_CountingBackend):
+        def matcher(self, compiled):
+            return compiled
+
+    gate = threading.Event()
+    backend = Backend(gate)
+    matchers = GrammarMatchers(lambda: backend)
+    params = so(json={"type": "object"})
+    matchers.prepare(params)
+    matchers.prepare(params)  # announced twice: one compile
+    gate.set()  # the background compile may finish now
+    matchers.matcher(params)
+    matchers.matcher(params)
+    assert backend.compiles == 1
+    extra = [so(choice=[str(i)]) for i in range(MAX_PREPARING + 3)]
+    gate.clear()
+    for p in extra:
+        matchers.prepare(p)
+    assert len(matchers._compiling) == MAX_PREPARING  # the rest were dropped
+    gate.set()
+    for p in extra:
+        matchers.matcher(p)  # prepared or not, each compiles once
+    assert backend.compiles == 1 + len(extra)
