@@ -324,3 +324,11 @@ def test_a_prepared_constraint_compiles_in_the_background_once():
     for p in extra:
         matchers.matcher(p)  # prepared or not, each compiles once
     assert backend.compiles == 1 + len(extra)
+
+
+@pytest.mark.parametrize(("cores", "threads"), [(1, 1), (2, 1), (4, 2), (16, 4), (None, 1)])
+def test_a_compile_takes_at_most_half_the_cores(monkeypatch, cores, threads) -> None:
+    from engine.worker.grammar import xgrammar_backend
+
+    monkeypatch.setattr(xgrammar_backend.os, "cpu_count", lambda: cores)
+    assert xgrammar_backend.compile_threads() == threads

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterable
 from typing import Any
 
@@ -57,13 +58,14 @@ class XGrammarBackend:
         hf_tokenizer: Any,
         vocab_size: int,
         stop_token_ids: Iterable[int],
-        max_threads: int = 4,
+        max_threads: int | None = None,
     ) -> None:
         info = xgr.TokenizerInfo.from_huggingface(
             hf_tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_token_ids)
         )
         self.vocab_size = vocab_size
-        self._compiler = xgr.GrammarCompiler(info, max_threads=max_threads, cache_enabled=False)
+        threads = max_threads or compile_threads()
+        self._compiler = xgr.GrammarCompiler(info, max_threads=threads, cache_enabled=False)
 
     def compile(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
         kind = params.kind
@@ -106,6 +108,16 @@ class XGrammarBackend:
     def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
         # logits: [B, V] float32; bitmask: [B, cdiv(V, 32)] int32 on the logits' device
         xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=rows)
+
+
+def compile_threads() -> int:
+    """Threads one compile may use: at most half the cores (at least 1, at most 4).
+    A compile runs beside the batch's forward pass (in the worker, and in the tokenizer
+    process checking it), so every extra compile thread takes a core from the running
+    requests: on 2 cores, 4 threads per compile let an unseen schema stall the batch
+    1.08 s and 1 thread 0.47 s, while the compile itself takes 2.0 s instead of 1.0 s
+    (docs/structured_outputs.md)."""
+    return max(1, min(4, (os.cpu_count() or 2) // 2))
 
 
 def choice_grammar(choices: tuple[str, ...]) -> str:
