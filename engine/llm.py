@@ -128,8 +128,7 @@ class LLM:
         prompts = []
         for conv in convs:
             chat = ChatPrompt.of(list(conv), tools=tools, chat_template_kwargs=chat_template_kwargs)
-            variables = None if chat.template_args is None else chat.template_args.variables()
-            dicts = [m.template_dict() for m in chat.messages]
+            dicts, variables = chat.template_inputs()
             tokenizer = self.engine.tokenizer
             prompts.append(tokenizer.apply_chat_template(dicts, add_generation_prompt, variables))
         params = _as_params_list(sampling_params, len(prompts))

@@ -149,6 +149,12 @@ class ChatPrompt:
             )
         return cls(chat_of(messages), args)
 
+    def template_inputs(self) -> tuple[list[dict], dict | None]:
+        """What the chat template renders: the messages as template dicts, and the
+        variables beside them (None: none). The one conversion offline and served use."""
+        variables = None if self.template_args is None else self.template_args.variables()
+        return [m.template_dict() for m in self.messages], variables
+
 
 @dataclass(frozen=True)
 class AbortRequest:

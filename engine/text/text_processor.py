@@ -9,6 +9,7 @@ from engine.messages import (
     AbortRequest,
     AddRequest,
     ChatMessage,
+    ChatPrompt,
     ChatTemplateArgs,
     DetokenizeRequest,
     ErrorKind,
@@ -291,8 +292,7 @@ class TextProcessor:
         them (it can write more than they hold), cannot fit the context: before the
         work of rendering, then before the work of tokenizing."""
         self._check_length("messages", sum(len(m.content) for m in messages))
-        variables = None if template_args is None else template_args.variables()
-        dicts = [m.template_dict() for m in messages]
+        dicts, variables = ChatPrompt(messages, template_args).template_inputs()
         text = self.tokenizer.render_chat(dicts, add_generation_prompt, variables)
         too_long = self._too_long(len(text))
         if too_long is not None:

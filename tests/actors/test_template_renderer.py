@@ -54,8 +54,7 @@ def test_renders_what_the_inline_renderer_renders(renderer) -> None:
 
 def test_a_renders_tools_and_template_kwargs_reach_the_child(renderer) -> None:
     chat = ChatPrompt.of(CONVERSATION, tools=TOOLS, chat_template_kwargs={"enable_thinking": False})
-    dicts = [m.template_dict() for m in chat.messages]
-    variables = chat.template_args.variables()
+    dicts, variables = chat.template_inputs()
     isolated = renderer(HERMES_TEMPLATE)
     want = render(template(HERMES_TEMPLATE), dicts, True, variables=variables)
     assert isolated.render(dicts, True, variables) == want

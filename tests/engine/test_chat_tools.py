@@ -86,8 +86,7 @@ def as_transformers_takes_it(messages: list[dict]) -> list[dict]:
 
 def ours(chat: ChatPrompt, add_generation_prompt: bool = True) -> str:
     tok = Tokenizer(tiny_hf_tokenizer(HERMES_TEMPLATE))
-    variables = chat.template_args.variables() if chat.template_args else None
-    dicts = [m.template_dict() for m in chat.messages]
+    dicts, variables = chat.template_inputs()
     return render(tok.chat_template, dicts, add_generation_prompt, variables=variables)
 
 
