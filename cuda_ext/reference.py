@@ -72,28 +72,47 @@ def paged_attention_reference(
     query_lens: list[int],  # per sequence, sums to num_tokens
     seq_lens: list[int],  # per sequence: context length including this step's tokens
     scale: float,
+    *,
+    sliding_window: int = 0,  # 0: none; W: a query at p sees keys p - W < j <= p
+    soft_cap: float = 0.0,  # 0: none; c: scores -> c * tanh(scores / c) before the mask
+    sinks: torch.Tensor | None = None,  # [num_heads] sink logits added to each denominator
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
-    """Causal attention of each sequence's new tokens over its whole paged context.
+    """Causal attention of each sequence's new tokens over its paged context.
 
     The query tokens of a sequence are its last `query_len` positions, so query i sits at
-    position `seq_len - query_len + i` and sees keys at positions <= that. Works for any
-    mix of prefill chunks and decodes, GQA/MQA and any block size. Math in float32.
+    position `seq_len - query_len + i` and sees keys at positions <= that (and, with a
+    sliding window, > position - W: blocks wholly before the window are never read, so
+    their table entries may be anything). Works for any mix of prefill chunks and
+    decodes, GQA/MQA and any block size. Math in float32.
     """
     num_heads, num_kv_heads = query.shape[1], key_cache.shape[2]
+    block_size = key_cache.shape[1]
     group = num_heads // num_kv_heads
     out = torch.empty_like(query)
     start = 0
     for i, (q_len, s_len) in enumerate(zip(query_lens, seq_lens, strict=True)):
+        first = max(0, s_len - q_len - sliding_window + 1) if sliding_window else 0
+        skip = first // block_size * block_size  # whole blocks before the window: unread
+        table = block_tables[i][skip // block_size :]
         q = query[start : start + q_len].float()  # [q_len, H, D]
-        k = gather_context(key_cache, block_tables[i], s_len).float()  # [s_len, KVH, D]
-        v = gather_context(value_cache, block_tables[i], s_len).float()
-        k = k.repeat_interleave(group, dim=1)  # [s_len, H, D]
+        k = gather_context(key_cache, table, s_len - skip).float()  # [s_len - skip, KVH, D]
+        v = gather_context(value_cache, table, s_len - skip).float()
+        k = k.repeat_interleave(group, dim=1)  # [s_len - skip, H, D]
         v = v.repeat_interleave(group, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", q, k) * scale  # [H, q_len, s_len]
+        scores = torch.einsum("qhd,khd->hqk", q, k) * scale  # [H, q_len, s_len - skip]
+        if soft_cap:
+            scores = soft_cap * torch.tanh(scores / soft_cap)
         q_pos = torch.arange(s_len - q_len, s_len).unsqueeze(1)
-        k_pos = torch.arange(s_len).unsqueeze(0)
-        scores = scores.masked_fill((k_pos > q_pos).to(scores.device), float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
+        k_pos = torch.arange(skip, s_len).unsqueeze(0)
+        hidden = k_pos > q_pos
+        if sliding_window:
+            hidden |= k_pos <= q_pos - sliding_window
+        scores = scores.masked_fill(hidden.to(scores.device), float("-inf"))
+        if sinks is not None:  # one more column per head, dropped after the softmax
+            sink = sinks.float().view(num_heads, 1, 1).expand(num_heads, q_len, 1)
+            probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1)
         out[start : start + q_len] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
         start += q_len
     return out

@@ -18,6 +18,22 @@ ATTENTION_BACKENDS = ("auto", "native", "sdpa", "reference")
 LINEAR_KERNELS = ("auto", "onednn", "torch")
 
 
+def layer_sliding_window(hf_config: Any, index: int) -> int | None:
+    """Layer `index`'s sliding window (None: it sees the whole context), as transformers
+    reads it: `layer_types` ("sliding_attention") where the config has them (Gemma,
+    GPT-OSS, Qwen2 with use_sliding_window), else `sliding_window` on every layer
+    (Mistral, Phi-3) unless `use_sliding_window` is false."""
+    window = getattr(hf_config, "sliding_window", None)
+    if not window:
+        return None
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types is not None:
+        return int(window) if layer_types[index] == "sliding_attention" else None
+    if getattr(hf_config, "use_sliding_window", True) is False:
+        return None
+    return int(window)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """What the model code and loader need: the checkpoint, its HF config, dtype, length."""
@@ -51,6 +67,23 @@ class ModelConfig:
     def num_kv_heads(self) -> int:
         kv = getattr(self.hf_config, "num_key_value_heads", None)
         return int(kv) if kv else self.num_attention_heads
+
+    @property
+    def sliding_windows(self) -> tuple[int | None, ...]:
+        """Per layer, its sliding window or None (`layer_sliding_window`)."""
+        return tuple(layer_sliding_window(self.hf_config, i) for i in range(self.num_layers))
+
+    @property
+    def attention_features(self) -> frozenset[str]:
+        """The optional attention features the model's layers use, named as
+        `AttentionSpec.features` names them (backends that lack one are not chosen)."""
+        cfg = self.hf_config
+        named = (
+            ("sliding window", any(w is not None for w in self.sliding_windows)),
+            ("attention logit soft-capping", bool(getattr(cfg, "attn_logit_softcapping", None))),
+            ("attention sinks", getattr(cfg, "model_type", None) == "gpt_oss"),
+        )
+        return frozenset(name for name, used in named if used)
 
     @property
     def head_size(self) -> int:

@@ -95,16 +95,12 @@ def read_eos_token_ids(model_dir: str, hf_config) -> frozenset[int]:
 
 
 def derive_max_model_len(hf_config, requested: int | None) -> int:
-    """The context length: the config's, capped by a sliding window, or the user's if smaller."""
+    """The context length: the config's, or the user's if smaller. (A sliding window
+    does not cap it: windowed layers attend to their last W tokens at any length.)"""
     derived = min(
         (int(getattr(hf_config, f)) for f in _LENGTH_FIELDS if getattr(hf_config, f, None)),
         default=2048,
     )
-    window = getattr(hf_config, "sliding_window", None)
-    uses_window = getattr(hf_config, "use_sliding_window", True)
-    if window and uses_window and int(window) < derived:
-        logger.warning("capping max_model_len to the sliding window (%d tokens)", window)
-        derived = int(window)
     if requested is None:
         return derived
     if not 1 <= requested <= derived:

@@ -72,7 +72,12 @@ class ModelRunner:
         self.device = device_config.device
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
-        choice = select_backend(device_config.attention_backend, self.device, model_config.dtype)
+        choice = select_backend(
+            device_config.attention_backend,
+            self.device,
+            model_config.dtype,
+            model_config.attention_features,
+        )
         self.backend, self.backend_reason = choice.backend, choice.reason
         self.model = load_model(model_config, self.backend, self.device, self.group)
         self.linear_kernel = prepack_linears(

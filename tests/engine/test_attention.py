@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from engine.worker.attention import AttentionMetadata, ReferenceBackend, SdpaBackend
+from engine.worker.attention.spec import AttentionSpec
 from tests.engine.native_backend import native_backend
 
 
@@ -42,9 +43,21 @@ def random_batch(rng: random.Random, block_size: int, num_kv_heads: int, group: 
     return metadata, next_block
 
 
-def run_backend(backend, metadata, num_blocks, block_size, kvh, group, head, seed):
+def run_backend(
+    backend, metadata, num_blocks, block_size, kvh, group, head, seed, spec=None, sinks=None
+):
     """Fills each context's older tokens, then runs one forward with the new tokens."""
+    return run_backend_with_inputs(
+        backend, metadata, num_blocks, block_size, kvh, group, head, seed, spec, sinks
+    )[0]
+
+
+def run_backend_with_inputs(
+    backend, metadata, num_blocks, block_size, kvh, group, head, seed, spec=None, sinks=None
+):
+    """`run_backend`, also returning the query and each sequence's K and V rows."""
     gen = torch.Generator().manual_seed(seed)
+    spec = spec or AttentionSpec(scale=head**-0.5)
     shape = backend.kv_cache_shape(num_blocks, block_size, kvh, head)
     cache = (torch.zeros(shape), torch.zeros(shape))
     # Write the whole context (old tokens too) through the backend's own write path.
@@ -57,7 +70,8 @@ def run_backend(backend, metadata, num_blocks, block_size, kvh, group, head, see
     v_all = torch.randn(len(all_slots), kvh, head, generator=gen)
     backend.write(k_all, v_all, cache[0], cache[1], torch.tensor(all_slots))
     query = torch.randn(metadata.num_tokens, kvh * group, head, generator=gen)
-    return backend.attend(query, cache[0], cache[1], metadata, head**-0.5)
+    out = backend.attend(query, cache[0], cache[1], metadata, spec, sinks)
+    return out, query, k_all, v_all, starts
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 16, 32])
@@ -130,3 +144,119 @@ def test_native_cpu_backend_matches_reference(block_size, kvh, group):
 
 def test_native_cpu_backend_copies_whole_blocks():
     assert_copies_whole_blocks(native_backend())
+
+
+SPECS = {
+    "window1": dict(sliding_window=1),
+    "window5": dict(sliding_window=5),
+    "window17": dict(sliding_window=17),
+    "soft-cap": dict(logit_soft_cap=0.5),
+    "sinks": dict(has_sinks=True),
+    "all": dict(sliding_window=9, logit_soft_cap=2.0, has_sinks=True),
+}
+
+
+def dense_attention(query, k_all, v_all, starts, metadata, spec, sinks):
+    """Each query token against its sequence's contiguous K/V rows, masks written out."""
+    out = torch.empty_like(query)
+    heads, kvh = query.shape[1], k_all.shape[1]
+    for i, (q_len, s_len) in enumerate(
+        zip(metadata.query_lens_cpu, metadata.seq_lens_cpu, strict=True)
+    ):
+        q0 = int(metadata.query_start_loc[i])
+        k = k_all[starts[i] : starts[i] + s_len].repeat_interleave(heads // kvh, dim=1)
+        v = v_all[starts[i] : starts[i] + s_len].repeat_interleave(heads // kvh, dim=1)
+        for t in range(q_len):
+            pos = s_len - q_len + t
+            visible = [j for j in range(s_len) if j <= pos and j >= spec.first_visible(pos)]
+            scores = torch.einsum("hd,khd->hk", query[q0 + t], k[visible]) * spec.scale
+            if spec.logit_soft_cap:
+                scores = spec.logit_soft_cap * torch.tanh(scores / spec.logit_soft_cap)
+            weights = scores.exp()
+            denominator = weights.sum(-1, keepdim=True)
+            if sinks is not None:
+                denominator = denominator + sinks.exp().unsqueeze(1)
+            out[q0 + t] = torch.einsum("hk,khd->hd", weights / denominator, v[visible])
+    return out
+
+
+def spec_case(name, head, heads):
+    spec = AttentionSpec(scale=head**-0.5, **SPECS[name])
+    sinks = (
+        torch.randn(heads, generator=torch.Generator().manual_seed(3)) if spec.has_sinks else None
+    )
+    return spec, sinks
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_reference_window_cap_and_sinks_match_dense_attention(name, block_size):
+    rng = random.Random(block_size)
+    kvh, group, head = 2, 2, 8
+    spec, sinks = spec_case(name, head, kvh * group)
+    metadata, num_blocks = random_batch(rng, block_size, kvh, group)
+    args = (metadata, num_blocks, block_size, kvh, group, head, 0, spec, sinks)
+    got, query, k_all, v_all, starts = run_backend_with_inputs(ReferenceBackend(), *args)
+    expected = dense_attention(query, k_all, v_all, starts, metadata, spec, sinks)
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_sdpa_window_cap_and_sinks_match_reference(name, block_size):
+    rng = random.Random(block_size + 50)
+    kvh, group, head = 2, 2, 8
+    spec, sinks = spec_case(name, head, kvh * group)
+    for trial in range(2):
+        metadata, num_blocks = random_batch(rng, block_size, kvh, group)
+        args = (metadata, num_blocks, block_size, kvh, group, head, trial, spec, sinks)
+        expected = run_backend(ReferenceBackend(), *args)
+        torch.testing.assert_close(
+            run_backend(SdpaBackend(), *args), expected, atol=2e-5, rtol=1e-4
+        )
+
+
+def test_reference_reads_no_block_before_the_window():
+    """Blocks wholly before every query's window may be anything (the hybrid allocator
+    frees them): NaN there changes nothing."""
+    rng = random.Random(11)
+    block_size, kvh, group, head = 4, 2, 2, 8
+    spec = AttentionSpec(scale=head**-0.5, sliding_window=6)
+    metadata, num_blocks = random_batch(rng, block_size, kvh, group)
+    args = (metadata, num_blocks + 1, block_size, kvh, group, head, 0, spec)
+    expected = run_backend(ReferenceBackend(), *args)
+    tables = metadata.block_tables.clone()
+    for i, (q_len, s_len) in enumerate(
+        zip(metadata.query_lens_cpu, metadata.seq_lens_cpu, strict=True)
+    ):
+        unread = spec.first_visible(s_len - q_len) // block_size
+        tables[i, :unread] = num_blocks  # the poisoned block
+    poisoned = ReferenceBackend()
+    poisoned.write = _poisoning_write(poisoned.write, num_blocks, block_size)
+    got = run_backend(poisoned, _with_tables(metadata, tables), *args[1:])
+    assert torch.equal(got, expected)
+
+
+def _poisoning_write(write, block, block_size):
+    def poisoned(key, value, key_cache, value_cache, slot_mapping):
+        write(key, value, key_cache, value_cache, slot_mapping)
+        key_cache[block].fill_(float("nan"))
+        value_cache[block].fill_(float("nan"))
+
+    return poisoned
+
+
+def _with_tables(metadata, tables):
+    from dataclasses import replace
+
+    return replace(metadata, block_tables=tables)
+
+
+def test_a_backend_refuses_a_spec_feature_it_cannot_do():
+    class NoWindows(ReferenceBackend):
+        name = "no-windows"
+        unsupported_features = frozenset({"sliding window"})
+
+    NoWindows().check_spec(AttentionSpec(scale=1.0, logit_soft_cap=3.0))
+    with pytest.raises(ValueError, match="'no-windows' attention backend cannot do sliding window"):
+        NoWindows().check_spec(AttentionSpec(scale=1.0, sliding_window=4))

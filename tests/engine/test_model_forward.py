@@ -43,7 +43,12 @@ CASES = {
         LlamaForCausalLM,
         {**_LLAMA, "tie_word_embeddings": True},
     ),
-    "mistral": (hf.MistralConfig, hf.MistralForCausalLM, MistralForCausalLM, _LLAMA),
+    "mistral": (
+        hf.MistralConfig,
+        hf.MistralForCausalLM,
+        MistralForCausalLM,
+        {**_LLAMA, "sliding_window": None},
+    ),
     "qwen2": (hf.Qwen2Config, hf.Qwen2ForCausalLM, Qwen2ForCausalLM, _LLAMA),
     "qwen3": (hf.Qwen3Config, hf.Qwen3ForCausalLM, Qwen3ForCausalLM, {**_LLAMA, "head_dim": 32}),
     "gpt2": (hf.GPT2Config, hf.GPT2LMHeadModel, GPT2LMHeadModel, _GPT2),

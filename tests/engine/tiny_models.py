@@ -25,6 +25,12 @@ OPT_FIELDS = {**{k: LLAMA_FIELDS[k] for k in _SHARED}, "ffn_dim": 128}
 ARCHITECTURES = {
     "llama": (hf.LlamaConfig, hf.LlamaForCausalLM, LLAMA_FIELDS),
     "mistral": (hf.MistralConfig, hf.MistralForCausalLM, {**LLAMA_FIELDS, "sliding_window": None}),
+    # A window shorter than most test prompts, so it matters.
+    "mistral-window": (
+        hf.MistralConfig,
+        hf.MistralForCausalLM,
+        {**LLAMA_FIELDS, "sliding_window": 7},
+    ),
     "qwen2": (hf.Qwen2Config, hf.Qwen2ForCausalLM, LLAMA_FIELDS),
     "qwen3": (hf.Qwen3Config, hf.Qwen3ForCausalLM, {**LLAMA_FIELDS, "head_dim": 32}),
     "gpt2": (hf.GPT2Config, hf.GPT2LMHeadModel, GPT2_FIELDS),

@@ -11,6 +11,7 @@ from cuda_ext.reference import (
     swap_blocks,
 )
 from engine.worker.attention.metadata import AttentionMetadata
+from engine.worker.attention.spec import AttentionSpec
 
 
 class AttentionBackend:
@@ -18,13 +19,25 @@ class AttentionBackend:
 
     Each backend owns its cache layout: `kv_cache_shape` says how one layer's key (and
     value) cache is shaped, `write` stores new K/V through the slot mapping, `attend`
-    reads it. `forward` takes the flattened batch and returns
-    `[num_tokens, num_heads, head_size]`. The default layout is the house layout
-    `[num_blocks, block_size, num_kv_heads, head_size]`.
+    reads it. `forward` takes the flattened batch and the layer's `AttentionSpec` (scale,
+    sliding window, soft cap, sinks) and returns `[num_tokens, num_heads, head_size]`.
+    The default layout is the house layout `[num_blocks, block_size, num_kv_heads,
+    head_size]`. A backend lists the optional spec features it cannot do in
+    `unsupported_features`; models are refused at start-up rather than attended wrongly.
     """
 
     name = "base"
     block_dim = 0  # the dimension of kv_cache_shape that indexes blocks
+    unsupported_features: frozenset[str] = frozenset()
+
+    def check_spec(self, spec: AttentionSpec) -> None:
+        """ValueError naming each feature of `spec` this backend cannot do."""
+        missing = [f for f in spec.features if f in self.unsupported_features]
+        if missing:
+            raise ValueError(
+                f"the {self.name!r} attention backend cannot do {' or '.join(missing)}; "
+                "choose attention_backend='sdpa' (or 'reference')"
+            )
 
     @staticmethod
     def kv_cache_shape(
@@ -39,11 +52,12 @@ class AttentionBackend:
         value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
         kv_cache: tuple[torch.Tensor, torch.Tensor],  # 2 x kv_cache_shape(...)
         metadata: AttentionMetadata,
-        scale: float,
+        spec: AttentionSpec,
+        sinks: torch.Tensor | None = None,  # [num_heads] float32 when spec.has_sinks
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
         key_cache, value_cache = kv_cache
         self.write(key, value, key_cache, value_cache, metadata.slot_mapping)
-        return self.attend(query, key_cache, value_cache, metadata, scale)
+        return self.attend(query, key_cache, value_cache, metadata, spec, sinks)
 
     def write(self, key, value, key_cache, value_cache, slot_mapping) -> None:
         reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
@@ -78,7 +92,8 @@ class AttentionBackend:
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         metadata: AttentionMetadata,
-        scale: float,
+        spec: AttentionSpec,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         raise NotImplementedError
 
@@ -88,7 +103,7 @@ class ReferenceBackend(AttentionBackend):
 
     name = "reference"
 
-    def attend(self, query, key_cache, value_cache, metadata, scale):
+    def attend(self, query, key_cache, value_cache, metadata, spec, sinks=None):
         return paged_attention_reference(
             query,
             key_cache,
@@ -96,5 +111,8 @@ class ReferenceBackend(AttentionBackend):
             metadata.block_tables,
             list(metadata.query_lens_cpu),
             list(metadata.seq_lens_cpu),
-            scale,
+            spec.scale,
+            sliding_window=spec.sliding_window or 0,
+            soft_cap=spec.logit_soft_cap or 0.0,
+            sinks=sinks,
         )

@@ -23,6 +23,9 @@ class NativeCpuBackend(AttentionBackend):
 
     name = "native"
     block_dim = 0
+    unsupported_features = frozenset(
+        {"sliding window", "attention logit soft-capping", "attention sinks"}
+    )
     index_dtype = torch.int64  # of block tables, lengths and query offsets
 
     def __init__(self, ops) -> None:
@@ -37,7 +40,9 @@ class NativeCpuBackend(AttentionBackend):
     def write(self, key, value, key_cache, value_cache, slot_mapping) -> None:
         self.ops.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
 
-    def attend(self, query, key_cache, value_cache, metadata: AttentionMetadata, scale):
+    def attend(self, query, key_cache, value_cache, metadata: AttentionMetadata, spec, sinks=None):
+        self.check_spec(spec)
+        scale = spec.scale
         out = torch.empty_like(query)  # [num_tokens, num_heads, head_size]
         nd, caches = metadata.num_decodes, (key_cache, value_cache)
         tables = metadata.block_tables.to(self.index_dtype)  # no copy when already so

@@ -24,15 +24,23 @@ class BackendChoice:
 
 
 def select_backend(
-    name: str = "auto", device: str = "cpu", dtype: torch.dtype = torch.float32
+    name: str = "auto",
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    features: frozenset[str] = frozenset(),
 ) -> BackendChoice:
-    """'auto': the native kernels where they load (CPU for now), else torch's SDPA.
+    """'auto': the native kernels where they load and do every attention feature the
+    model uses (`features`: sliding window, soft cap, sinks), else torch's SDPA.
     'native' insists on the kernels (an error with the loader's reason if they cannot
-    load); 'sdpa' and 'reference' are the torch backends."""
+    load, or naming the feature they lack); 'sdpa' and 'reference' are the torch
+    backends."""
     if name not in NAMES:
         raise ValueError(f"attention_backend must be one of {list(NAMES)}, got {name!r}")
     if name in ("auto", "native"):
         choice = _native(device, dtype)
+        lacking = sorted(features & choice.backend.unsupported_features) if choice.backend else []
+        if lacking:
+            choice = BackendChoice(None, f"the native kernels cannot do {' or '.join(lacking)}")
         if choice.backend is not None:
             return _chosen(choice)
         if name == "native":

@@ -11,6 +11,7 @@ from torch import nn
 
 from engine.worker.attention.backend import AttentionBackend
 from engine.worker.attention.metadata import AttentionMetadata
+from engine.worker.attention.spec import AttentionSpec
 from engine.worker.models.layer_ops import TORCH_LAYER_OPS, LayerOps
 
 
@@ -96,14 +97,20 @@ class RotaryEmbedding(nn.Module):
 
 
 class PagedAttention(nn.Module):
-    """Attention of a layer's new tokens over the paged cache, through the chosen backend."""
+    """Attention of a layer's new tokens over the paged cache, through the chosen backend.
+
+    `spec` is a float scale, or an `AttentionSpec` (sliding window, soft cap, sinks);
+    with sinks, the caller passes this rank's `num_heads` sink logits to `forward` (the
+    model's attention module owns them under the checkpoint's name). The backend is
+    asked at construction whether it can do the spec (a start-up error if not).
+    """
 
     def __init__(
         self,
         num_heads: int,
         num_kv_heads: int,
         head_size: int,
-        scale: float,
+        spec: float | AttentionSpec,
         backend: AttentionBackend,
     ) -> None:
         super().__init__()
@@ -112,7 +119,8 @@ class PagedAttention(nn.Module):
                 f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}"
             )
         self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, head_size
-        self.scale = scale
+        self.spec = spec if isinstance(spec, AttentionSpec) else AttentionSpec(scale=spec)
+        backend.check_spec(self.spec)
         self.backend = backend
 
     def forward(
@@ -122,8 +130,9 @@ class PagedAttention(nn.Module):
         v: torch.Tensor,  # [T, num_kv_heads, head_size]
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         metadata: AttentionMetadata,
+        sinks: torch.Tensor | None = None,  # [num_heads] when the spec has sinks
     ) -> torch.Tensor:  # [T, num_heads * head_size]
-        out = self.backend.forward(q, k, v, kv_cache, metadata, self.scale)
+        out = self.backend.forward(q, k, v, kv_cache, metadata, self.spec, sinks)
         return out.reshape(q.shape[0], self.num_heads * self.head_size)
 
 

@@ -18,7 +18,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.config import layer_sliding_window
 from engine.worker.attention.backend import AttentionBackend
+from engine.worker.attention.spec import AttentionSpec
 from engine.worker.models.base import CausalLM
 from engine.worker.models.layer_ops import LayerOps, layer_ops_for
 from engine.worker.models.layers import (
@@ -39,7 +41,8 @@ from engine.worker.parallel.layers import (
 
 class LlamaAttention(nn.Module):
     """Fused q/k/v projection, rotary, paged attention, output projection (this rank's
-    heads: `num_heads`, `num_kv_heads` are per rank)."""
+    heads: `num_heads`, `num_kv_heads` are per rank). Layer `index` attends within the
+    config's sliding window where it has one (`layer_sliding_window`)."""
 
     def __init__(
         self,
@@ -49,6 +52,7 @@ class LlamaAttention(nn.Module):
         group: TensorParallelGroup,
         qkv_bias: bool,
         qk_norm: bool,
+        index: int = 0,
     ) -> None:
         super().__init__()
         total_heads = cfg.num_attention_heads
@@ -71,9 +75,10 @@ class LlamaAttention(nn.Module):
         self.rotary_emb = RotaryEmbedding(
             self.head_size, cfg.max_position_embeddings, rope_parameters(cfg), ops
         )
-        self.attn = PagedAttention(
-            self.num_heads, self.num_kv_heads, self.head_size, self.head_size**-0.5, backend
+        spec = AttentionSpec(
+            scale=self.head_size**-0.5, sliding_window=layer_sliding_window(cfg, index)
         )
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_size, spec, backend)
 
     def forward(self, positions, hidden, kv_cache, metadata) -> torch.Tensor:
         t = hidden.shape[0]  # hidden: [T, hidden_size]
@@ -116,9 +121,11 @@ class LlamaDecoderLayer(nn.Module):
     stream; the next norm adds the two.
     """
 
-    def __init__(self, cfg, backend, ops: LayerOps, group, qkv_bias: bool, qk_norm: bool) -> None:
+    def __init__(
+        self, cfg, backend, ops: LayerOps, group, qkv_bias: bool, qk_norm: bool, index: int
+    ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, backend, ops, group, qkv_bias, qk_norm)
+        self.self_attn = LlamaAttention(cfg, backend, ops, group, qkv_bias, qk_norm, index)
         self.mlp = LlamaMLP(cfg, ops, group)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
@@ -147,8 +154,8 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, group)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, backend, ops, group, qkv_bias, qk_norm)
-            for _ in range(cfg.num_hidden_layers)
+            LlamaDecoderLayer(cfg, backend, ops, group, qkv_bias, qk_norm, i)
+            for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
@@ -196,7 +203,7 @@ class LlamaForCausalLM(CausalLM):
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    """Mistral: Llama layers; its sliding window caps max_model_len (see model_loader)."""
+    """Mistral: Llama layers, every one attending within `sliding_window` when set."""
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
