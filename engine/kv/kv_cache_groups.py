@@ -1,0 +1,115 @@
+"""KV cache groups: the layers of a model that share block tables, by layer kind.
+
+A model whose layers all attend the same way has one group. A hybrid model (Gemma's
+five local layers to one global, GPT-OSS's alternating windowed and full layers) has
+one group per kind at least, because a sliding-window layer can free the blocks that
+fall out of its window while a full-attention layer keeps every block. vLLM's hybrid
+allocator, which this follows: every group draws block ids from ONE pool, so memory
+moves between kinds as the load does, and every page (one block id) is the same size
+in bytes. That holds because every group has the same number of layers,
+`layers_per_group`: the kinds' layer lists are cut into chunks of that many layers
+(the smallest kind's count, or the largest's when they are within 25% of each other,
+so that few groups are padded), and the KV cache holds `layers_per_group` tensors of
+`num_blocks` pages; layer `groups[g].layers[j]` keeps its K/V in tensor j. Block id b
+given to group g is then page b of every tensor j < len(groups[g].layers). A chunk
+shorter than `layers_per_group` (the last of a kind) leaves its pages' other tensors
+unused: that padding is the layout's only fixed waste (`padding_share`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+
+from engine.kv.block_count import cdiv
+
+
+class KVCacheGroupKind(StrEnum):
+    """How a group's layers use their blocks (the closed set of layer kinds)."""
+
+    FULL_ATTENTION = "full_attention"  # every token's K/V, as long as the sequence lives
+    SLIDING_WINDOW = "sliding_window"  # only the last `sliding_window` tokens' K/V
+
+
+@dataclass(frozen=True)
+class KVCacheGroup:
+    """Layers (model layer indices, ascending) that share one block table per sequence."""
+
+    kind: KVCacheGroupKind
+    layers: tuple[int, ...]
+    sliding_window: int | None = None  # SLIDING_WINDOW only
+
+    def __post_init__(self) -> None:
+        windowed = self.kind is KVCacheGroupKind.SLIDING_WINDOW
+        if windowed != (self.sliding_window is not None):
+            raise ValueError(f"a {self.kind} group has sliding_window={self.sliding_window}")
+        if not self.layers:
+            raise ValueError("a KV cache group needs at least one layer")
+
+    def blocks_needed(self, num_computed: int, num_tokens: int, block_size: int) -> int:
+        """Live blocks this group's table holds for a sequence with `num_tokens` slots
+        of which `num_computed` are computed: all of them, or (windowed) those from the
+        block holding the first key the next query can see."""
+        if self.sliding_window is None:
+            return cdiv(num_tokens, block_size)
+        first = max(0, num_computed - self.sliding_window + 1) // block_size
+        return cdiv(num_tokens, block_size) - min(first, cdiv(num_tokens, block_size))
+
+
+@dataclass(frozen=True)
+class KVCacheLayout:
+    """A model's KV cache groups and the tensors they share (see the module docstring)."""
+
+    groups: tuple[KVCacheGroup, ...]
+    layers_per_group: int
+
+    @classmethod
+    def from_windows(cls, windows: Sequence[int | None]) -> KVCacheLayout:
+        """The layout for layers whose sliding windows are `windows` (None: full
+        attention), one entry per layer."""
+        if not windows:
+            raise ValueError("a model needs at least one layer")
+        kinds: dict[int | None, list[int]] = {}
+        for layer, window in enumerate(windows):
+            kinds.setdefault(window, []).append(layer)
+        sizes = [len(layers) for layers in kinds.values()]
+        size = min(sizes) if max(sizes) >= 1.25 * min(sizes) else max(sizes)
+        groups = []
+        for window, layers in kinds.items():
+            kind = KVCacheGroupKind.FULL_ATTENTION
+            if window is not None:
+                kind = KVCacheGroupKind.SLIDING_WINDOW
+            for start in range(0, len(layers), size):
+                groups.append(KVCacheGroup(kind, tuple(layers[start : start + size]), window))
+        return cls(tuple(groups), size)
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.groups)
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Whether blocks are managed per group (more than one group, or windows)."""
+        return self.num_groups > 1 or self.groups[0].sliding_window is not None
+
+    @property
+    def num_layers(self) -> int:
+        return sum(len(g.layers) for g in self.groups)
+
+    def place(self, layer: int) -> tuple[int, int]:
+        """(group index, tensor index) of model layer `layer`."""
+        for g, group in enumerate(self.groups):
+            if layer in group.layers:
+                return g, group.layers.index(layer)
+        raise ValueError(f"layer {layer} is in no KV cache group")
+
+    @property
+    def padding_share(self) -> float:
+        """The share of page memory no layer uses (short last chunks of a kind)."""
+        used = self.num_layers
+        return 1 - used / (self.num_groups * self.layers_per_group)
+
+    def blocks_needed(self, num_computed: int, num_tokens: int, block_size: int) -> int:
+        """Pages all groups hold for one sequence (`KVCacheGroup.blocks_needed`)."""
+        return sum(g.blocks_needed(num_computed, num_tokens, block_size) for g in self.groups)
