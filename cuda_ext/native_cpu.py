@@ -14,9 +14,11 @@ The first load on a machine compiles the kernels (about a minute, then cached; s
 `cuda_ext.build`); a process loads them once. Every op writes into its output tensors
 and returns None:
 
-    ops.paged_attention_decode(out, query, key_cache, value_cache, block_tables, seq_lens, scale)
+    ops.paged_attention_decode(out, query, key_cache, value_cache, block_tables, seq_lens, scale,
+                               sliding_window=0, soft_cap=0.0, sinks=None)
     ops.paged_attention_prefill(out, query, key_cache, value_cache, block_tables,
-                                query_start_loc, seq_lens, scale)
+                                query_start_loc, seq_lens, scale,
+                                sliding_window=0, soft_cap=0.0, sinks=None)
     ops.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
     ops.copy_blocks(key_caches, value_caches, block_mapping)
     ops.swap_blocks(src, dst, block_mapping)
@@ -34,7 +36,11 @@ house layout `[num_blocks, block_size, num_kv_heads, head_size]`;
 may be strided views, with unit stride in the last dim. Index tensors are int64 (block
 tables int32 or int64), contiguous. Everything lives on the CPU. The attention
 ops take float32 or bfloat16 (query, out and caches one dtype; math in float32); the copy
-ops take any dtype their tensors share. The elementwise ops (the last four) take
+ops take any dtype their tensors share. The attention ops' optional features are
+`cuda_ext.reference.paged_attention_reference`'s: a sliding window W (0: none; the blocks
+wholly before a query's window are not read, so their block-table entries may be
+anything), a logit soft cap c (0: none), and per-head sink logits (float32 [num_heads]).
+The elementwise ops (the last four) take
 float32 or bfloat16 rows `[num_tokens, d]` (query/key `[num_tokens, heads, head_size]`)
 with unit last stride and rows that do not overlap. The math is `cuda_ext.reference`'s.
 
@@ -46,6 +52,7 @@ touches memory. The kernels release the GIL while they run.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from types import ModuleType
 
@@ -94,15 +101,20 @@ class NativeCpuOps:
         block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32 or int64
         seq_lens: torch.Tensor,  # [num_seqs] int64, context lengths including the query
         scale: float,
+        *,
+        sliding_window: int = 0,  # 0: none; W: keys at positions > seq_len - 1 - W
+        soft_cap: float = 0.0,  # 0: none; c: logits -> c * tanh(logit / c)
+        sinks: torch.Tensor | None = None,  # [num_heads] float32 sink logits
     ) -> None:
-        """One query token per sequence over its whole paged context (GQA/MQA aware)."""
+        """One query token per sequence over its paged context (or window; GQA/MQA aware)."""
         _check_caches(key_cache, value_cache, attention=True)
         _check_rows("query", query, key_cache, is_query=True)
         _check_like("out", out, query)
         _check_block_tables(block_tables, query.shape[0])
         _check_index("seq_lens", seq_lens, (query.shape[0],))
+        features = _check_features(sliding_window, soft_cap, sinks, query.shape[1])
         self._ops.paged_attention_decode(
-            out, query, key_cache, value_cache, block_tables, seq_lens, float(scale)
+            out, query, key_cache, value_cache, block_tables, seq_lens, float(scale), *features
         )
 
     def paged_attention_prefill(
@@ -115,11 +127,16 @@ class NativeCpuOps:
         query_start_loc: torch.Tensor,  # [num_seqs + 1] int64, cumulative query lengths
         seq_lens: torch.Tensor,  # [num_seqs] int64, context lengths including the query
         scale: float,
+        *,
+        sliding_window: int = 0,  # 0: none; W: a query at p sees keys p - W < j <= p
+        soft_cap: float = 0.0,  # 0: none; c: logits -> c * tanh(logit / c)
+        sinks: torch.Tensor | None = None,  # [num_heads] float32 sink logits
     ) -> None:
         """Causal attention of each sequence's last q_len positions over its context.
 
         Query j of sequence i sits at position seq_lens[i] - q_len + j and sees keys at
-        positions <= that; the chunk's own K/V must already be in the cache.
+        positions <= that (and, with a window W, > that - W); the chunk's own K/V must
+        already be in the cache.
         """
         _check_caches(key_cache, value_cache, attention=True)
         _check_rows("query", query, key_cache, is_query=True)
@@ -128,9 +145,10 @@ class NativeCpuOps:
         num_seqs = seq_lens.shape[0]
         _check_index("query_start_loc", query_start_loc, (num_seqs + 1,))
         _check_block_tables(block_tables, num_seqs)
+        features = _check_features(sliding_window, soft_cap, sinks, query.shape[1])
         self._ops.paged_attention_prefill(
             out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
-            float(scale),
+            float(scale), *features,
         )  # fmt: skip
 
     def reshape_and_cache(
@@ -328,6 +346,30 @@ def _check_like(name: str, t: torch.Tensor, like: torch.Tensor) -> None:
             f"{name} must be {list(like.shape)} {like.dtype} with unit last stride; "
             f"got {_describe(t)}"
         )
+
+
+def _check_features(
+    sliding_window: int, soft_cap: float, sinks: torch.Tensor | None, num_heads: int
+) -> tuple[int, float, torch.Tensor | None]:
+    """The attention ops' optional features, checked, as the kernels take them."""
+    if isinstance(sliding_window, bool) or not isinstance(sliding_window, int):
+        raise ValueError(
+            f"sliding_window must be an int (0: no window); got {type(sliding_window).__name__}"
+        )
+    if sliding_window < 0:
+        raise ValueError(f"sliding_window must be >= 0 (0: no window); got {sliding_window}")
+    if isinstance(soft_cap, bool) or not isinstance(soft_cap, int | float):
+        raise ValueError(f"soft_cap must be a float (0: no cap); got {type(soft_cap).__name__}")
+    if not math.isfinite(soft_cap) or soft_cap < 0:
+        raise ValueError(f"soft_cap must be finite and >= 0 (0: no cap); got {soft_cap}")
+    if sinks is not None:
+        _check_cpu("sinks", sinks)
+        if sinks.shape != (num_heads,) or sinks.dtype != torch.float32 or not sinks.is_contiguous():
+            raise ValueError(
+                f"sinks must be contiguous float32 [{num_heads}] (one logit per query head); "
+                f"got {_describe(sinks)}"
+            )
+    return sliding_window, float(soft_cap), sinks
 
 
 def _check_block_tables(block_tables: torch.Tensor, num_seqs: int) -> None:

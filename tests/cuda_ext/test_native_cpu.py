@@ -11,6 +11,7 @@ import sys
 import textwrap
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -88,14 +89,28 @@ class PagedContexts:
     def native_caches(self) -> tuple[torch.Tensor, torch.Tensor]:
         return reference.head_major(self.key_cache), reference.head_major(self.value_cache)
 
-    def reference(self, query, query_lens, scale):
+    def reference(self, query, query_lens, scale, features=None):
         return reference.paged_attention_reference(
             query, self.key_cache, self.value_cache, self.block_tables.long(), query_lens,
-            self.seq_lens, scale,
+            self.seq_lens, scale, **(features or {}),
         )  # fmt: skip
 
     def seq_lens_tensor(self) -> torch.Tensor:
         return torch.tensor(self.seq_lens, dtype=torch.int64)
+
+
+@dataclass(frozen=True)
+class Features:
+    """The attention ops' optional features, as a test case names them."""
+
+    sliding_window: int = 0
+    soft_cap: float = 0.0
+    sinks: bool = False
+
+    def arguments(self, num_heads: int, rng: torch.Generator) -> dict:
+        """The keyword arguments the ops and the reference take; sink logits from rng."""
+        sinks = torch.randn(num_heads, generator=rng) * 2 if self.sinks else None
+        return dict(sliding_window=self.sliding_window, soft_cap=self.soft_cap, sinks=sinks)
 
 
 def random_query(num_tokens, num_heads, head_size, dtype, rng):
@@ -104,17 +119,20 @@ def random_query(num_tokens, num_heads, head_size, dtype, rng):
     return (torch.randn(num_tokens, num_heads, head_size, generator=rng) * magnitude).to(dtype)
 
 
-def run_decode(seq_lens, dtype, head_size, block_size, heads, seed, index=torch.int32):
+def run_decode(
+    seq_lens, dtype, head_size, block_size, heads, seed, index=torch.int32, features=Features()
+):
     num_heads, num_kv_heads = heads
     rng = torch.Generator().manual_seed(seed)
     ctx = PagedContexts(seq_lens, block_size, num_kv_heads, head_size, dtype, rng, index=index)
     query = random_query(len(seq_lens), num_heads, head_size, dtype, rng)
+    extra = features.arguments(num_heads, rng)
     out = torch.full_like(query, float("nan"))
     scale = head_size**-0.5
     OPS.paged_attention_decode(
-        out, query, *ctx.native_caches(), ctx.block_tables, ctx.seq_lens_tensor(), scale
+        out, query, *ctx.native_caches(), ctx.block_tables, ctx.seq_lens_tensor(), scale, **extra
     )
-    assert_close(out, ctx.reference(query, [1] * len(seq_lens), scale))
+    assert_close(out, ctx.reference(query, [1] * len(seq_lens), scale, extra))
 
 
 @contextmanager
@@ -190,7 +208,9 @@ PREFILL_CASES = [
 ]
 
 
-def run_prefill(prefixes, query_lens, dtype, head_size, block_size, heads, seed):
+def run_prefill(
+    prefixes, query_lens, dtype, head_size, block_size, heads, seed, features=Features()
+):
     num_heads, num_kv_heads = heads
     rng = torch.Generator().manual_seed(seed)
     seq_lens = [p + q for p, q in zip(prefixes, query_lens, strict=True)]
@@ -198,14 +218,15 @@ def run_prefill(prefixes, query_lens, dtype, head_size, block_size, heads, seed)
         seq_lens, block_size, num_kv_heads, head_size, dtype, rng, index=torch.int64
     )
     query = random_query(sum(query_lens), num_heads, head_size, dtype, rng)
+    extra = features.arguments(num_heads, rng)
     out = torch.full_like(query, float("nan"))
     starts = torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int64)
     scale = head_size**-0.5
     OPS.paged_attention_prefill(
         out, query, *ctx.native_caches(), ctx.block_tables, starts, ctx.seq_lens_tensor(),
-        scale,
+        scale, **extra,
     )  # fmt: skip
-    assert_close(out, ctx.reference(query, query_lens, scale))
+    assert_close(out, ctx.reference(query, query_lens, scale, extra))
 
 
 @pytest.mark.parametrize("dtype,head_size,block_size,heads,seed", PREFILL_CASES)
@@ -242,6 +263,144 @@ def test_prefill_with_one_token_per_sequence_equals_decode():
     OPS.paged_attention_decode(decoded, query, *args, lens, 0.1)
     OPS.paged_attention_prefill(prefilled, query, *args, torch.arange(4), lens, 0.1)
     assert torch.equal(decoded, prefilled)
+
+
+# -- sliding window, soft cap, sinks --------------------------------------------------
+
+FEATURES = {
+    "window1": Features(sliding_window=1),
+    "window5": Features(sliding_window=5),
+    "window17": Features(sliding_window=17),
+    "window-past-context": Features(sliding_window=5000),
+    "soft-cap": Features(soft_cap=2.0),
+    "sinks": Features(sinks=True),
+    "all": Features(sliding_window=17, soft_cap=30.0, sinks=True),
+}
+GROUPED_HEADS = ((2, 2), (8, 2), (8, 1))  # (num_heads, num_kv_heads): GQA groups 1, 4, 8
+# Every feature x block size x group x dtype; head sizes alternate specialized / generic.
+FEATURE_CASES = [
+    (name, block_size, heads, dtype, (64, 72)[i % 2], i)
+    for i, (name, block_size, heads, dtype) in enumerate(
+        itertools.product(FEATURES, (1, 16, 32), GROUPED_HEADS, DTYPES)
+    )
+]
+
+
+@pytest.mark.parametrize("name,block_size,heads,dtype,head_size,seed", FEATURE_CASES)
+def test_decode_with_window_cap_and_sinks_matches_reference(
+    name, block_size, heads, dtype, head_size, seed
+):
+    features = FEATURES[name]
+    window = features.sliding_window or 17
+    rnd = random.Random(seed)
+    seq_lens = [
+        1,
+        2,
+        block_size + 1,
+        window,
+        window + 1,
+        rnd.randint(3, 300),
+        rnd.randint(300, 1200),
+    ]
+    rnd.shuffle(seq_lens)
+    run_decode(seq_lens, dtype, head_size, block_size, heads, seed, features=features)
+
+
+@pytest.mark.parametrize("name,block_size,heads,dtype,head_size,seed", FEATURE_CASES)
+def test_prefill_with_window_cap_and_sinks_matches_reference(
+    name, block_size, heads, dtype, head_size, seed
+):
+    rnd = random.Random(seed)
+    # Fresh prompts longer than a tile, chunks after a prefix longer than the window,
+    # decode-like single tokens, and a chunk ending on a block boundary.
+    pairs = [(0, 1), (0, 64), (300, 37), (rnd.randint(1, 300), 1), (block_size, block_size)]
+    pairs += [(rnd.randint(0, 300), rnd.randint(1, 64)) for _ in range(2)]
+    rnd.shuffle(pairs)
+    prefixes, query_lens = zip(*pairs, strict=True)
+    run_prefill(
+        list(prefixes), list(query_lens), dtype, head_size, block_size, heads, seed,
+        features=FEATURES[name],
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("window", [100, 700, 3000, 5000])
+def test_decode_partitioned_with_window_cap_and_sinks(window, threads):
+    """Few tasks and long contexts: the split-and-merge path over each window (its
+    partitions start at the window), sinks joining the merge."""
+    features = Features(sliding_window=window, soft_cap=20.0, sinks=True)
+    with torch_threads(threads):
+        for seq_lens, heads in (([4096], (8, 1)), ([4096, 513], (8, 2))):
+            for dtype, head_size in ((torch.float32, 128), (torch.bfloat16, 72)):
+                run_decode(seq_lens, dtype, head_size, 16, heads, window, features=features)
+
+
+def test_large_sink_logits_stay_finite():
+    """Sinks far above and below every logit: exp(sink) alone would overflow; the kernels
+    take the sink into the running max."""
+    rng = torch.Generator().manual_seed(4)
+    ctx = PagedContexts([3000, 40], 16, 2, 64, torch.float32, rng, index=torch.int64)
+    query = random_query(2, 4, 64, torch.float32, rng)
+    sinks = torch.tensor([100.0, -100.0, 0.0, 30.0])
+    lens = ctx.seq_lens_tensor()
+    args = (*ctx.native_caches(), ctx.block_tables)
+    expected = ctx.reference(query, [1, 1], 0.125, dict(sinks=sinks))
+    for threads in (1, 2):  # 2: the partitioned decode
+        with torch_threads(threads):
+            decoded, prefilled = torch.empty_like(query), torch.empty_like(query)
+            OPS.paged_attention_decode(decoded, query, *args, lens, 0.125, sinks=sinks)
+            OPS.paged_attention_prefill(
+                prefilled, query, *args, torch.arange(3), lens, 0.125, sinks=sinks
+            )
+        assert_close(decoded, expected)
+        assert_close(prefilled, expected)
+    assert decoded[:, 0].abs().max() < 1e-30  # the sink took all the weight
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+@pytest.mark.parametrize("window", [1, 5, 17, 40])
+def test_blocks_before_every_window_are_never_read(block_size, window):
+    """A block wholly before every query's window may be freed and reused (the hybrid
+    allocator): pointing its table entry at a NaN block, or past the cache, changes
+    nothing, for decodes and for prefill chunks after a prefix."""
+    rng = torch.Generator().manual_seed(block_size * 100 + window)
+    num_heads, num_kv_heads, head_size = 8, 2, 64
+    decode_lens = [1, 40, 100, 300, 700]
+    pairs = [(100, 1), (200, 37), (0, 90), (64, 64), (300, 5)]  # (prefix, query length)
+    for decode in (True, False):
+        query_lens = [1] * len(decode_lens) if decode else [q for _, q in pairs]
+        seq_lens = decode_lens if decode else [p + q for p, q in pairs]
+        ctx = PagedContexts(
+            seq_lens, block_size, num_kv_heads, head_size, torch.float32, rng, index=torch.int64
+        )
+        query = random_query(sum(query_lens), num_heads, head_size, torch.float32, rng)
+        extra = Features(sliding_window=window, soft_cap=5.0, sinks=True).arguments(num_heads, rng)
+        key_cache, value_cache = ctx.native_caches()
+        poison = key_cache.shape[0]  # a block of NaN, appended
+        key_cache, value_cache = (
+            torch.cat([c, torch.full_like(c[:1], float("nan"))]) for c in (key_cache, value_cache)
+        )
+        poisoned = ctx.block_tables.clone()
+        for i, (q_len, s_len) in enumerate(zip(query_lens, seq_lens, strict=True)):
+            unread = max(0, s_len - q_len - window + 1) // block_size
+            poisoned[i, :unread] = poison if i % 2 else UNUSED_BLOCK
+        assert (poisoned != ctx.block_tables).any()
+        starts = torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int64)
+        outs = []
+        for tables in (ctx.block_tables, poisoned):
+            out = torch.full_like(query, float("nan"))
+            lens = ctx.seq_lens_tensor()
+            if decode:
+                OPS.paged_attention_decode(
+                    out, query, key_cache, value_cache, tables, lens, 0.125, **extra
+                )
+            else:
+                OPS.paged_attention_prefill(
+                    out, query, key_cache, value_cache, tables, starts, lens, 0.125, **extra
+                )
+            outs.append(out)
+        assert torch.equal(outs[0], outs[1])
+        assert_close(outs[1], ctx.reference(query, query_lens, 0.125, extra))
 
 
 # -- reshape_and_cache, copy_blocks, swap_blocks --------------------------------------
@@ -357,6 +516,15 @@ def test_decode_args_are_valid_before_being_broken():
         (lambda a: {"seq_lens": torch.tensor([10, 9999])}, "needs .* blocks"),
         (lambda a: {"block_tables": a["block_tables"] * 0 + 99}, "is not a block of the cache"),
         (lambda a: {"seq_lens": torch.tensor([10, 0])}, "at least its own token"),
+        (lambda a: {"sliding_window": -1}, "sliding_window must be >= 0"),
+        (lambda a: {"sliding_window": 2.5}, "sliding_window must be an int"),
+        (lambda a: {"soft_cap": -1.0}, "soft_cap must be finite and >= 0"),
+        (lambda a: {"soft_cap": float("nan")}, "soft_cap must be finite and >= 0"),
+        (lambda a: {"soft_cap": "50"}, "soft_cap must be a float"),
+        (lambda a: {"sinks": torch.zeros(2)}, "sinks must be contiguous float32 \\[4\\]"),
+        (lambda a: {"sinks": torch.zeros(4).bfloat16()}, "sinks must be contiguous float32"),
+        (lambda a: {"sinks": torch.zeros(4, 2)[:, 0]}, "sinks must be contiguous float32"),
+        (lambda a: {"sinks": torch.zeros(4).to("meta")}, "sinks must be on the CPU"),
     ],
 )
 def test_decode_rejects_bad_arguments(override, message):
@@ -364,6 +532,40 @@ def test_decode_rejects_bad_arguments(override, message):
     args.update(override(args))
     with pytest.raises(ValueError, match=message):
         OPS.paged_attention_decode(**args)
+
+
+def test_prefill_checks_its_features_too():
+    args = decode_args(query_start_loc=torch.tensor([0, 1, 2]))
+    with pytest.raises(ValueError, match="sliding_window must be >= 0"):
+        OPS.paged_attention_prefill(**args, sliding_window=-3)
+    with pytest.raises(ValueError, match="sinks must be contiguous float32 \\[4\\]"):
+        OPS.paged_attention_prefill(**args, sinks=torch.zeros(8))
+
+
+def test_the_kernels_check_features_without_the_wrappers():
+    for op, extra in (
+        (OPS.unchecked.paged_attention_decode, {}),
+        (OPS.unchecked.paged_attention_prefill, {"query_start_loc": torch.tensor([0, 1, 2])}),
+    ):
+        args = {**decode_args(), **extra}
+        if extra:  # prefill's arguments come in the order query_start_loc, seq_lens
+            args["seq_lens"] = args.pop("seq_lens")
+        with pytest.raises(ValueError, match="sliding_window must be >= 0"):
+            op(**args, sliding_window=-1)
+        with pytest.raises(ValueError, match="soft_cap must be finite"):
+            op(**args, soft_cap=float("inf"))
+        with pytest.raises(ValueError, match="sinks must be a contiguous float32 \\[num_heads\\]"):
+            op(**args, sinks=torch.zeros(3))
+
+
+def test_a_block_before_the_window_may_be_any_id():
+    """Only the blocks a sequence reads must be in the cache."""
+    args = decode_args()
+    args["block_tables"] = args["block_tables"].clone()
+    args["block_tables"][:, 0] = UNUSED_BLOCK  # block size 8: contexts 10 and 20
+    with pytest.raises(ValueError, match="is not a block of the cache"):
+        OPS.paged_attention_decode(**args)
+    OPS.paged_attention_decode(**args, sliding_window=2)
 
 
 def test_attention_rejects_head_sizes_over_the_limit():

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from engine.worker.attention import AttentionMetadata, ReferenceBackend, SdpaBackend
+from engine.worker.attention.native import NativeCpuBackend, NativeCudaBackend
 from engine.worker.attention.spec import AttentionSpec
 from tests.engine.native_backend import native_backend
 
@@ -201,22 +202,23 @@ def test_reference_window_cap_and_sinks_match_dense_attention(name, block_size):
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("backend", ["sdpa", "native"])
 @pytest.mark.parametrize("name", sorted(SPECS))
 @pytest.mark.parametrize("block_size", [1, 4, 16])
-def test_sdpa_window_cap_and_sinks_match_reference(name, block_size):
+def test_window_cap_and_sinks_match_reference(name, block_size, backend):
     rng = random.Random(block_size + 50)
     kvh, group, head = 2, 2, 8
     spec, sinks = spec_case(name, head, kvh * group)
+    attention = SdpaBackend() if backend == "sdpa" else native_backend()
     for trial in range(2):
         metadata, num_blocks = random_batch(rng, block_size, kvh, group)
         args = (metadata, num_blocks, block_size, kvh, group, head, trial, spec, sinks)
         expected = run_backend(ReferenceBackend(), *args)
-        torch.testing.assert_close(
-            run_backend(SdpaBackend(), *args), expected, atol=2e-5, rtol=1e-4
-        )
+        torch.testing.assert_close(run_backend(attention, *args), expected, atol=2e-5, rtol=1e-4)
 
 
-def test_reference_reads_no_block_before_the_window():
+@pytest.mark.parametrize("backend", ["reference", "native"])
+def test_no_block_before_the_window_is_read(backend):
     """Blocks wholly before every query's window may be anything (the hybrid allocator
     frees them): NaN there changes nothing."""
     rng = random.Random(11)
@@ -224,14 +226,15 @@ def test_reference_reads_no_block_before_the_window():
     spec = AttentionSpec(scale=head**-0.5, sliding_window=6)
     metadata, num_blocks = random_batch(rng, block_size, kvh, group)
     args = (metadata, num_blocks + 1, block_size, kvh, group, head, 0, spec)
-    expected = run_backend(ReferenceBackend(), *args)
+    make = ReferenceBackend if backend == "reference" else native_backend
+    expected = run_backend(make(), *args)
     tables = metadata.block_tables.clone()
     for i, (q_len, s_len) in enumerate(
         zip(metadata.query_lens_cpu, metadata.seq_lens_cpu, strict=True)
     ):
         unread = spec.first_visible(s_len - q_len) // block_size
         tables[i, :unread] = num_blocks  # the poisoned block
-    poisoned = ReferenceBackend()
+    poisoned = make()
     poisoned.write = _poisoning_write(poisoned.write, num_blocks, block_size)
     got = run_backend(poisoned, _with_tables(metadata, tables), *args[1:])
     assert torch.equal(got, expected)
@@ -260,3 +263,12 @@ def test_a_backend_refuses_a_spec_feature_it_cannot_do():
     NoWindows().check_spec(AttentionSpec(scale=1.0, logit_soft_cap=3.0))
     with pytest.raises(ValueError, match="'no-windows' attention backend cannot do sliding window"):
         NoWindows().check_spec(AttentionSpec(scale=1.0, sliding_window=4))
+
+
+def test_the_native_cpu_backend_does_every_feature_and_the_cuda_one_none():
+    every = AttentionSpec(scale=1.0, sliding_window=4, logit_soft_cap=3.0, has_sinks=True)
+    NativeCpuBackend(ops=None).check_spec(every)
+    for features in (dict(sliding_window=4), dict(logit_soft_cap=3.0), dict(has_sinks=True)):
+        spec = AttentionSpec(scale=1.0, **features)
+        with pytest.raises(ValueError, match=f"'native-cuda' .* cannot do {spec.features[0]}"):
+            NativeCudaBackend(ops=None).check_spec(spec)

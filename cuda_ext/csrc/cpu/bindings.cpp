@@ -10,11 +10,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto nogil = py::call_guard<py::gil_scoped_release>();
   m.def("paged_attention_decode", &pagedserve::paged_attention_decode, nogil, py::arg("out"),
         py::arg("query"), py::arg("key_cache"), py::arg("value_cache"),
-        py::arg("block_tables"), py::arg("seq_lens"), py::arg("scale"));
+        py::arg("block_tables"), py::arg("seq_lens"), py::arg("scale"),
+        py::arg("sliding_window") = 0, py::arg("soft_cap") = 0.0, py::arg("sinks") = py::none());
   m.def("paged_attention_prefill", &pagedserve::paged_attention_prefill, nogil, py::arg("out"),
         py::arg("query"), py::arg("key_cache"), py::arg("value_cache"),
         py::arg("block_tables"), py::arg("query_start_loc"), py::arg("seq_lens"),
-        py::arg("scale"));
+        py::arg("scale"), py::arg("sliding_window") = 0, py::arg("soft_cap") = 0.0,
+        py::arg("sinks") = py::none());
   m.def("reshape_and_cache", &pagedserve::reshape_and_cache, nogil, py::arg("key"),
         py::arg("value"), py::arg("key_cache"), py::arg("value_cache"),
         py::arg("slot_mapping"));

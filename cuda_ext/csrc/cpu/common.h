@@ -90,6 +90,17 @@ inline void dispatch_head_size(int64_t head_size, F&& f) {
   }
 }
 
+// Calls f(std::bool_constant<flag>{}): a run-time flag made a template argument, so the
+// code without the feature it turns on is what it was before the feature.
+template <typename F>
+inline void dispatch_flag(bool flag, F&& f) {
+  if (flag) {
+    f(std::true_type{});
+  } else {
+    f(std::false_type{});
+  }
+}
+
 // Copies smaller than this run on one thread: starting the others costs more.
 constexpr int64_t kParallelBytes = 1 << 16;
 
@@ -113,10 +124,13 @@ inline BlockTableRow block_table_row(const at::Tensor& block_tables, int64_t seq
 }
 
 // Checks, before any parallel region, that every block a sequence reads exists: a bad
-// id would otherwise read out of bounds. O(total blocks read), cheap next to attention.
+// id would otherwise read out of bounds. Sequence s reads positions [first_read(s),
+// seq_lens[s]); entries of the blocks wholly before that (behind a sliding window) may
+// be anything. O(total blocks read), cheap next to attention.
+template <typename F>
 inline void check_block_tables(const char* op, const at::Tensor& block_tables,
                                const int64_t* seq_lens, int64_t num_seqs,
-                               int64_t block_size, int64_t num_blocks) {
+                               int64_t block_size, int64_t num_blocks, F&& first_read) {
   const int64_t width = block_tables.size(1);
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t len = seq_lens[s];
@@ -125,7 +139,7 @@ inline void check_block_tables(const char* op, const at::Tensor& block_tables,
                       " needs ", need, " blocks of ", block_size,
                       " tokens; block_tables has ", width, " columns");
     const BlockTableRow row = block_table_row(block_tables, s);
-    for (int64_t i = 0; i < need; ++i) {
+    for (int64_t i = first_read(s) / block_size; i < need; ++i) {
       const int64_t id = row[i];
       TORCH_CHECK_VALUE(id >= 0 && id < num_blocks, op, ": block_tables[", s, ", ", i,
                         "] = ", id, " is not a block of the cache (", num_blocks,

@@ -4,17 +4,22 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <optional>
 #include <vector>
 
 namespace pagedserve {
 
 // out, query: [num_seqs, num_heads, head_size]; caches: head-major, [num_blocks,
 // num_kv_heads, block_size, head_size]; block_tables: [num_seqs, max_blocks] int32/int64;
-// seq_lens: [num_seqs] int64, context lengths including the query token.
+// seq_lens: [num_seqs] int64, context lengths including the query token. Both attention
+// ops: sliding_window 0 (none) or W (a query at p sees keys p - W < j <= p; blocks wholly
+// before are not read, their table entries may be anything); soft_cap 0 (none) or c
+// (logits -> c * tanh(logit / c)); sinks none or float32 [num_heads] sink logits.
 void paged_attention_decode(const at::Tensor& out, const at::Tensor& query,
                             const at::Tensor& key_cache, const at::Tensor& value_cache,
                             const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                            double scale);
+                            double scale, int64_t sliding_window, double soft_cap,
+                            const std::optional<at::Tensor>& sinks);
 
 // out, query: [num_tokens, num_heads, head_size]; query_start_loc: [num_seqs + 1] int64,
 // cumulative query lengths; seq_lens: [num_seqs] int64, context lengths including the
@@ -22,7 +27,8 @@ void paged_attention_decode(const at::Tensor& out, const at::Tensor& query,
 void paged_attention_prefill(const at::Tensor& out, const at::Tensor& query,
                              const at::Tensor& key_cache, const at::Tensor& value_cache,
                              const at::Tensor& block_tables, const at::Tensor& query_start_loc,
-                             const at::Tensor& seq_lens, double scale);
+                             const at::Tensor& seq_lens, double scale, int64_t sliding_window,
+                             double soft_cap, const std::optional<at::Tensor>& sinks);
 
 // key, value: [num_tokens, num_kv_heads, head_size] (unit stride in the last dim);
 // slot_mapping: [num_tokens] int64, < 0 for padding.

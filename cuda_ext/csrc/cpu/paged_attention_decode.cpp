@@ -1,8 +1,9 @@
 // Decode attention: one query token per sequence (the last position of its context)
-// over the whole paged context, GQA-aware. Parallel over (sequence, KV head); when those
-// tasks are few next to the threads and contexts are long, each context is also split
-// into partitions (of at least kMinPartition tokens) computed in parallel, each giving
-// (max, sum, unnormalized output), merged afterwards.
+// over the whole paged context (or its sliding window: the blocks before it are not
+// read), GQA-aware. Parallel over (sequence, KV head); when those tasks are few next to
+// the threads and the attended spans are long, each span is also split into partitions
+// (of at least kMinPartition tokens) computed in parallel, each giving (max, sum,
+// unnormalized output), merged afterwards (with the sinks, if any).
 #include "attention_tile.h"  // first: it picks the vector ISA
 #include "ops.h"
 
@@ -14,20 +15,20 @@ namespace {
 constexpr int64_t kMinPartition = 512;  // tokens: shorter parts cost more to merge
 constexpr int64_t kItemsPerThread = 4;  // the split aims for this many work items a thread
 
-// How many partitions each context is split into: 1 (no split) when there are enough
-// (sequence, KV head) tasks for the threads or the contexts are short.
-int64_t num_partitions(int64_t tasks, int64_t max_len, int threads) {
-  return std::min(cdiv(max_len, kMinPartition), cdiv(kItemsPerThread * threads, tasks));
+// How many partitions each span is split into: 1 (no split) when there are enough
+// (sequence, KV head) tasks for the threads or the spans are short.
+int64_t num_partitions(int64_t tasks, int64_t max_span, int threads) {
+  return std::min(cdiv(max_span, kMinPartition), cdiv(kItemsPerThread * threads, tasks));
 }
 
-template <typename T, int HEAD>
+template <typename T, int HEAD, bool kCapped>
 void decode_whole(const PagedAttentionArgs<T>& a, const at::Tensor& block_tables,
                   const int64_t* seq_lens, int64_t num_seqs, int threads) {
   const int64_t tasks = num_seqs * a.num_kv_heads;
 #pragma omp parallel num_threads(threads)
   {
     TileScratch scratch(a.group, a.head_size);
-    TileAttention<T, HEAD> tile(a, scratch);
+    TileAttention<T, HEAD, false, kCapped> tile(a, scratch);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < tasks; ++task) {
       const int64_t seq = task / a.num_kv_heads, kv_head = task % a.num_kv_heads;
@@ -36,7 +37,7 @@ void decode_whole(const PagedAttentionArgs<T>& a, const at::Tensor& block_tables
       for (int64_t g = 0; g < a.group; ++g) {
         tile.load_query(g, a.query_row(seq, kv_head * a.group + g));
       }
-      tile.attend(block_table_row(block_tables, seq), 0, len);
+      tile.attend(block_table_row(block_tables, seq), a.first_visible(len - 1), len);
       for (int64_t g = 0; g < a.group; ++g) tile.store(g, a.out_row(seq, kv_head * a.group + g));
     }
   }
@@ -59,23 +60,23 @@ struct Partials {
   }
 };
 
-template <typename T, int HEAD>
+template <typename T, int HEAD, bool kCapped>
 void decode_partitioned(const PagedAttentionArgs<T>& a, const at::Tensor& block_tables,
-                        const int64_t* seq_lens, int64_t num_seqs, int64_t max_len,
+                        const int64_t* seq_lens, int64_t num_seqs, int64_t max_span,
                         int64_t partitions, int threads) {
   const int64_t tasks = num_seqs * a.num_kv_heads;
-  const int64_t part_len = cdiv(cdiv(max_len, partitions), kChunk) * kChunk;
+  const int64_t part_len = cdiv(cdiv(max_span, partitions), kChunk) * kChunk;
   Partials partials(tasks, partitions, a.group, a.head_size);
   const int64_t items = tasks * partials.partitions;
 #pragma omp parallel num_threads(threads)
   {
     TileScratch scratch(a.group, a.head_size);
-    TileAttention<T, HEAD> tile(a, scratch);
+    TileAttention<T, HEAD, false, kCapped> tile(a, scratch);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < items; ++item) {
       const int64_t task = item / partials.partitions, part = item % partials.partitions;
       const int64_t seq = task / a.num_kv_heads, kv_head = task % a.num_kv_heads;
-      const int64_t len = seq_lens[seq], begin = part * part_len;
+      const int64_t len = seq_lens[seq], begin = a.first_visible(len - 1) + part * part_len;
       if (begin >= len) continue;
       tile.start(a.group, len - 1, kv_head);
       for (int64_t g = 0; g < a.group; ++g) {
@@ -90,14 +91,16 @@ void decode_partitioned(const PagedAttentionArgs<T>& a, const at::Tensor& block_
       }
     }
   }
-  // Merge: out = sum_p w_p * acc_p / sum_p w_p * l_p with w_p = exp(m_p - max_p m_p).
+  // Merge: out = sum_p w_p * acc_p / sum_p w_p * l_p with w_p = exp(m_p - max_p m_p)
+  // (the sink joining the denominator, output_scale).
 #pragma omp parallel num_threads(threads)
   {
     std::vector<float> merged(a.head_size);
 #pragma omp for schedule(static)
     for (int64_t task = 0; task < tasks; ++task) {
       const int64_t seq = task / a.num_kv_heads, kv_head = task % a.num_kv_heads;
-      const int64_t parts = cdiv(seq_lens[seq], part_len);
+      const int64_t len = seq_lens[seq];
+      const int64_t parts = cdiv(len - a.first_visible(len - 1), part_len);
       for (int64_t g = 0; g < a.group; ++g) {
         float m = kNegInf;
         for (int64_t p = 0; p < parts; ++p) m = std::max(m, partials.row(task, p, g)[0]);
@@ -109,8 +112,9 @@ void decode_partitioned(const PagedAttentionArgs<T>& a, const at::Tensor& block_
           l += w * src[1];
           for (int64_t i = 0; i < a.head_size; ++i) merged[i] += w * src[2 + i];
         }
+        const float inv = output_scale(m, l, a.sink(kv_head * a.group + g));
         T* dst = a.out_row(seq, kv_head * a.group + g);
-        for (int64_t i = 0; i < a.head_size; ++i) dst[i] = static_cast<T>(merged[i] / l);
+        for (int64_t i = 0; i < a.head_size; ++i) dst[i] = static_cast<T>(merged[i] * inv);
       }
     }
   }
@@ -151,32 +155,39 @@ void check_args(const at::Tensor& out, const at::Tensor& query, const at::Tensor
 void paged_attention_decode(const at::Tensor& out, const at::Tensor& query,
                             const at::Tensor& key_cache, const at::Tensor& value_cache,
                             const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                            double scale) {
+                            double scale, int64_t sliding_window, double soft_cap,
+                            const std::optional<at::Tensor>& sinks) {
   check_args(out, query, key_cache, value_cache, block_tables, seq_lens);
+  check_features("paged_attention_decode", query, sliding_window, soft_cap, sinks);
   const int64_t num_seqs = query.size(0);
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
-  int64_t max_len = 0;
+  int64_t max_span = 0;  // the most keys one sequence attends
   for (int64_t s = 0; s < num_seqs; ++s) {
     TORCH_CHECK_VALUE(lens[s] >= 1, "paged_attention_decode: seq_lens[", s, "] = ", lens[s],
                       "; a decode sees at least its own token");
-    max_len = std::max(max_len, lens[s]);
+    max_span = std::max(max_span, lens[s] - first_visible(lens[s] - 1, sliding_window));
   }
-  check_block_tables("paged_attention_decode", block_tables, lens, num_seqs,
-                     key_cache.size(2), key_cache.size(0));
+  check_block_tables("paged_attention_decode", block_tables, lens, num_seqs, key_cache.size(2),
+                     key_cache.size(0),
+                     [&](int64_t s) { return first_visible(lens[s] - 1, sliding_window); });
   if (num_seqs == 0) return;
   const int threads = at::get_num_threads();
-  const int64_t partitions = num_partitions(num_seqs * key_cache.size(1), max_len, threads);
+  const int64_t partitions = num_partitions(num_seqs * key_cache.size(1), max_span, threads);
   dispatch_dtype(query.scalar_type(), "paged_attention_decode", [&](auto tag) {
     using T = decltype(tag);
-    const PagedAttentionArgs<T> args(out, query, key_cache, value_cache, scale);
+    const PagedAttentionArgs<T> args(out, query, key_cache, value_cache, scale, sliding_window,
+                                     soft_cap, sinks);
     dispatch_head_size(args.head_size, [&](auto head) {
-      constexpr int HEAD = decltype(head)::value;
-      if (partitions > 1) {
-        decode_partitioned<T, HEAD>(args, block_tables, lens, num_seqs, max_len, partitions,
-                                    threads);
-      } else {
-        decode_whole<T, HEAD>(args, block_tables, lens, num_seqs, threads);
-      }
+      dispatch_flag(soft_cap > 0, [&](auto capped) {
+        constexpr int HEAD = decltype(head)::value;
+        constexpr bool kCapped = decltype(capped)::value;
+        if (partitions > 1) {
+          decode_partitioned<T, HEAD, kCapped>(args, block_tables, lens, num_seqs, max_span,
+                                               partitions, threads);
+        } else {
+          decode_whole<T, HEAD, kCapped>(args, block_tables, lens, num_seqs, threads);
+        }
+      });
     });
   });
 }

@@ -1,7 +1,9 @@
 // Prefill / chunked-prefill attention: each sequence's last q_len positions attend,
 // causally, over its whole paged context (the cached prefix and this chunk, all read in
 // place). Parallel over (sequence, KV head, query tile); a tile is up to kTileRows query
-// rows (tokens x the group's heads), so each K/V row loaded serves the whole tile.
+// rows (tokens x the group's heads), so each K/V row loaded serves the whole tile. With
+// a sliding window a tile starts at its first row's first visible key (no block before
+// it is read) and masks each row to its own window (a kWindowed TileAttention).
 #include "attention_tile.h"  // first: it picks the vector ISA
 #include "ops.h"
 
@@ -28,7 +30,7 @@ std::vector<PrefillTile> make_tiles(const int64_t* query_start_loc, int64_t num_
   return tiles;
 }
 
-template <typename T, int HEAD>
+template <typename T, int HEAD, bool kWindowed, bool kCapped>
 void prefill(const PagedAttentionArgs<T>& a, const at::Tensor& block_tables,
              const int64_t* query_start_loc, const int64_t* seq_lens,
              const std::vector<PrefillTile>& tiles, int64_t tile_tokens, int threads) {
@@ -36,7 +38,7 @@ void prefill(const PagedAttentionArgs<T>& a, const at::Tensor& block_tables,
 #pragma omp parallel num_threads(threads)
   {
     TileScratch scratch(tile_tokens * a.group, a.head_size);
-    TileAttention<T, HEAD> tile(a, scratch);
+    TileAttention<T, HEAD, kWindowed, kCapped> tile(a, scratch);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < items; ++item) {
       const PrefillTile& t = tiles[item / a.num_kv_heads];
@@ -49,7 +51,7 @@ void prefill(const PagedAttentionArgs<T>& a, const at::Tensor& block_tables,
       for (int64_t r = 0; r < rows; ++r) {
         tile.load_query(r, a.query_row(token0 + r / a.group, kv_head * a.group + r % a.group));
       }
-      tile.attend(block_table_row(block_tables, t.seq), 0, pos0 + t.count);
+      tile.attend(block_table_row(block_tables, t.seq), a.first_visible(pos0), pos0 + t.count);
       for (int64_t r = 0; r < rows; ++r) {
         tile.store(r, a.out_row(token0 + r / a.group, kv_head * a.group + r % a.group));
       }
@@ -113,14 +115,20 @@ void check_query_layout(const int64_t* query_start_loc, const int64_t* seq_lens,
 void paged_attention_prefill(const at::Tensor& out, const at::Tensor& query,
                              const at::Tensor& key_cache, const at::Tensor& value_cache,
                              const at::Tensor& block_tables, const at::Tensor& query_start_loc,
-                             const at::Tensor& seq_lens, double scale) {
+                             const at::Tensor& seq_lens, double scale, int64_t sliding_window,
+                             double soft_cap, const std::optional<at::Tensor>& sinks) {
   check_args(out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens);
+  check_features("paged_attention_prefill", query, sliding_window, soft_cap, sinks);
   const int64_t num_seqs = seq_lens.size(0);
   const int64_t* starts = query_start_loc.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   check_query_layout(starts, lens, num_seqs, query.size(0));
-  check_block_tables("paged_attention_prefill", block_tables, lens, num_seqs,
-                     key_cache.size(2), key_cache.size(0));
+  check_block_tables("paged_attention_prefill", block_tables, lens, num_seqs, key_cache.size(2),
+                     key_cache.size(0), [&](int64_t s) {
+                       // The sequence's first query token sees the earliest keys.
+                       const int64_t q_len = starts[s + 1] - starts[s];
+                       return first_visible(lens[s] - q_len, sliding_window);
+                     });
   const int64_t group = query.size(1) / key_cache.size(1);
   const int64_t tile_tokens = std::max<int64_t>(1, kTileRows / group);
   const std::vector<PrefillTile> tiles = make_tiles(starts, num_seqs, tile_tokens);
@@ -128,10 +136,15 @@ void paged_attention_prefill(const at::Tensor& out, const at::Tensor& query,
   const int threads = at::get_num_threads();
   dispatch_dtype(query.scalar_type(), "paged_attention_prefill", [&](auto tag) {
     using T = decltype(tag);
-    const PagedAttentionArgs<T> args(out, query, key_cache, value_cache, scale);
+    const PagedAttentionArgs<T> args(out, query, key_cache, value_cache, scale, sliding_window,
+                                     soft_cap, sinks);
     dispatch_head_size(args.head_size, [&](auto head) {
-      constexpr int HEAD = decltype(head)::value;
-      prefill<T, HEAD>(args, block_tables, starts, lens, tiles, tile_tokens, threads);
+      dispatch_flag(sliding_window > 0, [&](auto windowed) {
+        dispatch_flag(soft_cap > 0, [&](auto capped) {
+          prefill<T, decltype(head)::value, decltype(windowed)::value, decltype(capped)::value>(
+              args, block_tables, starts, lens, tiles, tile_tokens, threads);
+        });
+      });
     });
   });
 }

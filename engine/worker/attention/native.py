@@ -7,7 +7,9 @@ the house layout `[num_blocks, block_size, num_kv_heads, head_size]` on CUDA. A 
 writes its new K/V through the slot mapping (`reshape_and_cache`), then attends: the
 decode rows (query length 1, first in the batch) in one `paged_attention_decode` call,
 the prefill chunks in one `paged_attention_prefill` call; no gathering, no per-sequence
-Python loop. Copy-on-write copies every layer's blocks in one call.
+Python loop. The CPU kernels also do the spec's sliding window (reading no block before
+it), soft cap and sinks; the CUDA ones do not. Copy-on-write copies every layer's blocks
+in one call.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 
 from engine.worker.attention.backend import AttentionBackend
 from engine.worker.attention.metadata import AttentionMetadata
+from engine.worker.attention.spec import AttentionSpec
 
 
 class NativeCpuBackend(AttentionBackend):
@@ -23,9 +26,6 @@ class NativeCpuBackend(AttentionBackend):
 
     name = "native"
     block_dim = 0
-    unsupported_features = frozenset(
-        {"sliding window", "attention logit soft-capping", "attention sinks"}
-    )
     index_dtype = torch.int64  # of block tables, lengths and query offsets
 
     def __init__(self, ops) -> None:
@@ -42,29 +42,35 @@ class NativeCpuBackend(AttentionBackend):
 
     def attend(self, query, key_cache, value_cache, metadata: AttentionMetadata, spec, sinks=None):
         self.check_spec(spec)
-        scale = spec.scale
         out = torch.empty_like(query)  # [num_tokens, num_heads, head_size]
         nd, caches = metadata.num_decodes, (key_cache, value_cache)
         tables = metadata.block_tables.to(self.index_dtype)  # no copy when already so
         seq_lens = metadata.seq_lens.to(self.index_dtype)
+        if sinks is not None:
+            sinks = sinks.to(torch.float32).contiguous()  # [num_heads]
         if nd:
-            self._decode(out[:nd], query[:nd], *caches, tables[:nd], seq_lens[:nd], scale, metadata)
+            rows = (tables[:nd], seq_lens[:nd])
+            self._decode(out[:nd], query[:nd], *caches, *rows, spec, sinks, metadata)
         if nd < metadata.num_seqs:
             starts = (metadata.query_start_loc[nd:] - metadata.query_start_loc[nd]).to(
                 self.index_dtype
             )
             rows = (tables[nd:], starts, seq_lens[nd:])
-            self._prefill(out[nd:], query[nd:], *caches, *rows, scale, metadata)
+            self._prefill(out[nd:], query[nd:], *caches, *rows, spec, sinks, metadata)
         return out
 
-    def _decode(self, out, query, key_cache, value_cache, tables, seq_lens, scale, metadata):
-        self.ops.paged_attention_decode(out, query, key_cache, value_cache, tables, seq_lens, scale)
+    def _decode(self, out, query, key_cache, value_cache, tables, seq_lens, spec, sinks, metadata):
+        features = _features(spec, sinks)
+        self.ops.paged_attention_decode(
+            out, query, key_cache, value_cache, tables, seq_lens, spec.scale, **features
+        )
 
     def _prefill(
-        self, out, query, key_cache, value_cache, tables, starts, seq_lens, scale, metadata
+        self, out, query, key_cache, value_cache, tables, starts, seq_lens, spec, sinks, metadata
     ):
+        features = _features(spec, sinks)
         self.ops.paged_attention_prefill(
-            out, query, key_cache, value_cache, tables, starts, seq_lens, scale
+            out, query, key_cache, value_cache, tables, starts, seq_lens, spec.scale, **features
         )
 
     def copy_blocks(self, kv_cache, src, dst) -> None:
@@ -89,18 +95,28 @@ class NativeCudaBackend(NativeCpuBackend):
 
     name = "native-cuda"
     index_dtype = torch.int32
+    unsupported_features = frozenset(
+        {"sliding window", "attention logit soft-capping", "attention sinks"}
+    )
     kv_cache_shape = staticmethod(AttentionBackend.kv_cache_shape)  # the house layout
 
-    def _decode(self, out, query, key_cache, value_cache, tables, seq_lens, scale, metadata):
+    def _decode(self, out, query, key_cache, value_cache, tables, seq_lens, spec, sinks, metadata):
         max_len = max(metadata.seq_lens_cpu[: metadata.num_decodes])  # host-side: no sync
         self.ops.paged_attention(
-            out, query, key_cache, value_cache, tables, seq_lens, scale, max_len
+            out, query, key_cache, value_cache, tables, seq_lens, spec.scale, max_len
         )
 
     def _prefill(
-        self, out, query, key_cache, value_cache, tables, starts, seq_lens, scale, metadata
+        self, out, query, key_cache, value_cache, tables, starts, seq_lens, spec, sinks, metadata
     ):
         max_query = max(metadata.query_lens_cpu[metadata.num_decodes :])
         self.ops.prefill_attention(
-            out, query, key_cache, value_cache, tables, starts, seq_lens, scale, max_query
+            out, query, key_cache, value_cache, tables, starts, seq_lens, spec.scale, max_query
         )
+
+
+def _features(spec: AttentionSpec, sinks: torch.Tensor | None) -> dict:
+    """The CPU kernels' keyword arguments for the spec's optional features."""
+    return dict(
+        sliding_window=spec.sliding_window or 0, soft_cap=spec.logit_soft_cap or 0.0, sinks=sinks
+    )
