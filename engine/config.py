@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
+from engine.kv.kv_cache_groups import KVCacheLayout
+
 if TYPE_CHECKING:
     import torch
 
@@ -72,6 +74,11 @@ class ModelConfig:
     def sliding_windows(self) -> tuple[int | None, ...]:
         """Per layer, its sliding window or None (`layer_sliding_window`)."""
         return tuple(layer_sliding_window(self.hf_config, i) for i in range(self.num_layers))
+
+    @property
+    def kv_cache_layout(self) -> KVCacheLayout:
+        """The model's KV cache groups by layer kind (engine/kv/kv_cache_groups.py)."""
+        return KVCacheLayout.from_windows(self.sliding_windows)
 
     @property
     def attention_features(self) -> frozenset[str]:

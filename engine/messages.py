@@ -532,6 +532,7 @@ class BlockOpKind(StrEnum):
     RESET = "reset"
     SWAP_OUT = "swap_out"
     SWAP_IN = "swap_in"
+    SLIDE = "slide"
 
 
 @dataclass(frozen=True)
@@ -560,7 +561,10 @@ class ApplyBlockOps:
 @dataclass(frozen=True, kw_only=True)
 class NewRequestData:
     """A request the worker has not seen: everything it caches about it. Its known
-    output tokens are empty except for a forked beam, which starts with its parent's."""
+    output tokens are empty except for a forked beam, which starts with its parent's.
+    `block_ids` is its block table; with several KV cache groups (a hybrid layout) the
+    groups' tables interleaved by block position (entry `i * G + g`: group g's block
+    i; engine/kv/hybrid_kv_cache_manager.py)."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 from engine.config import EngineConfig, PreemptionMode, SchedulerConfig
 from engine.core.engine_core import EngineCore
-from engine.kv.block_ledger import BlockLedger
-from engine.kv.block_manager import BlockManager
+from engine.kv.block_ledger import BlockLedger, HybridBlockLedger
+from engine.kv.block_manager import BlockManager, block_tables_for
 from engine.kv.block_tables import BlockTables
-from engine.kv.kv_cache_manager import KVCacheManager
+from engine.kv.kv_cache_groups import KVCacheLayout
 from engine.messages import WorkerReady
 from engine.text.request_validation import RequestLimits
 from engine.text.text_processor import TextProcessor
@@ -63,7 +63,13 @@ def build_engine(
         "enable_prefix_caching": cache.enable_prefix_caching,
         "num_cpu_blocks": ready.num_cpu_blocks,
     }
-    blocks = BlockLedger(**tables) if with_block_manager else KVCacheManager(**tables)
+    layout = KVCacheLayout.from_windows(model.sliding_windows)
+    if not with_block_manager:
+        blocks = block_tables_for(layout=layout, **tables)
+    elif layout.is_hybrid:
+        blocks = HybridBlockLedger(layout=layout, **tables)
+    else:
+        blocks = BlockLedger(**tables)
     core = build_core(
         config.scheduler,
         blocks,
@@ -82,8 +88,9 @@ def build_engine(
         ready.block_size,
         config.scheduler.max_num_seqs,
         max_tokens_per_request=config.max_tokens_per_request,
+        kv_layout=layout,
     )
-    manager = BlockManager(**tables) if with_block_manager else None
+    manager = BlockManager(layout=layout, **tables) if with_block_manager else None
     grammar_backend = functools.partial(
         build_backend, tokenizer, ready.vocab_size, model.eos_token_ids
     )

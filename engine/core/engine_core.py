@@ -198,7 +198,8 @@ class EngineCore:
     def _record_usage(self) -> None:
         """Once per step: token slots holding real tokens, and blocks saved by sharing."""
         blocks = self.blocks
-        stored = sum(r.num_computed_tokens for r in self.scheduler.running)
+        needed = blocks.needed_slots
+        stored = sum(needed(r.num_computed_tokens) for r in self.scheduler.running)
         self.utilization.record(stored, blocks.num_allocated_slots())
         self.sharing.record(blocks.num_table_blocks(), blocks.num_used_blocks)
 

@@ -101,6 +101,7 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
         grow, cow = self.kv_cache.grow, self._cow_pending
+        slide = self.kv_cache.slide if self.kv_cache.has_windows else None
         running = RequestStatus.RUNNING
         for request in list(self.running):  # the hot loop: one pass, no helper calls
             if request.status != running:
@@ -113,6 +114,8 @@ class Scheduler:
                 preempted += self._preempt_unit(request)
                 continue
             n = min(num_tokens - computed, budget)
+            if slide is not None:
+                slide(request.request_id, computed)
             table = grow(request.request_id, computed + n)
             if table is None:
                 table = self._preempt_until_fits(request, computed + n, preempted)
@@ -149,7 +152,7 @@ class Scheduler:
         kv = self.kv_cache
         while self.swapped and budget > 0:
             unit = self._swap_unit(self.swapped[0])
-            blocks = sum(kv.blocks_for(r.num_tokens) for r in unit)
+            blocks = sum(kv.blocks_for(r.num_tokens, r.num_computed_tokens) for r in unit)
             if (
                 blocks > kv.num_free_blocks
                 or len(self.running) + len(unit) > self.config.max_num_seqs
@@ -158,6 +161,7 @@ class Scheduler:
             for request in unit:
                 computed = request.num_computed_tokens
                 n = min(request.num_tokens - computed, budget)
+                kv.slide(request.request_id, computed)  # in the swap space: less to copy
                 self._swap_in += kv.swap_in(request.request_id)
                 table = kv.grow(request.request_id, computed + n)
                 self.swapped.remove(request)
@@ -200,6 +204,7 @@ class Scheduler:
                 break  # no blocks for its copy of the prompt's last block
             computed = forked or self._match_prefix(request)
             n = min(request.num_tokens - computed, budget)
+            self.kv_cache.slide(request.request_id, computed)
             table = self.kv_cache.grow(request.request_id, computed + n)
             if table is None:
                 self.kv_cache.free(request.request_id)  # gives the prefix hits back
@@ -243,7 +248,8 @@ class Scheduler:
         self._cow_pending.discard(request.request_id)
         if copies:
             self._copies += copies
-            self._rewritten.append((request.request_id, start // self.kv_cache.block_size))
+            kv = self.kv_cache
+            self._rewritten.append((request.request_id, start // kv.block_size * kv.num_groups))
         return True
 
     def _fork_from_leader(self, request: Request) -> int | None:
@@ -263,6 +269,8 @@ class Scheduler:
             return 0
         if leader.num_computed_tokens < num_prompt:
             return 0
+        if not self.kv_cache.sees_context(leader.request_id, num_prompt - 1):
+            return 0  # its window moved past the prompt's end: computed afresh instead
         self.kv_cache.fork(leader.request_id, request.request_id, num_prompt)
         copies = self.kv_cache.copy_on_write(request.request_id, num_prompt - 1)
         if copies is None:
@@ -389,5 +397,5 @@ class Scheduler:
             assert not self.kv_cache.block_table(r.request_id), f"{r.request_id} waits with blocks"
         for r in self.swapped:
             have = len(self.kv_cache.swapped_table(r.request_id))
-            need = self.kv_cache.blocks_for(r.num_computed_tokens)
-            assert have == need, f"{r.request_id}: {have} swapped blocks for {need}"
+            need = self.kv_cache.entries_for(r.num_computed_tokens)
+            assert have == need, f"{r.request_id}: {have} swapped entries for {need}"

@@ -4,9 +4,21 @@ from __future__ import annotations
 
 from typing import Unpack
 
-from engine.kv.block_count import cdiv
-from engine.kv.block_ops import CACHE, COW, FORK, FREE, GROW, MATCH, RESET, SWAP_IN, SWAP_OUT
+from engine.kv.block_ops import (
+    CACHE,
+    COW,
+    FORK,
+    FREE,
+    GROW,
+    MATCH,
+    RESET,
+    SLIDE,
+    SWAP_IN,
+    SWAP_OUT,
+)
 from engine.kv.block_tables import BlockCopy
+from engine.kv.hybrid_kv_cache_manager import HybridKVCacheManager
+from engine.kv.kv_cache_groups import KVCacheLayout
 from engine.kv.kv_cache_manager import KVCacheManager, TableOptions
 from engine.kv.prefix_hash import BlockHash
 from engine.messages import ApplyBlockOps, BlockOp, BlockOpsApplied
@@ -41,13 +53,19 @@ class BlockLedger(KVCacheManager):
     def grow(self, seq_id: str, num_tokens: int) -> list[int] | None:
         table = self._tables.get(seq_id)
         before = len(table) if table else 0
-        if cdiv(num_tokens, self.block_size) <= before:
+        if self.entries_for(num_tokens) <= before:
             return table if table is not None else []  # decode step: room in the last block
         table = super().grow(seq_id, num_tokens)
         if table is not None:
             self._ops.append(BlockOp(GROW, seq_id, num_tokens))
             self._block_ids += table[before:]
         return table
+
+    def slide(self, seq_id: str, num_computed: int) -> int:
+        freed = super().slide(seq_id, num_computed)
+        if freed:
+            self._ops.append(BlockOp(SLIDE, seq_id, num_computed))
+        return freed
 
     def free(self, seq_id: str) -> None:
         if seq_id in self._tables or seq_id in self._swapped:
@@ -134,3 +152,19 @@ class BlockLedger(KVCacheManager):
     def check_integrity(self, num_tokens: dict[str, int] | None = None) -> None:
         assert not self.has_traffic, "traffic not yet exchanged"
         super().check_integrity(num_tokens)
+
+
+class HybridBlockLedger(BlockLedger, HybridKVCacheManager):
+    """A `BlockLedger` over the hybrid allocator's tables (one per KV cache group,
+    interleaved): the same logged changes, replayed by a block manager whose tables are
+    a `HybridKVCacheManager` of the same layout."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        layout: KVCacheLayout,
+        **options: Unpack[TableOptions],
+    ) -> None:
+        super().__init__(num_blocks, block_size, layout=layout, **options)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Unpack
 
 from engine.kv.block_ops import BlockOpError, apply_op
+from engine.kv.hybrid_kv_cache_manager import HybridKVCacheManager
+from engine.kv.kv_cache_groups import KVCacheLayout
 from engine.kv.kv_cache_manager import KVCacheManager, TableOptions
 from engine.messages import ApplyBlockOps, BlockOpsApplied
 
@@ -18,8 +20,16 @@ class BlockManager:
     named in `error` (the scheduler's replica has diverged: a bug, never load).
     """
 
-    def __init__(self, num_blocks: int, block_size: int, **options: Unpack[TableOptions]) -> None:
-        self.kv_cache = KVCacheManager(num_blocks, block_size, **options)
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        layout: KVCacheLayout | None = None,
+        **options: Unpack[TableOptions],
+    ) -> None:
+        """`layout`: the model's KV cache groups; a hybrid one (`is_hybrid`) gets the
+        hybrid allocator's tables, else the paged tables."""
+        self.kv_cache = block_tables_for(num_blocks, block_size, layout, **options)
         self.num_exchanges = 0
 
     @property
@@ -40,12 +50,25 @@ class BlockManager:
             except BlockOpError as exc:
                 error = f"op {op.kind} {op.seq_id!r}: {exc}"
                 break
-        pool = self.kv_cache.pool
+        kv = self.kv_cache
         return BlockOpsApplied(
-            message.exchange_id, tuple(block_ids), pool.num_free, pool.num_cached, error
+            message.exchange_id, tuple(block_ids), kv.num_free_blocks, kv.num_cached_blocks, error
         )
 
     def check_integrity(self) -> None:
         """Every block is free, cached, or held by exactly as many tables as its ref
         count says."""
         self.kv_cache.check_integrity()
+
+
+def block_tables_for(
+    num_blocks: int,
+    block_size: int,
+    layout: KVCacheLayout | None,
+    **options: Unpack[TableOptions],
+) -> KVCacheManager:
+    """The paged tables for a model with one full-attention group, the hybrid
+    allocator's for any other `layout`."""
+    if layout is not None and layout.is_hybrid:
+        return HybridKVCacheManager(num_blocks, block_size, layout=layout, **options)
+    return KVCacheManager(num_blocks, block_size, **options)

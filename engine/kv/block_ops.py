@@ -17,6 +17,7 @@ into a table, and the scheduler compares the lists.
 | `reset` | every cached prefix is forgotten                              | none             |
 | `swap_out` | `seq_id`'s table moves to CPU swap blocks                  | the CPU blocks   |
 | `swap_in`  | `seq_id`'s swapped table moves back to device blocks       | the device blocks|
+| `slide` | `seq_id`'s windowed groups free what queries from `num` on cannot see | none |
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ GROW, FREE, FORK, COW, MATCH, CACHE, RESET = (
     BlockOpKind.CACHE,
     BlockOpKind.RESET,
 )
-SWAP_OUT, SWAP_IN = BlockOpKind.SWAP_OUT, BlockOpKind.SWAP_IN
+SWAP_OUT, SWAP_IN, SLIDE = BlockOpKind.SWAP_OUT, BlockOpKind.SWAP_IN, BlockOpKind.SLIDE
 
 
 class BlockOpError(RuntimeError):
@@ -48,6 +49,12 @@ def _grow(kv: KVCacheManager, op: BlockOp) -> list[int]:
     if table is None:
         raise BlockOpError(f"no room to grow {op.seq_id!r} to {op.num} tokens")
     return table[before:]
+
+
+def _slide(kv: KVCacheManager, op: BlockOp) -> list[int]:
+    if not kv.slide(op.seq_id, op.num):
+        raise BlockOpError(f"{op.seq_id!r} has nothing to slide out at {op.num} tokens")
+    return []
 
 
 def _free(kv: KVCacheManager, op: BlockOp) -> list[int]:
@@ -105,6 +112,7 @@ _APPLY: dict[str, Callable[[KVCacheManager, BlockOp], list[int]]] = {
     RESET: _reset,
     SWAP_OUT: _swap_out,
     SWAP_IN: _swap_in,
+    SLIDE: _slide,
 }
 
 

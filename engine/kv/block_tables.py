@@ -20,6 +20,10 @@ class BlockTables(Protocol):
     Contract, per sequence id:
     - `grow(seq_id, num_tokens)`: the live table now holds `num_tokens` tokens (all or
       nothing: None, nothing changed, when blocks run out).
+    - `slide(seq_id, num_computed)`: frees the blocks no query from position
+      `num_computed` on can see (sliding-window groups; a no-op without them);
+      `sees_context(seq_id, position)`: the table still holds what a query there reads
+      (a fork starting further back than its parent slid may not share it).
     - `fork(parent_id, child_id, num_tokens)`: the child starts with the parent's blocks
       holding its first `num_tokens` tokens (all when 0), shared or copied.
     - `copy_on_write(seq_id, start)`: the (src, dst) copies that give `seq_id` private
@@ -33,13 +37,22 @@ class BlockTables(Protocol):
     - `check_integrity(num_tokens)`: AssertionError unless every block is accounted for
       (and, given each sequence's stored token count, each table is as long as it needs).
 
+    A table is one list of block ids. With several KV cache groups (the hybrid
+    allocator, `num_groups` > 1) it interleaves the groups' tables by block position:
+    entry `i * num_groups + g` is group g's block i; `entries_for(n)` is the length of
+    a table of n slots, `blocks_for(n, computed)` the blocks it holds (fewer where a
+    sliding window has let some go).
+
     The counts (`num_*`) are for planning and stats: `num_free_blocks` is what a `grow`
-    may take, `num_allocated_slots()` the slots the tables hold, `num_table_blocks()`
-    the blocks they would hold with no sharing.
+    may take, `num_allocated_slots()` the slots the tables hold, `needed_slots(n)` the
+    slots a sequence of n computed tokens needs (fewer than n per group where a window
+    lets go), `num_table_blocks()` the blocks they would hold with no sharing.
     """
 
     block_size: int
     enable_prefix_caching: bool
+    num_groups: int
+    has_windows: bool
 
     @property
     def num_blocks(self) -> int: ...
@@ -59,7 +72,13 @@ class BlockTables(Protocol):
     @property
     def num_swapped_blocks(self) -> int: ...
 
-    def blocks_for(self, num_tokens: int) -> int: ...
+    def blocks_for(self, num_tokens: int, num_computed: int = 0) -> int: ...
+
+    def entries_for(self, num_tokens: int) -> int: ...
+
+    def slide(self, seq_id: str, num_computed: int) -> int: ...
+
+    def sees_context(self, seq_id: str, position: int) -> bool: ...
 
     def block_table(self, seq_id: str) -> list[int]: ...
 
@@ -82,6 +101,8 @@ class BlockTables(Protocol):
     def cache_computed(self, seq_id: str, tokens: TokenSlice, num_computed: int) -> None: ...
 
     def reset_prefix_cache(self) -> int: ...
+
+    def needed_slots(self, num_tokens: int) -> int: ...
 
     def num_allocated_slots(self) -> int: ...
 

@@ -7,13 +7,17 @@ fall out of its window while a full-attention layer keeps every block. vLLM's hy
 allocator, which this follows: every group draws block ids from ONE pool, so memory
 moves between kinds as the load does, and every page (one block id) is the same size
 in bytes. That holds because every group has the same number of layers,
-`layers_per_group`: the kinds' layer lists are cut into chunks of that many layers
-(the smallest kind's count, or the largest's when they are within 25% of each other,
-so that few groups are padded), and the KV cache holds `layers_per_group` tensors of
-`num_blocks` pages; layer `groups[g].layers[j]` keeps its K/V in tensor j. Block id b
-given to group g is then page b of every tensor j < len(groups[g].layers). A chunk
-shorter than `layers_per_group` (the last of a kind) leaves its pages' other tensors
-unused: that padding is the layout's only fixed waste (`padding_share`).
+`layers_per_group`: the kinds' layer lists are cut into chunks of that many layers,
+and the KV cache holds `layers_per_group` tensors of `num_blocks` pages; layer
+`groups[g].layers[j]` keeps its K/V in tensor j. Block id b given to group g is then
+page b of every tensor j < len(groups[g].layers). A chunk shorter than
+`layers_per_group` (the last of a kind) leaves its pages' other tensors unused: that
+padding is the layout's only fixed waste (`padding_share` of page memory). A
+full-attention group's pages grow with the context and a windowed group's stay bounded
+by its window, so the chunk size is the one that pads full-attention groups least,
+then pads least overall, among those giving at most `MAX_GROUPS` groups (fewer groups
+on a tie). Gemma 3 27B's 52 local and 10 global layers: 7 groups of 10, the last local
+one holding 2 (vLLM's layout too).
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from engine.kv.block_count import cdiv
+
+MAX_GROUPS = 8  # block tables per sequence at most (each costs a slot mapping per step)
 
 
 class KVCacheGroupKind(StrEnum):
@@ -73,8 +79,15 @@ class KVCacheLayout:
         kinds: dict[int | None, list[int]] = {}
         for layer, window in enumerate(windows):
             kinds.setdefault(window, []).append(layer)
-        sizes = [len(layers) for layers in kinds.values()]
-        size = min(sizes) if max(sizes) >= 1.25 * min(sizes) else max(sizes)
+        counts = [len(layers) for layers in kinds.values()]
+        full = len(kinds.get(None, ()))
+
+        def padding(size: int) -> tuple[int, float, int]:  # full groups', overall, groups
+            groups = sum(cdiv(n, size) for n in counts)
+            return -full % size, 1 - len(windows) / (groups * size), groups
+
+        sizes = [s for s in range(1, max(counts) + 1) if padding(s)[2] <= MAX_GROUPS]
+        size = min(sizes or [max(counts)], key=padding)
         groups = []
         for window, layers in kinds.items():
             kind = KVCacheGroupKind.FULL_ATTENTION
@@ -109,6 +122,20 @@ class KVCacheLayout:
         """The share of page memory no layer uses (short last chunks of a kind)."""
         used = self.num_layers
         return 1 - used / (self.num_groups * self.layers_per_group)
+
+    def max_blocks_per_sequence(self, max_model_len: int, max_chunk: int, block_size: int) -> int:
+        """The most pages one sequence of up to `max_model_len` tokens, computed in
+        chunks of at most `max_chunk` tokens, holds at once: every block in a full
+        group; a chunk plus the window before it (and a block of misalignment) in a
+        windowed one. A cache smaller than this could leave a lone request stuck."""
+        total = 0
+        for group in self.groups:
+            full = cdiv(max_model_len, block_size)
+            if group.sliding_window is not None:
+                span = cdiv(group.sliding_window - 1 + min(max_chunk, max_model_len), block_size)
+                full = min(full, span + 1)
+            total += full
+        return total
 
     def blocks_needed(self, num_computed: int, num_tokens: int, block_size: int) -> int:
         """Pages all groups hold for one sequence (`KVCacheGroup.blocks_needed`)."""

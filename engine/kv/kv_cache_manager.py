@@ -41,6 +41,9 @@ class KVCacheManager:
     tokens match (`match_prefix`), so those tokens are not computed again.
     """
 
+    num_groups = 1  # block tables per sequence (HybridKVCacheManager: one per KV cache group)
+    has_windows = False  # whether `slide` can free anything
+
     def __init__(
         self,
         num_blocks: int,
@@ -80,13 +83,29 @@ class KVCacheManager:
     def num_cache_evictions(self) -> int:
         return self.pool.num_evictions
 
-    def blocks_for(self, num_tokens: int) -> int:
+    def blocks_for(self, num_tokens: int, num_computed: int = 0) -> int:
+        """Blocks a table holding `num_tokens` slots takes (`num_computed` matters
+        only to sliding windows)."""
+        return cdiv(num_tokens, self.block_size)
+
+    def entries_for(self, num_tokens: int) -> int:
+        """The length of a table holding `num_tokens` slots."""
         return cdiv(num_tokens, self.block_size)
 
     def block_table(self, seq_id: str) -> list[int]:
         return self._tables.get(seq_id, [])
 
     # -- the primitives ------------------------------------------------------------------
+    def slide(self, seq_id: str, num_computed: int) -> int:
+        """Frees the blocks no query from position `num_computed` on can see (only
+        sliding windows have such); how many. Full attention: nothing."""
+        return 0
+
+    def sees_context(self, seq_id: str, position: int) -> bool:
+        """Whether the table still holds every block a query at `position` reads (a
+        sliding window may have let older ones go). Full attention: always."""
+        return True
+
     def grow(self, seq_id: str, num_tokens: int) -> list[int] | None:
         """Grows the table to hold `num_tokens` tokens; the live table (None: blocks ran
         out, nothing changed)."""
@@ -257,6 +276,10 @@ class KVCacheManager:
         return self.pool.reset_prefix_cache()
 
     # -- accounting ---------------------------------------------------------------------------
+    def needed_slots(self, num_tokens: int) -> int:
+        """Slots holding K/V a sequence of `num_tokens` computed tokens still needs."""
+        return num_tokens
+
     def num_allocated_slots(self) -> int:
         return sum(len(t) for t in self._tables.values()) * self.block_size
 

@@ -22,14 +22,19 @@ from dataclasses import astuple, dataclass, field
 
 from engine.config import PreemptionMode, SchedulerConfig
 from engine.core.stats import EngineStats
+from engine.kv.block_manager import block_tables_for
 from engine.kv.block_tables import BlockTables
+from engine.kv.kv_cache_groups import KVCacheLayout
 from engine.kv.kv_cache_manager import KVCacheManager
 from engine.messages import AddRequest, StepPlan, StepResult, request_id_of, sequence_id
 from engine.sampling_params import SamplingParams
 from engine.sim.baselines.contiguous_kv_cache import ContiguousKVCacheManager
 from engine.sim.baselines.reservation import ReservationPolicy
+from engine.sim.baselines.static_partition_kv_cache import StaticPartitionKVCacheManager
 from engine.sim.baselines.unshared_kv_cache import UnsharedKVCacheManager
+from engine.sim.baselines.window_ignoring_kv_cache import WindowIgnoringKVCacheManager
 from engine.sim.cost_model import CostModel, StepShape
+from engine.sim.hybrid_presets import KVAllocator
 from engine.sim.memory_shares import KVMemoryShares
 from engine.sim.sim_worker import SimWorker
 from engine.sim.trace import TraceRequest
@@ -45,7 +50,10 @@ class SimulatorConfig:
     mode, pipeline depth (1: each result before the next plan, as the simulator's clock
     assumes; 2: one step ahead, as the server runs) and KV allocator: None for ours
     (paged), or a `ReservationPolicy` for the paper's Orca baselines (one contiguous
-    region per request, placed by a buddy allocator; recompute preemption only)."""
+    region per request, placed by a buddy allocator; recompute preemption only).
+    `layout`: the model's KV cache groups (None: one full-attention group); a hybrid
+    one gets `kv_allocator`'s tables: the hybrid allocator's, each group on a fixed
+    share of the pages (static), or every layer keeping every token (no-window)."""
 
     scheduler: SchedulerConfig
     num_blocks: int
@@ -56,8 +64,20 @@ class SimulatorConfig:
     pipeline_depth: int = 1
     allocator: ReservationPolicy | None = None
     share_blocks: bool = True  # paged only: False copies what forks share (an ablation)
+    layout: KVCacheLayout | None = None
+    kv_allocator: KVAllocator = KVAllocator.HYBRID
 
     def build_blocks(self) -> BlockTables:
+        options = dict(
+            enable_prefix_caching=self.enable_prefix_caching, num_cpu_blocks=self.num_cpu_blocks
+        )
+        if self.layout is not None and self.layout.is_hybrid:
+            tables = {
+                KVAllocator.HYBRID: block_tables_for,
+                KVAllocator.STATIC: StaticPartitionKVCacheManager,
+                KVAllocator.NO_WINDOW: WindowIgnoringKVCacheManager,
+            }[self.kv_allocator]
+            return tables(self.num_blocks, self.block_size, layout=self.layout, **options)
         if self.allocator is None:
             paged = KVCacheManager if self.share_blocks else UnsharedKVCacheManager
             return paged(
@@ -208,8 +228,11 @@ class Simulator:
         and is not a step)."""
         if not plan.scheduled_ids:
             return self.worker.execute(plan), self.clock
-        requests = self.core.scheduler.requests
-        contexts = sum(requests[r].num_computed_tokens for r in plan.scheduled_ids)
+        requests, blocks = self.core.scheduler.requests, self.core.blocks
+        # KV tokens read, averaged over the layers (a sliding window reads at most W)
+        needed = blocks.needed_slots
+        contexts = sum(needed(requests[r].num_computed_tokens) for r in plan.scheduled_ids)
+        contexts //= blocks.num_groups
         swapped = (len(plan.swap_out_src) + len(plan.swap_in_src)) * self.config.block_size
         shape = StepShape(sum(plan.num_scheduled_tokens), contexts, swapped)
         duration = self.cost.step_seconds(shape)

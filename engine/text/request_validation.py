@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from engine.core.beam_group import beam_params, beam_search_for
 from engine.kv.block_count import cdiv
+from engine.kv.kv_cache_groups import KVCacheLayout
 from engine.sampling_params import SamplingParams
 
 
@@ -14,8 +15,9 @@ class RequestLimits:
     """What a request is checked against: the model's vocabulary, context and end tokens
     (a beam search ranks one continuation per end token more), whether text can be
     decoded (stop strings), the KV cache's size in blocks and the sequences a step may
-    run (0: not checked), and the most output tokens one request may ask for over all
-    the sequences it samples (None: no cap)."""
+    run (0: not checked), the most output tokens one request may ask for over all
+    the sequences it samples (None: no cap), and the KV cache groups (None: one
+    full-attention group; sliding windows need fewer blocks per sequence)."""
 
     vocab_size: int
     max_model_len: int
@@ -25,6 +27,7 @@ class RequestLimits:
     block_size: int = 16
     max_num_seqs: int = 0
     max_tokens_per_request: int | None = None
+    kv_layout: KVCacheLayout | None = None
 
 
 def validate_request(
@@ -122,6 +125,8 @@ def _check_beam_search(token_ids: list[int], params: SamplingParams, limits: Req
         return
     longest = len(token_ids) + search.max_new_tokens
     need = width * cdiv(longest, limits.block_size)
+    if limits.kv_layout is not None:  # decoding beams: each holds its windows' blocks
+        need = width * limits.kv_layout.blocks_needed(longest - 1, longest, limits.block_size)
     if need > limits.num_blocks:
         raise ValueError(
             f"best_of (the beam width; n when unset) is {width}: that many beams "

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.core.scheduler_output import ScheduledRequest
-from engine.worker.attention.metadata import AttentionMetadata
+from engine.kv.kv_cache_groups import KVCacheLayout
+from engine.worker.attention.metadata import AttentionMetadata, GroupedAttentionMetadata
 from engine.worker.worker_request import WorkerRequest
 
 Row = ScheduledRequest[WorkerRequest]
@@ -29,7 +30,7 @@ class ModelInput:
 
     input_ids: torch.Tensor  # [num_tokens] int64
     positions: torch.Tensor  # [num_tokens] int64
-    metadata: AttentionMetadata
+    metadata: AttentionMetadata | GroupedAttentionMetadata
     rows: tuple[Row, ...]  # row order of the batch
     sample_rows: tuple[Row, ...]  # rows that sample, in row order
     logits_indices: torch.Tensor  # [num_sample_rows] int64: each sampling row's last token
@@ -37,12 +38,19 @@ class ModelInput:
 
 
 def build_model_input(
-    scheduled: Sequence[Row], block_size: int, device: str | torch.device
+    scheduled: Sequence[Row],
+    block_size: int,
+    device: str | torch.device,
+    layout: KVCacheLayout | None = None,
 ) -> ModelInput:
+    """The flattened batch of `scheduled`. With a hybrid `layout` each table interleaves
+    one table per KV cache group (entry `i * G + g`: group g's block i), and the batch
+    carries every group's metadata."""
+    num_groups = layout.num_groups if layout is not None and layout.is_hybrid else 1
     rows = sorted(scheduled, key=lambda s: s.num_scheduled_tokens != 1)  # stable: decodes first
     ids: list[int] = []
     positions: list[int] = []
-    slots: list[int] = []
+    slots: list[list[int]] = [[] for _ in range(num_groups)]  # per group
     starts = [0]
     logits_indices: list[int] = []
     spans = []
@@ -51,14 +59,23 @@ def build_model_input(
         ids += row.request.token_ids(begin, end)
         positions += range(begin, end)
         table = row.block_table
-        slots += [table[p // block_size] * block_size + p % block_size for p in range(begin, end)]
+        for g, group_slots in enumerate(slots):
+            group_slots += [
+                table[p // block_size * num_groups + g] * block_size + p % block_size
+                for p in range(begin, end)
+            ]
         if row.samples:
             logits_indices.append(len(ids) - 1)
         span = _prompt_logprob_span(row, starts[-1])
         if span is not None:
             spans.append(span)
         starts.append(len(ids))
-    metadata = _metadata(rows, starts, slots, device)
+    metadata = _metadata(rows, starts, slots, device, num_groups)
+    if layout is not None and layout.is_hybrid:
+        group_of_layer = tuple(layout.place(layer)[0] for layer in range(layout.num_layers))
+        metadata = GroupedAttentionMetadata(metadata, group_of_layer)
+    else:
+        metadata = metadata[0]
     return ModelInput(
         input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
         positions=torch.tensor(positions, dtype=torch.int64, device=device),
@@ -70,18 +87,33 @@ def build_model_input(
     )
 
 
-def _metadata(rows, starts, slots, device) -> AttentionMetadata:
+def _metadata(rows, starts, slots, device, num_groups) -> tuple[AttentionMetadata, ...]:
+    """One metadata per group, sharing the batch's offsets and lengths."""
     seq_lens = [r.num_computed_tokens + r.num_scheduled_tokens for r in rows]
     width = max((len(r.block_table) for r in rows), default=0)
     tables = [list(r.block_table) + [0] * (width - len(r.block_table)) for r in rows]
-    return AttentionMetadata(
-        query_start_loc=torch.tensor(starts, dtype=torch.int64, device=device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
-        block_tables=torch.tensor(tables, dtype=torch.int64, device=device).view(len(rows), width),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        query_lens_cpu=tuple(r.num_scheduled_tokens for r in rows),
-        seq_lens_cpu=tuple(seq_lens),
-        num_decodes=sum(1 for r in rows if r.num_scheduled_tokens == 1),
+    # group g's table: entries g, g + G, ... (a fresh tensor: the kernels want stride 1)
+    group_tables = [
+        torch.tensor(
+            [t[g::num_groups] for t in tables] if num_groups > 1 else tables,
+            dtype=torch.int64,
+            device=device,
+        ).view(len(rows), width // num_groups)
+        for g in range(num_groups)
+    ]
+    query_start_loc = torch.tensor(starts, dtype=torch.int64, device=device)
+    seq_lens_t = torch.tensor(seq_lens, dtype=torch.int64, device=device)
+    return tuple(
+        AttentionMetadata(
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens_t,
+            block_tables=group_tables[g],
+            slot_mapping=torch.tensor(slots[g], dtype=torch.int64, device=device),
+            query_lens_cpu=tuple(r.num_scheduled_tokens for r in rows),
+            seq_lens_cpu=tuple(seq_lens),
+            num_decodes=sum(1 for r in rows if r.num_scheduled_tokens == 1),
+        )
+        for g in range(num_groups)
     )
 
 

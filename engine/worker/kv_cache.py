@@ -7,7 +7,6 @@ import logging
 import torch
 
 from engine.config import CacheConfig, ModelConfig
-from engine.kv.block_count import cdiv
 from engine.worker.huge_pages import zeros_on_huge_pages
 from engine.worker.parallel.layers import kv_heads_per_rank
 
@@ -21,22 +20,41 @@ class KVCacheTooSmallError(ValueError):
     """The memory budget cannot hold even one sequence of max_model_len tokens."""
 
 
+def cache_tensors_per_layer_set(model: ModelConfig) -> int:
+    """How many per-layer (K, V) tensor pairs the cache holds: one per layer, or, for a
+    hybrid layout, one per layer of a group (groups share them: kv_cache_groups.py)."""
+    layout = model.kv_cache_layout
+    return layout.layers_per_group if layout.is_hybrid else model.num_layers
+
+
 def block_bytes(model: ModelConfig, block_size: int, world_size: int = 1) -> int:
-    """Bytes of one block across all layers, keys and values, on one of `world_size`
-    tensor-parallel ranks (each caches its own key/value heads)."""
+    """Bytes of one block (a page: its slots in every cache tensor), keys and values, on
+    one of `world_size` tensor-parallel ranks (each caches its own key/value heads)."""
     heads = kv_heads_per_rank(model.num_kv_heads, world_size)
-    per_token = 2 * model.num_layers * heads * model.head_size
+    per_token = 2 * cache_tensors_per_layer_set(model) * heads * model.head_size
     return per_token * block_size * model.dtype.itemsize
 
 
+def reserved_blocks(model: ModelConfig) -> int:
+    """Pages the allocator keeps for itself: the hybrid layout's null block."""
+    return 1 if model.kv_cache_layout.is_hybrid else 0
+
+
 def num_blocks_for(
-    model: ModelConfig, cache: CacheConfig, budget_bytes: int, world_size: int = 1
+    model: ModelConfig,
+    cache: CacheConfig,
+    budget_bytes: int,
+    world_size: int = 1,
+    max_chunk: int | None = None,
 ) -> int:
     """How many blocks fit in `budget_bytes` (one rank's of `world_size`); raises when
-    one full sequence does not fit."""
+    one full sequence, computed in chunks of at most `max_chunk` tokens (the step's
+    token budget; None: in one), does not fit."""
     per_block = block_bytes(model, cache.block_size, world_size)
-    num_blocks = max(0, budget_bytes // per_block)
-    needed = cdiv(model.max_model_len, cache.block_size)
+    num_blocks = max(0, budget_bytes // per_block - reserved_blocks(model))
+    needed = model.kv_cache_layout.max_blocks_per_sequence(
+        model.max_model_len, max_chunk or model.max_model_len, cache.block_size
+    )
     if num_blocks < needed:
         mib = 1024**2
         raise KVCacheTooSmallError(
@@ -65,12 +83,25 @@ def cuda_budget_bytes(cache: CacheConfig, peak_bytes: int, device: torch.device)
 
 
 def allocate_kv_cache(model: ModelConfig, shape: tuple[int, ...], device: str) -> KVCache:
-    """Per layer, zeroed K and V caches of the attention backend's `shape`; on the CPU,
-    on transparent huge pages where the system allows (engine/worker/huge_pages.py)."""
+    """Per layer, zeroed K and V caches of the attention backend's `shape` (the blocks
+    the scheduler hands out plus `reserved_blocks`); on the CPU, on transparent huge
+    pages where the system allows (engine/worker/huge_pages.py). With a hybrid layout
+    the layers of different groups share tensors: layer `groups[g].layers[j]` gets
+    tensor pair j (`KVCacheLayout.place`)."""
 
     def zeros() -> torch.Tensor:
         if str(device) == "cpu":
             return zeros_on_huge_pages(shape, model.dtype)
         return torch.zeros(shape, dtype=model.dtype, device=device)
 
-    return [(zeros(), zeros()) for _ in range(model.num_layers)]
+    pairs = [(zeros(), zeros()) for _ in range(cache_tensors_per_layer_set(model))]
+    layout = model.kv_cache_layout
+    if not layout.is_hybrid:
+        return pairs
+    return [pairs[layout.place(layer)[1]] for layer in range(model.num_layers)]
+
+
+def distinct_tensors(kv_cache: KVCache) -> KVCache:
+    """Each (K, V) pair once (layers of a hybrid layout share them): what block copies
+    and swaps must move."""
+    return list({id(pair[0]): pair for pair in kv_cache}.values())

@@ -10,7 +10,6 @@ import torch
 
 from engine.config import CacheConfig, DeviceConfig, ModelConfig
 from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
-from engine.kv.block_count import cdiv
 from engine.worker.attention.selector import select_backend
 from engine.worker.compiled_model import compile_model
 from engine.worker.input_batch import ModelInput, build_model_input
@@ -20,7 +19,9 @@ from engine.worker.kv_cache import (
     allocate_kv_cache,
     block_bytes,
     cuda_budget_bytes,
+    distinct_tensors,
     num_blocks_for,
+    reserved_blocks,
 )
 from engine.worker.logprobs import TokenLogprobs, compute_token_logprobs, to_dicts
 from engine.worker.model_loader import load_model
@@ -72,12 +73,15 @@ class ModelRunner:
         self.device = device_config.device
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
-        choice = select_backend(
-            device_config.attention_backend,
-            self.device,
-            model_config.dtype,
-            model_config.attention_features,
-        )
+        try:
+            choice = select_backend(
+                device_config.attention_backend,
+                self.device,
+                model_config.dtype,
+                model_config.attention_features,
+            )
+        except ValueError as exc:  # name the model: its layers may need what is missing
+            raise ValueError(f"{model_config.model} ({model_config.architecture}): {exc}") from None
         self.backend, self.backend_reason = choice.backend, choice.reason
         self.model = load_model(model_config, self.backend, self.device, self.group)
         self.linear_kernel = prepack_linears(
@@ -100,7 +104,13 @@ class ModelRunner:
             budget = cuda_budget_bytes(
                 self.cache_config, self._profile_peak(), torch.device(self.device)
             )
-        local = num_blocks_for(self.model_config, self.cache_config, budget, self.group.world_size)
+        local = num_blocks_for(
+            self.model_config,
+            self.cache_config,
+            budget,
+            self.group.world_size,
+            self.max_num_batched_tokens,
+        )
         return self.group.min_int(local)
 
     def _block_bytes(self) -> int:
@@ -108,8 +118,8 @@ class ModelRunner:
 
     def _default_cpu_budget(self) -> int:
         """2 GiB, or less when max_num_seqs full-length sequences need less."""
-        bs = self.cache_config.block_size
-        blocks = self.max_num_seqs * cdiv(self.model_config.max_model_len, bs)
+        bs, m = self.cache_config.block_size, self.model_config
+        blocks = self.max_num_seqs * m.kv_cache_layout.blocks_needed(0, m.max_model_len, bs)
         return min(DEFAULT_CPU_KV_CACHE_MEMORY, blocks * self._block_bytes())
 
     def num_cpu_blocks(self) -> int:
@@ -117,11 +127,12 @@ class ModelRunner:
         return int(self.cache_config.swap_space * 1024**3) // self._block_bytes()
 
     def initialize_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
-        self.kv_cache = allocate_kv_cache(
-            self.model_config, self._cache_shape(num_blocks), self.device
-        )
+        """Caches for the `num_blocks` (and `num_cpu_blocks`) the scheduler hands out,
+        plus the pages its allocator reserves."""
+        m, reserved = self.model_config, reserved_blocks(self.model_config)
+        self.kv_cache = allocate_kv_cache(m, self._cache_shape(num_blocks + reserved), self.device)
         self.swap_cache = (
-            allocate_kv_cache(self.model_config, self._cache_shape(num_cpu_blocks), "cpu")
+            allocate_kv_cache(m, self._cache_shape(num_cpu_blocks + reserved), "cpu")
             if num_cpu_blocks
             else []
         )
@@ -140,7 +151,13 @@ class ModelRunner:
 
         torch.cuda.reset_peak_memory_stats(self.device)
         block_size = self.cache_config.block_size
-        plan = dummy_plan(self.max_num_batched_tokens, self.model_config.max_model_len, block_size)
+        layout = self.model_config.kv_cache_layout
+        plan = dummy_plan(
+            self.max_num_batched_tokens,
+            self.model_config.max_model_len,
+            block_size,
+            layout.num_groups,
+        )
         num_blocks = sum(len(s.block_table) for s in plan.scheduled)
         saved, self.kv_cache = (
             self.kv_cache,
@@ -158,7 +175,12 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput, sample: bool = True) -> ModelOutput:
         self.move_blocks(plan)
-        batch = build_model_input(plan.scheduled, self.cache_config.block_size, self.device)
+        batch = build_model_input(
+            plan.scheduled,
+            self.cache_config.block_size,
+            self.device,
+            self.model_config.kv_cache_layout,
+        )
         hidden = self.model(batch.input_ids, batch.positions, self.kv_cache, batch.metadata)
         prompt_lp = self._prompt_logprobs(batch, hidden)
         if not sample or not batch.sample_rows:
@@ -187,12 +209,13 @@ class ModelRunner:
 
     def _swap(self, pairs, src_cache: KVCache, dst_cache: KVCache) -> None:
         ids = torch.tensor(pairs, dtype=torch.int64)  # [num_blocks, 2]: (src, dst)
-        self.backend.swap_blocks(src_cache, dst_cache, ids[:, 0], ids[:, 1])
+        src, dst = distinct_tensors(src_cache), distinct_tensors(dst_cache)
+        self.backend.swap_blocks(src, dst, ids[:, 0], ids[:, 1])
 
     def copy_blocks(self, copies: tuple[tuple[int, int], ...]) -> None:
         """Copy-on-write: every (src, dst) block copy of a step, one op per cache tensor."""
         pairs = torch.tensor(copies, dtype=torch.int64, device=self.device)  # [num_copies, 2]
-        self.backend.copy_blocks(self.kv_cache, pairs[:, 0], pairs[:, 1])
+        self.backend.copy_blocks(distinct_tensors(self.kv_cache), pairs[:, 0], pairs[:, 1])
 
     def _sampling_metadata(self, batch: ModelInput) -> SamplingMetadata:
         rows = []

@@ -331,7 +331,13 @@ def build_null_worker(args: EngineArgs, worker_id: int = 0) -> tuple[NullWorker,
     m = config.model
     ready = WorkerReady(
         worker_id=worker_id,
-        num_blocks=num_blocks_for(m, config.cache, budget, config.parallel.tensor_parallel_size),
+        num_blocks=num_blocks_for(
+            m,
+            config.cache,
+            budget,
+            config.parallel.tensor_parallel_size,
+            config.scheduler.max_num_batched_tokens,
+        ),
         block_size=config.cache.block_size,
         max_model_len=m.max_model_len,
         vocab_size=m.vocab_size,

@@ -2,7 +2,8 @@
 actors) give identical outputs for one mixed set of requests: greedy, seeded, stop
 strings spanning deltas, min_tokens with stop strings, n, best_of, beam search,
 logprobs and prompt logprobs; with plenty of memory and prefix caching, and under
-preemption by recompute and by swap with caching off."""
+preemption by recompute and by swap with caching off; for a dense model and a hybrid
+one (a full-attention and a sliding-window layer: two KV cache groups)."""
 
 from __future__ import annotations
 
@@ -22,11 +23,11 @@ PROMPTS = ["hello there", "the hill", "hi hello", "ab the", "hello", "lo the hi"
 BS = 4
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
+@pytest.fixture(scope="module", params=["llama", "qwen2-hybrid"])
+def model_dir(request, tmp_path_factory) -> str:
     directory = tmp_path_factory.mktemp("tiny-one-engine")
     tokenizer = sentencepiece_like()
-    save_hf_model("llama", directory, vocab_size=tokenizer.vocab_size)
+    save_hf_model(request.param, directory, vocab_size=tokenizer.vocab_size)
     tokenizer.hf_tokenizer.save_pretrained(directory)
     return str(directory)
 

@@ -12,7 +12,7 @@ import transformers as hf
 from engine import LLM, SamplingParams, SamplingParamsError
 from engine.core.beam_search import BeamSearch
 from tests.conftest import shared_path
-from tests.engine.tiny_models import kv_memory, save_hf_model
+from tests.engine.tiny_models import hf_beams, kv_memory, save_hf_model
 
 PROMPTS = [[5, 17, 99, 3, 42, 8, 77], [200, 1, 64], list(range(30, 49))]
 CASES = [  # (width, length_penalty, early_stopping)
@@ -22,29 +22,6 @@ CASES = [  # (width, length_penalty, early_stopping)
     (4, 0.5, True),
     (2, 2.0, "never"),
 ]
-
-
-def hf_beams(model, prompt, width, length_penalty, early_stopping, max_new, eos=None):
-    ids = torch.tensor([prompt])
-    out = model.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        num_beams=width,
-        num_return_sequences=width,
-        max_new_tokens=max_new,
-        do_sample=False,
-        length_penalty=length_penalty,
-        early_stopping=early_stopping,
-        return_dict_in_generate=True,
-        output_scores=True,
-        pad_token_id=eos if eos is not None else 0,
-        eos_token_id=eos,
-    )
-    sequences = [s[len(prompt) :].tolist() for s in out.sequences]
-    if eos is not None:  # finished beams are padded with eos after their end
-        sequences = [s[: s.index(eos) + 1] if eos in s else s for s in sequences]
-    scores = out.sequences_scores.tolist() if width > 1 else None
-    return sequences, scores
 
 
 def ours(llm, prompt, width, length_penalty, early_stopping, max_new):

@@ -64,9 +64,16 @@ def test_greedy_matches_transformers_under_preemption(checkpoint):
         kv_cache_memory=1 << 20,
     )
     per_block = block_bytes(probe.config.model, block_size)
-    budget = per_block * (max_len // block_size + 2)  # one full sequence and a little more
+    chunk = 16  # sliding-window layers hold a chunk and their window of a sequence
+    one = probe.config.model.kv_cache_layout.max_blocks_per_sequence(max_len, chunk, block_size)
+    budget = per_block * (one + 3)  # one full sequence, a little more, the null block
     llm, got = _generate(
-        directory, prompts, block_size=block_size, max_model_len=max_len, kv_cache_memory=budget
+        directory,
+        prompts,
+        block_size=block_size,
+        max_model_len=max_len,
+        kv_cache_memory=budget,
+        max_num_batched_tokens=chunk,
     )
     assert llm.stats().num_preemptions > 0
     assert got == expected

@@ -28,19 +28,21 @@ def test_alternating_layers_make_two_equal_groups():
     assert layout.place(5) == (1, 2) and layout.place(4) == (0, 2)
 
 
-def test_five_local_to_one_global_cuts_the_local_layers_into_chunks():
+def test_five_local_to_one_global_pads_only_a_local_group():
     windows = [None if i % 6 == 5 else 1024 for i in range(62)]  # Gemma-3-27B's pattern
     layout = KVCacheLayout.from_windows(windows)
-    assert layout.layers_per_group == 10  # the full-attention layers' count
+    assert layout.layers_per_group == 10  # the global layers' count: they need no padding
     assert [len(g.layers) for g in layout.groups] == [10, 10, 10, 10, 10, 2, 10]
     assert sum(g.kind is FULL for g in layout.groups) == 1
     assert layout.padding_share == pytest.approx(1 - 62 / 70)
     assert sorted(i for g in layout.groups for i in g.layers) == list(range(62))
 
 
-def test_near_equal_kinds_share_one_group_size_and_pad_the_smaller():
-    layout = KVCacheLayout.from_windows([None] * 10 + [64] * 12)
-    assert layout.layers_per_group == 12 and [len(g.layers) for g in layout.groups] == [10, 12]
+def test_the_chunk_size_keeps_groups_few():
+    layout = KVCacheLayout.from_windows([None, 8] * 20 + [8])  # 20 full, 21 windowed
+    assert layout.num_groups <= 8
+    full = [g for g in layout.groups if g.kind is FULL]
+    assert all(len(g.layers) == layout.layers_per_group for g in full)
 
 
 @pytest.mark.parametrize("windows", [[None] * 3, [16] * 3])
@@ -51,7 +53,7 @@ def test_one_kind_is_one_group(windows):
 
 
 def test_a_window_group_frees_what_leaves_the_window_and_never_holds_more():
-    kv = HybridKVCacheManager(40, 4, gpt_oss_like(window=8))
+    kv = HybridKVCacheManager(40, 4, layout=gpt_oss_like(window=8))
     window_blocks = cdiv(8, 4) + 1
     computed = 0
     kv.grow("a", 30)  # a 30-token prefill in one chunk: every slot of the chunk is needed
@@ -71,7 +73,7 @@ def test_a_window_group_frees_what_leaves_the_window_and_never_holds_more():
 
 
 def test_a_long_chunked_prefill_never_allocates_what_the_window_has_left():
-    kv = HybridKVCacheManager(64, 4, KVCacheLayout.from_windows([8, 8]))
+    kv = HybridKVCacheManager(64, 4, layout=KVCacheLayout.from_windows([8, 8]))
     computed = 0
     while computed < 100:
         kv.slide("a", computed)
@@ -85,7 +87,7 @@ def test_a_long_chunked_prefill_never_allocates_what_the_window_has_left():
 
 
 def test_grow_is_all_or_nothing_across_groups():
-    kv = HybridKVCacheManager(5, 4, gpt_oss_like())
+    kv = HybridKVCacheManager(5, 4, layout=gpt_oss_like())
     assert kv.grow("a", 8) is not None  # two blocks per group
     assert kv.grow("b", 8) is None  # needs 4, 1 free
     assert kv.group_tables("b") == ([], []) and kv.num_free_blocks == 1
@@ -93,7 +95,7 @@ def test_grow_is_all_or_nothing_across_groups():
 
 
 def test_fork_and_copy_on_write_cover_every_group():
-    kv = HybridKVCacheManager(30, 4, gpt_oss_like(window=8))
+    kv = HybridKVCacheManager(30, 4, layout=gpt_oss_like(window=8))
     kv.grow("p", 10)
     kv.fork("p", "c")
     assert kv.group_tables("c") == kv.group_tables("p")
@@ -105,7 +107,7 @@ def test_fork_and_copy_on_write_cover_every_group():
 
 
 def test_swap_out_and_in_move_every_groups_live_blocks():
-    kv = HybridKVCacheManager(30, 4, gpt_oss_like(window=8), num_cpu_blocks=20)
+    kv = HybridKVCacheManager(30, 4, layout=gpt_oss_like(window=8), num_cpu_blocks=20)
     kv.grow("a", 20)
     kv.slide("a", 20)  # the window group keeps blocks 3 and 4
     before = kv.group_tables("a")
@@ -123,7 +125,7 @@ def test_swap_out_and_in_move_every_groups_live_blocks():
 
 
 def test_a_prefix_hit_needs_only_the_window_of_a_sliding_group():
-    kv = HybridKVCacheManager(40, 4, gpt_oss_like(window=8), enable_prefix_caching=True)
+    kv = HybridKVCacheManager(40, 4, layout=gpt_oss_like(window=8), enable_prefix_caching=True)
     prompt = list(range(100, 130))  # 30 tokens: 7 full blocks
     kv.grow("a", 30)
     kv.cache_computed("a", lambda s, e: prompt[s:e], 30)
@@ -139,7 +141,7 @@ def test_a_prefix_hit_needs_only_the_window_of_a_sliding_group():
 
 
 def test_a_prefix_hit_is_cut_where_the_window_group_lost_its_blocks():
-    kv = HybridKVCacheManager(12, 4, gpt_oss_like(window=8), enable_prefix_caching=True)
+    kv = HybridKVCacheManager(12, 4, layout=gpt_oss_like(window=8), enable_prefix_caching=True)
     prompt = list(range(28))
     kv.grow("a", 28)
     kv.cache_computed("a", lambda s, e: prompt[s:e], 28)
@@ -155,7 +157,7 @@ def random_walk(seed: int, layout: KVCacheLayout) -> None:
     invariants hold after every operation."""
     rng = random.Random(seed)
     bs = 4
-    kv = HybridKVCacheManager(60, bs, layout, enable_prefix_caching=True, num_cpu_blocks=30)
+    kv = HybridKVCacheManager(60, bs, layout=layout, enable_prefix_caching=True, num_cpu_blocks=30)
     windows = [g.sliding_window for g in layout.groups if g.sliding_window]
     computed: dict[str, int] = {}
     swapped: dict[str, int] = {}
@@ -208,3 +210,34 @@ def random_walk(seed: int, layout: KVCacheLayout) -> None:
 def test_random_walks_keep_every_page_accounted_for(seed):
     random_walk(seed, gpt_oss_like(window=8))
     random_walk(seed, KVCacheLayout.from_windows([None if i % 3 == 2 else 6 for i in range(6)]))
+
+
+def test_a_table_sees_a_query_context_only_while_its_window_blocks_live():
+    kv = HybridKVCacheManager(30, 4, layout=gpt_oss_like(window=8))
+    kv.grow("a", 20)
+    assert kv.sees_context("a", 19) and kv.sees_context("a", 3)
+    kv.slide("a", 20)  # keeps what the query at 20 sees: positions 13.. (blocks 3, 4)
+    assert kv.sees_context("a", 19)  # from position 12: block 3
+    assert not kv.sees_context("a", 18)  # it would read position 11, in freed block 2
+    full = HybridKVCacheManager(30, 4, layout=KVCacheLayout.from_windows([None, None]))
+    assert full.sees_context("a", 0)
+
+
+def test_static_partitioning_strands_the_window_groups_share():
+    from engine.sim.baselines.static_partition_kv_cache import StaticPartitionKVCacheManager
+
+    layout = gpt_oss_like(window=8)
+    shared = HybridKVCacheManager(20, 4, layout=layout)
+    static = StaticPartitionKVCacheManager(20, 4, layout=layout)  # 10 pages per group
+    for kv in (shared, static):
+        computed = 0
+        while kv.grow("a", computed + 4) is not None:  # decode-like growth, window slides
+            computed += 4
+            kv.slide("a", computed)
+        kv.check_integrity()
+    shared_len = len(shared.group_tables("a")[1]) * 4
+    static_len = len(static.group_tables("a")[1]) * 4
+    assert static_len == 40  # the full group's 10 pages; the window group's sit idle
+    assert shared_len > static_len  # the window group's freed pages served the full group
+    static.free("a")
+    assert static.pool.used == [0, 0] and static.num_free_blocks == static.num_blocks

@@ -8,6 +8,7 @@ token by token, then both decoding) with block size 4 and shuffled block tables.
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import pytest
@@ -15,7 +16,9 @@ import torch
 import transformers as hf
 
 from engine.worker.attention import AttentionMetadata, ReferenceBackend, SdpaBackend
+from engine.worker.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from engine.worker.models.gpt2 import GPT2LMHeadModel
+from engine.worker.models.gpt_oss import GptOssForCausalLM
 from engine.worker.models.layer_ops import TORCH_LAYER_OPS
 from engine.worker.models.layers import PagedAttention
 from engine.worker.models.llama import (
@@ -24,15 +27,28 @@ from engine.worker.models.llama import (
     Qwen2ForCausalLM,
     Qwen3ForCausalLM,
 )
+from engine.worker.models.mixtral import MixtralForCausalLM, Qwen3MoeForCausalLM
 from engine.worker.models.opt import OPTForCausalLM
+from engine.worker.models.phi3 import Phi3ForCausalLM
 from tests.engine.native_backend import native_backend
-from tests.engine.tiny_models import GPT2_FIELDS, LLAMA_FIELDS, OPT_FIELDS
+from tests.engine.tiny_models import (
+    GEMMA2_FIELDS,
+    GEMMA3_FIELDS,
+    GPT2_FIELDS,
+    GPT_OSS_FIELDS,
+    LLAMA_FIELDS,
+    MIXTRAL_FIELDS,
+    OPT_FIELDS,
+    PHI3_FIELDS,
+    QWEN3_MOE_FIELDS,
+)
 
 VOCAB, BLOCK_SIZE, NUM_BLOCKS, ATOL = 128, 4, 16, 1e-4
 
 _LLAMA = {**LLAMA_FIELDS, "vocab_size": VOCAB}
 _GPT2 = {**GPT2_FIELDS, "vocab_size": VOCAB, "bos_token_id": 0, "eos_token_id": 0}
 _OPT = {**OPT_FIELDS, "vocab_size": VOCAB}
+_PHI3 = {**PHI3_FIELDS, "vocab_size": VOCAB, "pad_token_id": None}
 
 # case id -> (HF config class, HF model class, our class, config overrides)
 CASES = {
@@ -49,6 +65,13 @@ CASES = {
         MistralForCausalLM,
         {**_LLAMA, "sliding_window": None},
     ),
+    # A window shorter than the prompts (11 tokens; 15 and 9 in the mixed batch).
+    "mistral-window": (
+        hf.MistralConfig,
+        hf.MistralForCausalLM,
+        MistralForCausalLM,
+        {**_LLAMA, "sliding_window": 5},
+    ),
     "qwen2": (hf.Qwen2Config, hf.Qwen2ForCausalLM, Qwen2ForCausalLM, _LLAMA),
     "qwen3": (hf.Qwen3Config, hf.Qwen3ForCausalLM, Qwen3ForCausalLM, {**_LLAMA, "head_dim": 32}),
     "gpt2": (hf.GPT2Config, hf.GPT2LMHeadModel, GPT2LMHeadModel, _GPT2),
@@ -59,6 +82,26 @@ CASES = {
         {**_GPT2, "scale_attn_by_inverse_layer_idx": True, "activation_function": "gelu"},
     ),
     "opt": (hf.OPTConfig, hf.OPTForCausalLM, OPTForCausalLM, _OPT),
+    "gemma2": (
+        hf.Gemma2Config,
+        hf.Gemma2ForCausalLM,
+        Gemma2ForCausalLM,
+        {**GEMMA2_FIELDS, "vocab_size": VOCAB},
+    ),
+    "gemma3": (
+        hf.Gemma3TextConfig,
+        hf.Gemma3ForCausalLM,
+        Gemma3ForCausalLM,
+        {**GEMMA3_FIELDS, "vocab_size": VOCAB, "final_logit_softcapping": 3.0},
+    ),
+    "phi3": (hf.Phi3Config, hf.Phi3ForCausalLM, Phi3ForCausalLM, _PHI3),
+    # Every sequence below is longer than 4 tokens from its first step on: the long factors.
+    "phi3-longrope-long": (
+        hf.Phi3Config,
+        hf.Phi3ForCausalLM,
+        Phi3ForCausalLM,
+        {**_PHI3, "original_max_position_embeddings": 4},
+    ),
     "opt-project-in-out": (
         hf.OPTConfig,
         hf.OPTForCausalLM,
@@ -77,6 +120,37 @@ CASES = {
         OPTForCausalLM,
         {**_OPT, "enable_bias": False, "layer_norm_elementwise_affine": False},
     ),
+    # Mixtures of experts, from transformers' in-memory (stacked) expert weights.
+    "mixtral": (
+        hf.MixtralConfig,
+        hf.MixtralForCausalLM,
+        MixtralForCausalLM,
+        {**MIXTRAL_FIELDS, "vocab_size": VOCAB},
+    ),
+    "qwen3-moe": (
+        hf.Qwen3MoeConfig,
+        hf.Qwen3MoeForCausalLM,
+        Qwen3MoeForCausalLM,
+        {**QWEN3_MOE_FIELDS, "vocab_size": VOCAB},
+    ),
+    "qwen3-moe-every-second-layer": (
+        hf.Qwen3MoeConfig,
+        hf.Qwen3MoeForCausalLM,
+        Qwen3MoeForCausalLM,
+        {
+            **QWEN3_MOE_FIELDS,
+            "vocab_size": VOCAB,
+            "decoder_sparse_step": 2,
+            "mlp_only_layers": [],
+            "norm_topk_prob": False,
+        },
+    ),
+    "gpt-oss": (
+        hf.GptOssConfig,
+        hf.GptOssForCausalLM,
+        GptOssForCausalLM,
+        {**GPT_OSS_FIELDS, "vocab_size": VOCAB},
+    ),
 }
 
 
@@ -89,7 +163,9 @@ def hf_model(case: str):
     norm weights are not their trivial initial values."""
     config_cls, model_cls, _, overrides = CASES[case]
     torch.manual_seed(0)
-    model = model_cls(config_cls(**overrides)).float().eval()
+    config = config_cls(**copy.deepcopy(overrides))  # configs rewrite nested fields
+    model = model_cls(config).float().eval()
+    model.set_experts_implementation("eager")  # transformers' loop (grouped_mm: 16-byte strides)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.1)

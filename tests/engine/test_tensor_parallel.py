@@ -11,8 +11,10 @@ import os
 
 import pytest
 
+from engine.engine_args import EngineArgs
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
+from engine.worker.kv_cache import reserved_blocks
 from tests.conftest import shared_path
 from tests.engine.tiny_models import ARCHITECTURES, kv_memory, save_hf_model
 from tests.web.processes import alive, children_of
@@ -37,8 +39,20 @@ def live_children() -> list[int]:
     return [pid for pid in children_of(os.getpid()) if alive(pid)]
 
 
+def _num_blocks(model_dir: str) -> int:
+    """NUM_BLOCKS; for a hybrid KV layout, whose windowed groups free blocks as
+    sequences pass their windows (so 24 may never preempt, or may not hold one sequence
+    across several groups): what one 64-token sequence needs, the allocator's reserved
+    block and one more."""
+    model = EngineArgs(model=model_dir, skip_tokenizer_init=True, max_model_len=64).build().model
+    layout = model.kv_cache_layout
+    if not layout.is_hybrid:
+        return NUM_BLOCKS
+    return layout.max_blocks_per_sequence(64, 64, BLOCK_SIZE) + reserved_blocks(model) + 1
+
+
 def _run(model_dir: str, tp: int, **kwargs) -> tuple[list, dict]:
-    memory = kv_memory(model_dir, NUM_BLOCKS, BLOCK_SIZE, world_size=tp)
+    memory = kv_memory(model_dir, _num_blocks(model_dir), BLOCK_SIZE, world_size=tp)
     with LLM(
         model_dir,
         tensor_parallel_size=tp,

@@ -109,8 +109,23 @@ class ContiguousKVCacheManager:
     def num_cache_evictions(self) -> int:
         return 0
 
-    def blocks_for(self, num_tokens: int) -> int:
+    num_groups = 1
+    has_windows = False
+
+    def blocks_for(self, num_tokens: int, num_computed: int = 0) -> int:
         return cdiv(num_tokens, self.block_size)
+
+    def entries_for(self, num_tokens: int) -> int:
+        return cdiv(num_tokens, self.block_size)
+
+    def slide(self, seq_id: str, num_computed: int) -> int:
+        return 0  # a region holds every token of its sequence
+
+    def needed_slots(self, num_tokens: int) -> int:
+        return num_tokens
+
+    def sees_context(self, seq_id: str, position: int) -> bool:
+        return True
 
     def block_table(self, seq_id: str) -> list[int]:
         region = self._regions.get(seq_id)

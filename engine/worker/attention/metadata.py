@@ -35,3 +35,33 @@ class AttentionMetadata:
     @property
     def max_seq_len(self) -> int:
         return max(self.seq_lens_cpu, default=0)
+
+    def for_layer(self, layer: int | None) -> AttentionMetadata:
+        """The metadata model layer `layer` attends with: this, for every layer."""
+        return self
+
+
+@dataclass(frozen=True)
+class GroupedAttentionMetadata:
+    """One step's attention metadata per KV cache group (a hybrid layout): the groups
+    share the batch (query offsets, context lengths) but each has its own block tables
+    and slot mapping. Layer l attends with `groups[group_of_layer[l]]`."""
+
+    groups: tuple[AttentionMetadata, ...]
+    group_of_layer: tuple[int, ...]
+
+    def for_layer(self, layer: int | None) -> AttentionMetadata:
+        if layer is None:
+            raise ValueError(
+                "this model's attention layers do not know their layer index, which a "
+                "KV cache with several groups (sliding-window layers) needs"
+            )
+        return self.groups[self.group_of_layer[layer]]
+
+    @property
+    def query_start_loc(self) -> torch.Tensor:  # [num_seqs + 1], the same in every group
+        return self.groups[0].query_start_loc
+
+    @property
+    def seq_lens(self) -> torch.Tensor:  # [num_seqs], the same in every group
+        return self.groups[0].seq_lens

@@ -9,7 +9,7 @@ from torch import nn
 
 from engine.worker.attention.metadata import AttentionMetadata
 from engine.worker.parallel.group import TensorParallelGroup
-from engine.worker.parallel.layers import SLICING_LAYERS, ParallelLMHead, check_shape
+from engine.worker.parallel.layers import ParallelLMHead, check_shape
 
 
 class CausalLM(nn.Module):
@@ -71,7 +71,9 @@ class CausalLM(nn.Module):
         """Copies checkpoint tensors into parameters by name; every parameter must be set.
 
         A checkpoint tensor whose name matches `stacked_params` (e.g. `.q_proj.`) loads
-        into its part of a fused column-parallel layer (e.g. rows of `.qkv_proj.`).
+        into its part of a fused column-parallel layer (e.g. rows of `.qkv_proj.`); a
+        checkpoint that stores the fused tensor itself (Phi-3's `qkv_proj`) fills every
+        part at once, each rank keeping its slice of each.
         """
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[tuple[str, int | None]] = set()
@@ -88,7 +90,7 @@ class CausalLM(nn.Module):
                 self._load_one(target, params[target], tensor, part)
             except ValueError as exc:
                 raise ValueError(f"checkpoint tensor {raw_name!r} {exc}") from None
-            loaded.add((target, part))
+            loaded.update(self._parts_filled(target, part))
         for ours, source in self.tied_weights.items():
             if (source, None) in loaded:
                 loaded.add((ours, None))
@@ -102,12 +104,28 @@ class CausalLM(nn.Module):
                 return name.replace(piece, fused), index
         return name, None
 
+    def _parts_filled(self, target: str, part: int | None) -> set[tuple[str, int | None]]:
+        """What loading a tensor into `target` sets: its part, or with None every part
+        of a layer that expects its parts apart (`checkpoint_parts`)."""
+        if part is not None:
+            return {(target, part)}
+        parts = self._checkpoint_parts(target)
+        return {(target, None)} if parts is None else {(target, i) for i in range(parts)}
+
+    def _checkpoint_parts(self, target: str) -> int | None:
+        """How many checkpoint tensors fill parameter `target` apart (None: one): its
+        module's `checkpoint_parts`, one count or a count per parameter (FusedMoE)."""
+        module_name, _, leaf = target.rpartition(".")
+        module = self.get_submodule(module_name) if module_name else self
+        parts = getattr(module, "checkpoint_parts", None)
+        return parts.get(leaf) if isinstance(parts, dict) else parts
+
     def _load_one(
         self, target: str, param: nn.Parameter, tensor: torch.Tensor, part: int | None
     ) -> None:
         module_name, _, leaf = target.rpartition(".")
         module = self.get_submodule(module_name) if module_name else self
-        if isinstance(module, SLICING_LAYERS):  # it keeps its rank's slice
+        if hasattr(module, "load"):  # SLICING_LAYERS, FusedMoE: it keeps its rank's slice
             module.load(leaf, tensor, part)
             return
         check_shape(tensor, param.shape)
@@ -117,8 +135,7 @@ class CausalLM(nn.Module):
     def _expected(self) -> set[tuple[str, int | None]]:
         expected: set[tuple[str, int | None]] = set()
         for name, _ in self.named_parameters(remove_duplicate=False):
-            module = self.get_submodule(name.rsplit(".", 1)[0]) if "." in name else self
-            parts = getattr(module, "checkpoint_parts", None)
+            parts = self._checkpoint_parts(name)
             if parts is None:
                 expected.add((name, None))
             else:

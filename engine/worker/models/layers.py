@@ -44,7 +44,22 @@ def rope_parameters(hf_config) -> dict:
     merged = {**scaling, **params}
     merged.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
     merged.setdefault("rope_type", merged.get("type", "default"))
+    for key in ("partial_rotary_factor", "original_max_position_embeddings"):  # 4.x: beside
+        if getattr(hf_config, key, None) is not None:
+            merged.setdefault(key, getattr(hf_config, key))
     return merged
+
+
+def _frequencies(
+    rotary_dim: int, max_positions: int, params: dict
+) -> list[tuple[torch.Tensor, float]]:
+    """(inverse frequencies [rotary_dim // 2], cos/sin scale) per table: one, or for
+    longrope two (the short factors', then the long factors')."""
+    if params["rope_type"] == "longrope":
+        return _longrope_frequencies(rotary_dim, max_positions, params)
+    if params["rope_type"] == "yarn":
+        return [_yarn_frequencies(rotary_dim, max_positions, params)]
+    return [(_inv_freq(rotary_dim, params), 1.0)]
 
 
 def _inv_freq(head_size: int, params: dict) -> torch.Tensor:  # [head_size // 2]
@@ -57,7 +72,64 @@ def _inv_freq(head_size: int, params: dict) -> torch.Tensor:  # [head_size // 2]
         return inv / float(params["factor"])
     if kind == "llama3":
         return _llama3_inv_freq(inv, params)
-    raise ValueError(f"rope_type {kind!r} is not supported (default, linear, llama3)")
+    raise ValueError(
+        f"rope_type {kind!r} is not supported (default, linear, llama3, longrope, yarn)"
+    )
+
+
+def _yarn_frequencies(dim: int, max_positions: int, p: dict) -> tuple[torch.Tensor, float]:
+    """transformers' `_compute_yarn_parameters`: frequencies interpolated by `factor`
+    below a ramp over dims [low, high] (from beta_fast and beta_slow rotations over the
+    original length; `truncate` rounds them outwards), extrapolated above it; cos and
+    sin scaled by `attention_factor` (by default 0.1 * mscale * ln(factor) + 1)."""
+    base = float(p["rope_theta"])
+    original = int(p.get("original_max_position_embeddings") or max_positions)
+    factor = p.get("factor") or max_positions / original
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = p.get("attention_factor")
+    if attention_factor is None:
+        m, m_all = p.get("mscale"), p.get("mscale_all_dim")
+        attention_factor = (
+            mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+        )
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(p.get("beta_fast") or 32), correction_dim(p.get("beta_slow") or 1)
+    if p.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers does, against a zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    extrapolation = 1 - ramp  # the share of the original frequency, per dim
+    inv = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv, float(attention_factor)
+
+
+def _longrope_frequencies(
+    rotary_dim: int, max_positions: int, p: dict
+) -> list[tuple[torch.Tensor, float]]:
+    """transformers' `_compute_longrope_parameters`: per-dimension factors divide the
+    frequencies; cos and sin are scaled by `attention_factor` (by default
+    sqrt(1 + ln(factor) / ln(original length)), factor = max_positions / original)."""
+    original = int(p["original_max_position_embeddings"])
+    factor = p.get("factor") or max_positions / original
+    scale = p.get("attention_factor")
+    if scale is None:
+        scale = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    shape = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
+    base = float(p["rope_theta"])
+    tables = []
+    for key in ("short_factor", "long_factor"):
+        ext = torch.tensor(p[key], dtype=torch.float32)
+        tables.append((1.0 / (ext * base**shape), float(scale)))
+    return tables
 
 
 def _llama3_inv_freq(inv: torch.Tensor, p: dict) -> torch.Tensor:
@@ -77,23 +149,66 @@ def _llama3_inv_freq(inv: torch.Tensor, p: dict) -> torch.Tensor:
 
 class RotaryEmbedding(nn.Module):
     """Rotate-half rotary embedding with a precomputed cos/sin table per position,
-    applied by `ops` (the native ops rotate q and k in place)."""
+    applied by `ops` (the native ops rotate q and k in place).
+
+    `partial_rotary_factor` in `params` turns only the first `rotary_dim` features of
+    each head (by torch's ops; the rest pass through). Longrope keeps two tables, one
+    above the other: rows [0, max_positions) with the short factors, then the long
+    factors' (`rotary_table_rows` says which row a token reads).
+    """
 
     def __init__(
         self, head_size: int, max_positions: int, params: dict, ops: LayerOps = TORCH_LAYER_OPS
     ) -> None:
         super().__init__()
-        inv = _inv_freq(head_size, params)
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv)
-        emb = torch.cat([freqs, freqs], dim=-1)  # [max_positions, head_size]
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
-        self.ops = ops
+        self.rotary_dim = int(head_size * float(params.get("partial_rotary_factor") or 1.0))
+        cos, sin = [], []
+        for inv, scale in _frequencies(self.rotary_dim, max_positions, params):
+            freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv)
+            emb = torch.cat([freqs, freqs], dim=-1)  # [max_positions, rotary_dim]
+            cos.append(emb.cos() * scale)  # transformers' attention scaling (1.0: exact)
+            sin.append(emb.sin() * scale)
+        self.register_buffer("cos", torch.cat(cos), persistent=False)  # [rows, rotary_dim]
+        self.register_buffer("sin", torch.cat(sin), persistent=False)
+        self.ops = ops if self.rotary_dim == head_size else TORCH_LAYER_OPS
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:  # q [T, H, D], k [T, KVH, D]
-        return self.ops.rotary(positions, q, k, self.cos, self.sin)
+        d = self.rotary_dim
+        if d == q.shape[-1]:
+            return self.ops.rotary(positions, q, k, self.cos, self.sin)
+        q_rot, k_rot = self.ops.rotary(positions, q[..., :d], k[..., :d], self.cos, self.sin)
+        return torch.cat([q_rot, q[..., d:]], dim=-1), torch.cat([k_rot, k[..., d:]], dim=-1)
+
+
+def rotary_table_rows(
+    params: dict,
+    max_positions: int,
+    positions: torch.Tensor,  # [T]
+    metadata: AttentionMetadata,
+) -> torch.Tensor:  # [T]: the RotaryEmbedding table row each token reads
+    """A token's position, or, with longrope, its position in the long factors' half
+    (+ max_positions) when its sequence's context length this step (`seq_lens`)
+    exceeds `original_max_position_embeddings`: transformers picks the factors by the
+    current length (`max(position_ids) + 1` of each forward pass).
+
+    Exact against transformers' `generate` for sequences that stay within the original
+    length, and for prompts longer than it computed in one step. Not for a sequence
+    that crosses it while decoding: `generate` then drops its cache and recomputes the
+    whole sequence with the long factors (Phi3ForCausalLM.prepare_inputs_for_generation),
+    a recompute only the scheduler could order; here the keys cached before the crossing
+    keep the short factors. Likewise a longer prompt prefilled in chunks (the chunks
+    that end within the original length use the short factors).
+    """
+    if params["rope_type"] != "longrope":
+        return positions
+    query_lens = torch.diff(metadata.query_start_loc)  # [num_seqs]
+    context = torch.repeat_interleave(
+        metadata.seq_lens, query_lens, output_size=positions.shape[0]
+    )  # [T]
+    long = context > int(params["original_max_position_embeddings"])
+    return positions + long.to(positions.dtype) * max_positions
 
 
 class PagedAttention(nn.Module):
@@ -112,7 +227,10 @@ class PagedAttention(nn.Module):
         head_size: int,
         spec: float | AttentionSpec,
         backend: AttentionBackend,
+        layer_index: int | None = None,
     ) -> None:
+        """`layer_index`: the model layer this attention is in (which KV cache group's
+        block tables it reads when the layout has several; required there)."""
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(
@@ -122,6 +240,7 @@ class PagedAttention(nn.Module):
         self.spec = spec if isinstance(spec, AttentionSpec) else AttentionSpec(scale=spec)
         backend.check_spec(self.spec)
         self.backend = backend
+        self.layer_index = layer_index
 
     def forward(
         self,
@@ -132,6 +251,7 @@ class PagedAttention(nn.Module):
         metadata: AttentionMetadata,
         sinks: torch.Tensor | None = None,  # [num_heads] when the spec has sinks
     ) -> torch.Tensor:  # [T, num_heads * head_size]
+        metadata = metadata.for_layer(self.layer_index)
         out = self.backend.forward(q, k, v, kv_cache, metadata, self.spec, sinks)
         return out.reshape(q.shape[0], self.num_heads * self.head_size)
 

@@ -1,7 +1,9 @@
 """The Llama family: Llama 2/3 (and TinyStories), Mistral, Qwen2, Qwen3.
 
 They differ only in small switches read from the HF config: biases on q/k/v (Qwen2),
-per-head RMSNorm on q and k (Qwen3), explicit head_dim, tied embeddings.
+per-head RMSNorm on q and k (Qwen3), explicit head_dim, tied embeddings. Families built
+on these layers pick each layer's attention and feed-forward block (`make_attention`,
+`make_mlp`: mixtral.py, gpt_oss.py).
 
 Tensor parallelism (`group`): q/k/v and gate/up are column-parallel (each rank holds its
 query heads, its key/value heads or a copy of one, its slice of the MLP), o_proj and
@@ -14,6 +16,8 @@ layer ops (`layer_ops.py`) fuse into one pass.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -75,12 +79,25 @@ class LlamaAttention(nn.Module):
         self.rotary_emb = RotaryEmbedding(
             self.head_size, cfg.max_position_embeddings, rope_parameters(cfg), ops
         )
-        spec = AttentionSpec(
+        spec = self.attention_spec(cfg, index)
+        self.attn = PagedAttention(
+            self.num_heads, self.num_kv_heads, self.head_size, spec, backend, layer_index=index
+        )
+
+    def attention_spec(self, cfg, index: int) -> AttentionSpec:
+        """How layer `index` attends (a subclass adds features, e.g. GPT-OSS's sinks)."""
+        return AttentionSpec(
             scale=self.head_size**-0.5, sliding_window=layer_sliding_window(cfg, index)
         )
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_size, spec, backend)
 
     def forward(self, positions, hidden, kv_cache, metadata) -> torch.Tensor:
+        q, k, v = self.project(positions, hidden)
+        return self.o_proj(self.attn(q, k, v, kv_cache, metadata))  # [T, hidden_size]
+
+    def project(
+        self, positions: torch.Tensor, hidden: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rotated queries [T, heads, D] and keys [T, kv_heads, D], values [T, kv_heads, D]."""
         t = hidden.shape[0]  # hidden: [T, hidden_size]
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
         q = q.view(t, self.num_heads, self.head_size)
@@ -89,7 +106,7 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, kv_cache, metadata))  # [T, hidden_size]
+        return q, k, v
 
 
 class LlamaMLP(nn.Module):
@@ -118,15 +135,14 @@ class LlamaDecoderLayer(nn.Module):
 
     Takes the previous layer's output and the residual stream (None before the first
     layer, where the embedding is the stream) and returns the MLP's output and the
-    stream; the next norm adds the two.
+    stream; the next norm adds the two. `self_attn` and `mlp` come built (the model
+    class picks them per layer: `make_attention`, `make_mlp`).
     """
 
-    def __init__(
-        self, cfg, backend, ops: LayerOps, group, qkv_bias: bool, qk_norm: bool, index: int
-    ) -> None:
+    def __init__(self, cfg, ops: LayerOps, self_attn: nn.Module, mlp: nn.Module) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, backend, ops, group, qkv_bias, qk_norm, index)
-        self.mlp = LlamaMLP(cfg, ops, group)
+        self.self_attn = self_attn
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
@@ -150,13 +166,10 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embedding, decoder layers, final norm (HF's `model.` prefix)."""
 
-    def __init__(self, cfg, backend, ops: LayerOps, group, qkv_bias: bool, qk_norm: bool) -> None:
+    def __init__(self, cfg, ops: LayerOps, group, layers: Iterable[LlamaDecoderLayer]) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, group)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, backend, ops, group, qkv_bias, qk_norm, i)
-            for i in range(cfg.num_hidden_layers)
-        )
+        self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
     def forward(self, input_ids, positions, kv_caches, metadata) -> torch.Tensor:
@@ -194,9 +207,29 @@ class LlamaForCausalLM(CausalLM):
         super().__init__()
         group = group or TensorParallelGroup()
         ops = layer_ops if layer_ops is not None else layer_ops_for(backend)
-        self.model = LlamaModel(cfg, backend, ops, group, self.qkv_bias, self.qk_norm)
+        layers = (
+            LlamaDecoderLayer(
+                cfg,
+                ops,
+                self.make_attention(cfg, backend, ops, group, i),
+                self.make_mlp(cfg, ops, group, i),
+            )
+            for i in range(cfg.num_hidden_layers)
+        )
+        self.model = LlamaModel(cfg, ops, group, layers)
         tie = "model.embed_tokens" if getattr(cfg, "tie_word_embeddings", False) else None
         self.init_lm_head(cfg.hidden_size, cfg.vocab_size, tie, group)
+
+    def make_attention(
+        self, cfg, backend: AttentionBackend, ops: LayerOps, group: TensorParallelGroup, index: int
+    ) -> nn.Module:
+        """Layer `index`'s attention: `forward(positions, hidden, kv_cache, metadata)`."""
+        return LlamaAttention(cfg, backend, ops, group, self.qkv_bias, self.qk_norm, index)
+
+    def make_mlp(self, cfg, ops: LayerOps, group: TensorParallelGroup, index: int) -> nn.Module:
+        """Layer `index`'s feed-forward block, [T, hidden] -> [T, hidden] (the MoE
+        families put a sparse block on some or all layers)."""
+        return LlamaMLP(cfg, ops, group)
 
     def backbone(self) -> nn.Module:
         return self.model

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 from engine.worker.models.base import CausalLM
+from engine.worker.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from engine.worker.models.gpt2 import GPT2LMHeadModel
+from engine.worker.models.gpt_oss import GptOssForCausalLM
 from engine.worker.models.llama import (
     LlamaForCausalLM,
     MistralForCausalLM,
     Qwen2ForCausalLM,
     Qwen3ForCausalLM,
 )
+from engine.worker.models.mixtral import MixtralForCausalLM, Qwen3MoeForCausalLM
 from engine.worker.models.opt import OPTForCausalLM
+from engine.worker.models.phi3 import Phi3ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -19,6 +23,12 @@ MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "GPT2LMHeadModel": GPT2LMHeadModel,
     "OPTForCausalLM": OPTForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
 }
 
 

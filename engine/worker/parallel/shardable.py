@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from engine.config import ModelConfig
+from engine.worker.attention.backend import ReferenceBackend
 from engine.worker.models.registry import resolve_model_class
 from engine.worker.parallel.group import TensorParallelGroup
 
@@ -23,7 +24,7 @@ def check_shardable(model: ModelConfig, tensor_parallel_size: int) -> None:
     cls = resolve_model_class(model.architecture)
     group = TensorParallelGroup(0, tensor_parallel_size)
     try:
-        with torch.device("meta"):
-            cls(model.hf_config, None, group)
+        with torch.device("meta"):  # the reference backend does every attention feature
+            cls(model.hf_config, ReferenceBackend(), group)
     except ValueError as exc:
         raise ValueError(f"{model.architecture} cannot be split: {exc}") from None
