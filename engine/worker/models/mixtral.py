@@ -69,9 +69,12 @@ def _check_activation(cfg) -> None:
         raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (silu)")
 
 
-class MixtralForCausalLM(LlamaForCausalLM):
-    """Mixtral 8x7B / 8x22B: Llama attention (within `sliding_window` when the config
-    sets one) and a sparse MoE block on every layer."""
+class SparseLlamaForCausalLM(LlamaForCausalLM):
+    """Llama layers with sparse MoE blocks (`make_mlp` of each family picks them);
+    checkpoints name expert e's projections `experts.{e}.<expert_names>` (gate, up,
+    down)."""
+
+    expert_names: tuple[str, str, str]
 
     def __init__(
         self,
@@ -83,9 +86,16 @@ class MixtralForCausalLM(LlamaForCausalLM):
         _check_activation(cfg)
         super().__init__(cfg, backend, group, layer_ops)
         self.stacked_params = {  # the experts' first: Llama's `.gate_proj.` is in their names
-            **per_expert_params(_num_experts(cfg), "w1", "w3", "w2"),
+            **per_expert_params(_num_experts(cfg), *self.expert_names),
             **LlamaForCausalLM.stacked_params,
         }
+
+
+class MixtralForCausalLM(SparseLlamaForCausalLM):
+    """Mixtral 8x7B / 8x22B: Llama attention (within `sliding_window` when the config
+    sets one) and a sparse MoE block on every layer."""
+
+    expert_names = ("w1", "w3", "w2")
 
     def make_mlp(self, cfg, ops: LayerOps, group: TensorParallelGroup, index: int) -> nn.Module:
         part = Part.even(cfg.intermediate_size, group, "intermediate_size")
@@ -95,25 +105,12 @@ class MixtralForCausalLM(LlamaForCausalLM):
         return super().checkpoint_name(name.replace(".block_sparse_moe.", ".mlp."))
 
 
-class Qwen3MoeForCausalLM(LlamaForCausalLM):
+class Qwen3MoeForCausalLM(SparseLlamaForCausalLM):
     """Qwen3-MoE (30B-A3B, 235B-A22B): Qwen3 attention (q/k norms) and a sparse MoE block
     on the layers `decoder_sparse_step` picks, bar `mlp_only_layers` (a dense MLP)."""
 
     qk_norm = True
-
-    def __init__(
-        self,
-        cfg,
-        backend: AttentionBackend,
-        group: TensorParallelGroup | None = None,
-        layer_ops: LayerOps | None = None,
-    ) -> None:
-        _check_activation(cfg)
-        super().__init__(cfg, backend, group, layer_ops)
-        self.stacked_params = {  # the experts' first: Llama's `.gate_proj.` is in their names
-            **per_expert_params(_num_experts(cfg), "gate_proj", "up_proj", "down_proj"),
-            **LlamaForCausalLM.stacked_params,
-        }
+    expert_names = ("gate_proj", "up_proj", "down_proj")
 
     def make_mlp(self, cfg, ops: LayerOps, group: TensorParallelGroup, index: int) -> nn.Module:
         step = int(getattr(cfg, "decoder_sparse_step", 1) or 1)
