@@ -103,7 +103,7 @@ class HybridKVCacheManager(KVCacheManager):
         for g, window in enumerate(self.windows):
             if window is None:
                 continue
-            first = max(0, num_computed - window + 1) // self.block_size
+            first = self._first_needed(window, num_computed)
             for e in range(g, min(first * groups, len(table)), groups):
                 if table[e] != NULL_BLOCK:
                     freed.append(table[e])
@@ -124,10 +124,9 @@ class HybridKVCacheManager(KVCacheManager):
 
     def grow(self, seq_id: str, num_tokens: int) -> list[int] | None:
         table = self._tables.get(seq_id)
-        need = self.entries_for(num_tokens) - (len(table) if table else 0)
-        if need <= 0:
-            return table if table is not None else []
         entries = range(len(table) if table else 0, self.entries_for(num_tokens))
+        if not entries:
+            return table if table is not None else []
         if not self._can_allocate(entries):
             return None
         if table is None:

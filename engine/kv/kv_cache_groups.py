@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from functools import cached_property
 
 from engine.kv.block_count import cdiv
 
@@ -110,12 +111,24 @@ class KVCacheLayout:
     def num_layers(self) -> int:
         return sum(len(g.layers) for g in self.groups)
 
+    @cached_property
+    def placement(self) -> tuple[tuple[int, int], ...]:
+        """Per model layer, (group index, tensor index); computed once."""
+        places = {
+            layer: (g, j)
+            for g, group in enumerate(self.groups)
+            for j, layer in enumerate(group.layers)
+        }
+        return tuple(places[layer] for layer in range(self.num_layers))
+
+    @cached_property
+    def group_of_layer(self) -> tuple[int, ...]:
+        """Per model layer, its group's index (what each layer's attention reads)."""
+        return tuple(g for g, _ in self.placement)
+
     def place(self, layer: int) -> tuple[int, int]:
         """(group index, tensor index) of model layer `layer`."""
-        for g, group in enumerate(self.groups):
-            if layer in group.layers:
-                return g, group.layers.index(layer)
-        raise ValueError(f"layer {layer} is in no KV cache group")
+        return self.placement[layer]
 
     @property
     def padding_share(self) -> float:

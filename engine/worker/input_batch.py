@@ -72,8 +72,7 @@ def build_model_input(
         starts.append(len(ids))
     metadata = _metadata(rows, starts, slots, device, num_groups)
     if layout is not None and layout.is_hybrid:
-        group_of_layer = tuple(layout.place(layer)[0] for layer in range(layout.num_layers))
-        metadata = GroupedAttentionMetadata(metadata, group_of_layer)
+        metadata = GroupedAttentionMetadata(metadata, layout.group_of_layer)
     else:
         metadata = metadata[0]
     return ModelInput(

@@ -69,6 +69,7 @@ class ModelRunner:
         self.group = group or TensorParallelGroup()
         self.grammars = grammars
         self.model_config = model_config
+        self.kv_layout = model_config.kv_cache_layout  # derived from the config: once
         self.cache_config = cache_config
         self.device = device_config.device
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -119,7 +120,7 @@ class ModelRunner:
     def _default_cpu_budget(self) -> int:
         """2 GiB, or less when max_num_seqs full-length sequences need less."""
         bs, m = self.cache_config.block_size, self.model_config
-        blocks = self.max_num_seqs * m.kv_cache_layout.blocks_needed(0, m.max_model_len, bs)
+        blocks = self.max_num_seqs * self.kv_layout.blocks_needed(0, m.max_model_len, bs)
         return min(DEFAULT_CPU_KV_CACHE_MEMORY, blocks * self._block_bytes())
 
     def num_cpu_blocks(self) -> int:
@@ -151,7 +152,7 @@ class ModelRunner:
 
         torch.cuda.reset_peak_memory_stats(self.device)
         block_size = self.cache_config.block_size
-        layout = self.model_config.kv_cache_layout
+        layout = self.kv_layout
         plan = dummy_plan(
             self.max_num_batched_tokens,
             self.model_config.max_model_len,
@@ -179,7 +180,7 @@ class ModelRunner:
             plan.scheduled,
             self.cache_config.block_size,
             self.device,
-            self.model_config.kv_cache_layout,
+            self.kv_layout,
         )
         hidden = self.model(batch.input_ids, batch.positions, self.kv_cache, batch.metadata)
         prompt_lp = self._prompt_logprobs(batch, hidden)
