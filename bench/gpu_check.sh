@@ -8,7 +8,9 @@
 #   bash bench/gpu_check.sh ASSETS   # ASSETS: stories260K/ and stories260K_greedy.json
 #
 # Wheels the machine lacks (xgrammar and its pydantic, jsonschema for the structured-output
-# checks) go in .whl/ at the repository root; they are installed to /tmp/site first.
+# checks; the transformers the tests pin, for the model families' references) go in .whl/
+# at the repository root; they are installed to /tmp/site first. QUICK=1 times fewer kernel
+# points and skips the engine throughput stage.
 set -u
 ASSETS=${1:?usage: gpu_check.sh ASSETS_DIR}
 OUT=${OUT:-/tmp/gpu_check}
@@ -46,25 +48,40 @@ print("[gpu_build]", "built" if k else "FAILED", round(time.perf_counter() - t, 
 ' >"$LOGS/build.log" 2>&1
 report build $? "$LOGS/build.log"
 
-stage "gpu tests + engine checks, concurrently"
-timeout 170 python3 -m pytest -m gpu tests/cuda_ext/test_native_cuda.py -q -n 6 --timeout 120 \
+stage "gpu tests + engine checks + model families, concurrently"
+timeout 200 python3 -m pytest -m gpu tests/cuda_ext/test_native_cuda.py \
+  tests/cuda_ext/test_native_cuda_features.py -q -n 6 --timeout 120 \
   -p no:cacheprovider -rfE >"$OUT/pytest.log" 2>&1 &
 tests=$!
-PAGEDSERVE_NATIVE=0 timeout 170 python3 bench/gpu_e2e.py --stories "$ASSETS/stories260K" \
+PAGEDSERVE_NATIVE=0 timeout 200 python3 bench/gpu_e2e.py --stories "$ASSETS/stories260K" \
+  --reference "$ASSETS/stories260K_greedy.json" --parts families \
+  --out "$OUT/gpu_e2e_families.json" >/dev/null 2>"$LOGS/families.log" &
+families=$!
+PAGEDSERVE_NATIVE=0 timeout 200 python3 bench/gpu_e2e.py --stories "$ASSETS/stories260K" \
   --reference "$ASSETS/stories260K_greedy.json" --parts checks structured \
   --out "$OUT/gpu_e2e_checks.json" >/dev/null 2>"$LOGS/checks.log"
 report "engine checks" $? "$LOGS/checks.log"
+wait $families
+report "model families" $? "$LOGS/families.log"
 wait $tests
 echo "gpu tests rc $?" >>"$SUMMARY"
 tail -n 25 "$OUT/pytest.log" >>"$SUMMARY"
 
-stage "kernel timings: GQA 32/8 heads, then MHA 32/32"
-timeout 90 python3 bench/gpu_kernels.py --out "$OUT/gpu_kernels.json" >/dev/null 2>"$LOGS/kernels.log"
+stage "kernel timings: GQA 32/8 heads, a sliding window, then MHA 32/32"
+if [ "${QUICK:-0}" = 1 ]; then points="--batch 1 32 256 --context 1024 16384"; else points=""; fi
+timeout 90 python3 bench/gpu_kernels.py $points --out "$OUT/gpu_kernels.json" >/dev/null \
+  2>"$LOGS/kernels.log"
 report kernels $? "$LOGS/kernels.log"
-timeout 60 python3 bench/gpu_kernels.py --kv-heads 32 --batch 1 32 256 --context 1024 16384 \
-  --no-prefill --out "$OUT/gpu_kernels_mha.json" >/dev/null 2>"$LOGS/kernels_mha.log"
-report "kernels MHA" $? "$LOGS/kernels_mha.log"
+timeout 60 python3 bench/gpu_kernels.py --window 4096 --batch 1 32 128 --context 8192 32768 \
+  --no-prefill --out "$OUT/gpu_kernels_window.json" >/dev/null 2>"$LOGS/kernels_window.log"
+report "kernels window" $? "$LOGS/kernels_window.log"
+[ "${QUICK:-0}" = 1 ] || {
+  timeout 60 python3 bench/gpu_kernels.py --kv-heads 32 --batch 1 32 256 --context 1024 16384 \
+    --no-prefill --out "$OUT/gpu_kernels_mha.json" >/dev/null 2>"$LOGS/kernels_mha.log"
+  report "kernels MHA" $? "$LOGS/kernels_mha.log"
+}
 
+[ "${QUICK:-0}" = 1 ] && { stage done; cat "$SUMMARY"; exit 0; }
 stage "engine throughput"
 timeout 120 python3 bench/gpu_e2e.py --stories "$ASSETS/stories260K" \
   --reference "$ASSETS/stories260K_greedy.json" --parts throughput \

@@ -7,7 +7,9 @@ Checks (a real checkpoint, stories260K, float32 so the CPU is an exact reference
     beam search, shared prefixes (prefix caching) and a KV cache small enough to preempt;
   - float16 / bfloat16 run, with the share of greedy tokens equal to float32's;
   - n=4 seeded sampling finishes with four outputs;
-  - structured outputs (xgrammar's masks on this device's logits) on the built-in model.
+  - structured outputs (xgrammar's masks on this device's logits) on the built-in model;
+  - the families with sliding windows, soft caps, sinks or experts (tiny random configs)
+    against transformers' greedy tokens, through prefix hits, one step ahead and swapping.
 Timing: a random Llama-shaped model (about 1.2B parameters, bfloat16) serving random
 prompts offline, our engine against Hugging Face `generate` on the same weights.
 
@@ -164,6 +166,73 @@ def check_structured(device: str) -> dict:
     return dict(ok=True, pipeline_depths=[1, 2])
 
 
+FAMILIES = (
+    "mistral-window",
+    "qwen2-hybrid",
+    "gemma2",
+    "gemma3",
+    "phi3",
+    "gpt-oss",
+    "mixtral",
+    "qwen3-moe",
+)
+
+
+def check_families(device: str) -> dict:
+    """Each family of FAMILIES (tests/engine/tiny_models.py: windows shorter than most of
+    the prompts) on this device with our kernels, against transformers' own greedy tokens
+    (CPU, float32): twice over the same prompts, so the second pass hits the prefix cache,
+    in 8-token blocks, in 16-token blocks one step ahead, and in a cache that holds about
+    one sequence (swap preemption)."""
+    from engine.worker.kv_cache import block_bytes
+    from tests.engine.tiny_models import VOCAB, hf_greedy, save_hf_model
+
+    rng = random.Random(3)
+    prompts = [[rng.randrange(VOCAB) for _ in range(n)] for n in (2, 5, 9, 17, 30, 40)]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in FAMILIES:
+            path = str(Path(tmp) / name)
+            expected = [hf_greedy(save_hf_model(name, Path(path)), p, 10) for p in prompts]
+            base = dict(device=device, dtype="float32", skip_tokenizer_init=True, seed=0)
+            base |= dict(max_model_len=64, **native(device))
+            roomy = 64 << 20  # explicit: tests share the GPU, so free memory varies
+            with LLM(path, **base, block_size=16, kv_cache_memory=roomy) as probe:
+                layout = probe.config.model.kv_cache_layout
+                per_block = block_bytes(probe.config.model, 16)
+            one = layout.max_blocks_per_sequence(64, 16, 16)
+            tight = dict(
+                block_size=16,
+                max_num_batched_tokens=16,
+                kv_cache_memory=per_block * (one + 3),
+                swap_space=per_block * 64 / 1024**3,
+                preemption_mode="swap",
+            )
+            runs = {}
+            configs = dict(
+                block8=dict(block_size=8, kv_cache_memory=roomy),
+                block16_one_step_ahead=dict(block_size=16, pipeline_depth=2, kv_cache_memory=roomy),
+                swapping=tight,
+            )
+            for label, kwargs in configs.items():
+                try:
+                    with LLM(path, **base, **kwargs) as llm:
+                        for second in (False, True):
+                            outs = llm.generate(prompts, params, use_tqdm=False)
+                            same = [o.outputs[0].token_ids for o in outs] == expected
+                            runs[label + ("_again" if second else "")] = same
+                        runs[label + "_swaps"] = llm.stats().num_swaps
+                except Exception as exc:  # noqa: BLE001 - report it, run the other configs
+                    runs[label] = False
+                    runs[label + "_error"] = f"{type(exc).__name__}: {exc}"[:300]
+            results[name] = runs
+            log(f"{name}: {runs}")
+    ok = all(v for r in results.values() for v in r.values() if isinstance(v, bool))
+    swapped = all(r.get("swapping_swaps", 0) > 0 for r in results.values())
+    return dict(families=results, ok=ok and swapped, every_tight_run_swapped=swapped)
+
+
 LLAMA_1B = dict(
     hidden_size=2048,
     intermediate_size=8192,
@@ -295,8 +364,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--parts",
         nargs="+",
-        choices=["checks", "structured", "throughput"],
-        default=["checks", "structured", "throughput"],
+        choices=["checks", "structured", "families", "throughput"],
+        default=["checks", "structured", "families", "throughput"],
     )
     p.add_argument("--device", default="cuda", help="cpu: a dry run of the checks' code")
     p.add_argument("--out", type=Path)
@@ -333,6 +402,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     if "structured" in a.parts:
         checks["structured"] = guarded("structured", check_structured, dev)
+    if "families" in a.parts:
+        checks["families"] = guarded("families", check_families, dev)
     if "throughput" in a.parts:
         result["throughput"] = guarded(
             "throughput", throughput, a.num_prompts, a.input_len, a.output_len, a.hf_batch

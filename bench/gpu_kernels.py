@@ -8,10 +8,13 @@ over a shuffled block pool, attended by v1, by v2 and by SDPA on a dense copy
 (`triton.testing.do_bench` where triton is installed, else events by hand), the K/V bytes
 read over that time beside a device-to-device copy's rate (bytes read + written). Each
 point first checks v1 and v2 against SDPA. Also: prefill attention (causal, whole
-prompts) and reshape_and_cache.
+prompts) and reshape_and_cache. With `--window W`: decode over long contexts with a
+sliding window of W (the automatic v1/v2 pick) against the same contexts without one and
+against SDPA over the last W tokens alone, and the cost of a soft cap and sinks.
 
     python bench/gpu_kernels.py --out bench/results/gpu_kernels.json
     python bench/gpu_kernels.py --quick
+    python bench/gpu_kernels.py --window 4096 --batch 1 32 --context 8192 32768 --no-prefill
 """
 
 from __future__ import annotations
@@ -123,6 +126,62 @@ def paged_case(kernels, batch, context, heads, kv_heads, head, dtype) -> dict:
     )
 
 
+def window_case(kernels, batch, context, window, heads, kv_heads, head, dtype) -> dict:
+    """Decode over `context` tokens with and without a window of `window`: checked against
+    SDPA over the window's tokens, then timed; also a soft cap and sinks without a window."""
+    gen = torch.Generator(device="cuda").manual_seed(batch * 7 + context + window)
+    per_seq = -(-context // BLOCK_SIZE)
+    num_blocks = batch * per_seq + 1
+    shape = (num_blocks, BLOCK_SIZE, kv_heads, head)
+    key_cache = torch.randn(shape, generator=gen, device="cuda", dtype=dtype)
+    value_cache = torch.randn(shape, generator=gen, device="cuda", dtype=dtype)
+    order = torch.randperm(num_blocks - 1, generator=gen, device="cuda")
+    tables = order[: batch * per_seq].view(batch, per_seq).to(torch.int32)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    query = torch.randn(batch, heads, head, generator=gen, device="cuda").to(dtype)
+    scale = head**-0.5
+    k, v = (  # the window's tokens, contiguous: [B, KVH, window, D]
+        c[tables.long()]
+        .permute(0, 3, 1, 2, 4)
+        .reshape(batch, kv_heads, per_seq * BLOCK_SIZE, head)[:, :, context - window : context]
+        .contiguous()
+        for c in (key_cache, value_cache)
+    )
+    q = query.unsqueeze(2)  # [B, H, 1, D]
+
+    def sdpa():
+        return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=heads != kv_heads)
+
+    out = torch.full_like(query, float("nan"))
+    args = (out, query, key_cache, value_cache, tables, seq_lens, scale, context)
+    sinks = torch.randn(heads, generator=gen, device="cuda")
+    variants = dict(
+        full={},
+        windowed=dict(sliding_window=window),
+        soft_cap_and_sinks=dict(soft_cap=30.0, sinks=sinks),
+    )
+    kernels.paged_attention(*args, **variants["windowed"])
+    expected = sdpa().squeeze(2).float()
+    error = ((out.float() - expected).norm() / expected.norm()).item()
+    times = {
+        name: median_ms(lambda kw=kw: kernels.paged_attention(*args, **kw))
+        for name, kw in variants.items()
+    }
+    t_sdpa = median_ms(sdpa)
+    return dict(
+        batch=batch,
+        context=context,
+        window=window,
+        full_us=round(times["full"] * 1e3, 2),
+        windowed_us=round(times["windowed"] * 1e3, 2),
+        sdpa_over_window_us=round(t_sdpa * 1e3, 2),
+        full_over_windowed=round(times["full"] / times["windowed"], 2),
+        windowed_over_sdpa=round(times["windowed"] / t_sdpa, 3),
+        soft_cap_and_sinks_over_full=round(times["soft_cap_and_sinks"] / times["full"], 3),
+        windowed_rel_error=error,
+    )
+
+
 def prefill_case(kernels, batch, prompt, heads, kv_heads, head, dtype) -> dict:
     """Whole prompts of `prompt` tokens: paged prefill vs causal SDPA on dense tensors."""
     gen = torch.Generator(device="cuda").manual_seed(prompt + batch)
@@ -181,6 +240,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--head-size", type=int, default=128)
     p.add_argument("--dtype", choices=["float16", "bfloat16", "float32"], default="bfloat16")
     p.add_argument("--no-prefill", action="store_true", help="decode attention only")
+    p.add_argument(
+        "--window", type=int, default=0, help="time these contexts with a sliding window too"
+    )
     p.add_argument("--quick", action="store_true", help="batch 1 and 32, contexts 256 and 4096")
     p.add_argument("--out", type=Path)
     a = p.parse_args(argv)
@@ -216,6 +278,15 @@ def main(argv: list[str] | None = None) -> int:
                 f"{row['v1_rel_error']:.1e} {row['v2_rel_error']:.1e})"
             )
             decode.append(row)
+    windowed = []
+    for batch in a.batch if a.window else []:
+        for context in (c for c in a.context if c > a.window):
+            try:
+                row = window_case(kernels, batch, context, a.window, *shape)
+            except Exception as exc:  # noqa: BLE001 - record it, time the other points
+                row = dict(batch=batch, context=context, window=a.window, error=str(exc)[:500])
+            log(f"window batch {batch} context {context}: {row}")
+            windowed.append(row)
     prefill = []
     for batch, prompt in [] if a.no_prefill else PREFILL_POINTS:
         try:
@@ -238,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
         block_size=BLOCK_SIZE,
         copy_gb_s=round(copy, 1),
         decode=decode,
+        windowed=windowed,
         prefill=prefill,
         machine=machine(),
     )

@@ -14,12 +14,20 @@ offsets; `seq_lens` counts the context including this step's tokens), except slo
 mappings, which are int64 as in `cuda_ext.reference`. Values inside index tensors live on
 the device and are not checked (that would synchronize): out-of-range slots or block ids
 are undefined behaviour, not errors.
+
+The attention kernels take the optional features of
+`cuda_ext.reference.paged_attention_reference` as keywords: `sliding_window` W (0: none;
+a query at p sees keys p - W < j <= p, and no block wholly before the step's first window
+is read, so those table entries may be anything), `soft_cap` (0: none) and `sinks`
+(float32 `[num_heads]` on the query's device, or None). Without them the kernels compile
+and run their plain path.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
@@ -235,11 +243,16 @@ class CudaKernels:
         block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
         seq_lens: torch.Tensor,  # [num_seqs] int32, context length including this token
         scale: float,
+        *,
+        sliding_window: int = 0,
+        soft_cap: float = 0.0,
+        sinks: torch.Tensor | None = None,  # [num_heads] float32
     ) -> None:
         """Decode attention (one query token per sequence), one pass over each context."""
         _check_decode(out, query, key_cache, value_cache, block_tables, seq_lens)
+        features = _check_features(sliding_window, soft_cap, sinks, query)
         self._ops.paged_attention_v1(
-            out, query, key_cache, value_cache, block_tables, seq_lens, float(scale)
+            out, query, key_cache, value_cache, block_tables, seq_lens, float(scale), *features
         )
 
     def paged_attention_v2(
@@ -252,12 +265,18 @@ class CudaKernels:
         seq_lens: torch.Tensor,  # [num_seqs] int32, context length including this token
         scale: float,
         max_seq_len: int | None = None,  # >= max(seq_lens); None reads it (a device sync)
+        *,
+        sliding_window: int = 0,
+        soft_cap: float = 0.0,
+        sinks: torch.Tensor | None = None,  # [num_heads] float32
     ) -> None:
         """Decode attention with each context cut into PARTITION_SIZE-token partitions,
         attended in parallel and then combined; the float32 workspaces are allocated here."""
         _check_decode(out, query, key_cache, value_cache, block_tables, seq_lens)
+        features = _check_features(sliding_window, soft_cap, sinks, query)
         max_seq_len = _max_seq_len(seq_lens, max_seq_len, block_tables, key_cache)
-        self._v2(out, query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len)
+        caches = (key_cache, value_cache)
+        self._v2(out, query, *caches, block_tables, seq_lens, scale, max_seq_len, features)
 
     def paged_attention(
         self,
@@ -269,25 +288,44 @@ class CudaKernels:
         seq_lens: torch.Tensor,  # [num_seqs] int32, context length including this token
         scale: float,
         max_seq_len: int | None = None,  # >= max(seq_lens); None reads it (a device sync)
+        *,
+        sliding_window: int = 0,
+        soft_cap: float = 0.0,
+        sinks: torch.Tensor | None = None,  # [num_heads] float32
     ) -> None:
-        """Decode attention: v2 when a context spans more than one PARTITION_SIZE
-        partition and v1 would launch fewer thread blocks than the GPU has SMs, else v1.
-        On an H200 that was the crossover (bench/gpu_kernels.py; docs/performance.md)."""
+        """Decode attention: v2 when the attended span (the context, or the window) covers
+        more than one PARTITION_SIZE partition and v1 would launch fewer thread blocks
+        than the GPU has SMs, else v1. On an H200 that was the crossover
+        (bench/gpu_kernels.py; docs/performance.md)."""
         _check_decode(out, query, key_cache, value_cache, block_tables, seq_lens)
+        features = _check_features(sliding_window, soft_cap, sinks, query)
         max_seq_len = _max_seq_len(seq_lens, max_seq_len, block_tables, key_cache)
+        span = min(max_seq_len, sliding_window) if sliding_window else max_seq_len
         num_seqs, num_heads, head_size = query.shape
         blocks = decode_thread_blocks(
             num_seqs, num_heads, key_cache.shape[2], head_size, query.dtype
         )
         sms = torch.cuda.get_device_properties(query.device).multi_processor_count
-        if max_seq_len <= PARTITION_SIZE or blocks >= sms:
+        caches = (key_cache, value_cache)
+        if span <= PARTITION_SIZE or blocks >= sms:
             self._ops.paged_attention_v1(
-                out, query, key_cache, value_cache, block_tables, seq_lens, float(scale)
+                out, query, *caches, block_tables, seq_lens, float(scale), *features
             )
         else:
-            self._v2(out, query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len)
+            self._v2(out, query, *caches, block_tables, seq_lens, scale, max_seq_len, features)
 
-    def _v2(self, out, query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len):
+    def _v2(
+        self,
+        out,
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        seq_lens,
+        scale,
+        max_seq_len,
+        features,
+    ):
         num_seqs, num_heads, head_size = query.shape
         partitions = max(1, cdiv(max_seq_len, PARTITION_SIZE))
         # float32 workspaces: [exp sums, max logits] per partition, and partial outputs.
@@ -304,6 +342,7 @@ class CudaKernels:
             stats[0],
             stats[1],
             tmp_out,
+            *features,
         )
 
     def prefill_attention(
@@ -317,6 +356,10 @@ class CudaKernels:
         seq_lens: torch.Tensor,  # [num_seqs] int32, context length including the queries
         scale: float,
         max_query_len: int | None = None,  # >= every query length; None reads it (a sync)
+        *,
+        sliding_window: int = 0,
+        soft_cap: float = 0.0,
+        sinks: torch.Tensor | None = None,  # [num_heads] float32
     ) -> None:
         """Causal attention of each sequence's new tokens, its last q_len positions (so
         seq_len >= q_len), over its paged context: any mix of prefill chunks and decodes."""
@@ -329,6 +372,7 @@ class CudaKernels:
         int32 = (torch.int32,)
         _check("query_start_loc", query_start_loc, "[num_seqs + 1]", starts, int32, query.device)
         _check_block_tables(block_tables, num_seqs, query.device)
+        features = _check_features(sliding_window, soft_cap, sinks, query)
         if max_query_len is None:
             lens = query_start_loc[1:] - query_start_loc[:-1]
             max_query_len = int(lens.max()) if num_seqs else 0
@@ -342,6 +386,7 @@ class CudaKernels:
             seq_lens,
             int(max_query_len),
             float(scale),
+            *features,
         )
 
     def copy_blocks(
@@ -402,6 +447,24 @@ class CudaKernels:
                     "block_mapping", f"{name} block ids in [0, {cache.shape[0]})", [low, high]
                 )
         self._ops.swap_blocks(src, dst, block_mapping)
+
+
+def _check_features(
+    sliding_window: int, soft_cap: float, sinks: torch.Tensor | None, query: torch.Tensor
+) -> tuple[int, float, torch.Tensor | None]:
+    """The attention kernels' optional features, checked, as the bindings take them."""
+    if isinstance(sliding_window, bool) or not isinstance(sliding_window, int):
+        raise _fail("sliding_window", "an int (0: no window)", type(sliding_window).__name__)
+    if not 0 <= sliding_window <= 2**31 - 1:
+        raise _fail("sliding_window", "in 0..2**31 - 1 (0: no window)", sliding_window)
+    if isinstance(soft_cap, bool) or not isinstance(soft_cap, int | float):
+        raise _fail("soft_cap", "a float (0: no cap)", type(soft_cap).__name__)
+    if not math.isfinite(soft_cap) or soft_cap < 0:
+        raise _fail("soft_cap", "finite and >= 0 (0: no cap)", soft_cap)
+    if sinks is not None:
+        heads = (query.shape[1],)
+        _check("sinks", sinks, "[num_heads]", heads, (torch.float32,), query.device)
+    return sliding_window, float(soft_cap), sinks
 
 
 def _check_block_tables(block_tables: object, num_seqs: int, device: torch.device) -> None:

@@ -82,14 +82,19 @@ def cuda_budget_bytes(cache: CacheConfig, peak_bytes: int, device: torch.device)
     return int(total * cache.gpu_memory_utilization) - peak_bytes
 
 
-def allocate_kv_cache(model: ModelConfig, shape: tuple[int, ...], device: str) -> KVCache:
+def allocate_kv_cache(
+    model: ModelConfig, shape: tuple[int, ...], device: str, pinned: bool = False
+) -> KVCache:
     """Per layer, zeroed K and V caches of the attention backend's `shape` (the blocks
     the scheduler hands out plus `reserved_blocks`); on the CPU, on transparent huge
-    pages where the system allows (engine/worker/huge_pages.py). With a hybrid layout
+    pages where the system allows (engine/worker/huge_pages.py), or in pinned memory
+    (`pinned`: the swap space of a CUDA device, which the copies need). With a hybrid layout
     the layers of different groups share tensors: layer `groups[g].layers[j]` gets
     tensor pair j (`KVCacheLayout.place`)."""
 
     def zeros() -> torch.Tensor:
+        if pinned:
+            return torch.zeros(shape, dtype=model.dtype, pin_memory=True)
         if str(device) == "cpu":
             return zeros_on_huge_pages(shape, model.dtype)
         return torch.zeros(shape, dtype=model.dtype, device=device)

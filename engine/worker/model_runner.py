@@ -132,8 +132,9 @@ class ModelRunner:
         plus the pages its allocator reserves."""
         m, reserved = self.model_config, reserved_blocks(self.model_config)
         self.kv_cache = allocate_kv_cache(m, self._cache_shape(num_blocks + reserved), self.device)
+        on_cuda = str(self.device).startswith("cuda")
         self.swap_cache = (
-            allocate_kv_cache(m, self._cache_shape(num_cpu_blocks + reserved), "cpu")
+            allocate_kv_cache(m, self._cache_shape(num_cpu_blocks + reserved), "cpu", on_cuda)
             if num_cpu_blocks
             else []
         )

@@ -32,7 +32,7 @@ TORCH_NVCC_DEFINES = [
     "-D__CUDA_NO_BFLOAT16_CONVERSIONS__",
     "-D__CUDA_NO_HALF2_OPERATORS__",
 ]
-COMPILE_TIMEOUT_S = 240
+COMPILE_TIMEOUT_S = 480  # per file: two targets of every decode instantiation
 
 
 def nvcc() -> str:

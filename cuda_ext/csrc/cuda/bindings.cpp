@@ -38,6 +38,17 @@ int to_int(int64_t v, const char* what) {
   return static_cast<int>(v);
 }
 
+// The optional attention features; sinks, when given, is float32 [num_heads] on the query's
+// device (checked by native_cuda.py).
+pagedserve::AttentionFeatures features_of(int64_t sliding_window, double soft_cap,
+                                          const std::optional<at::Tensor>& sinks) {
+  pagedserve::AttentionFeatures features;
+  features.sliding_window = to_int(sliding_window, "sliding_window");
+  features.soft_cap = static_cast<float>(soft_cap);
+  features.sinks = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
+  return features;
+}
+
 void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache,
                        at::Tensor& value_cache, const at::Tensor& slot_mapping) {
   const c10::cuda::CUDAGuard guard(key.device());
@@ -51,7 +62,8 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
 
 void paged_attention_v1(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                         const at::Tensor& value_cache, const at::Tensor& block_tables,
-                        const at::Tensor& seq_lens, double scale) {
+                        const at::Tensor& seq_lens, double scale, int64_t sliding_window,
+                        double soft_cap, const std::optional<at::Tensor>& sinks) {
   const c10::cuda::CUDAGuard guard(query.device());
   check(pagedserve::launch_paged_attention_v1(
             out.data_ptr(), query.data_ptr(), query.stride(0), key_cache.data_ptr(),
@@ -60,14 +72,15 @@ void paged_attention_v1(at::Tensor& out, const at::Tensor& query, const at::Tens
             to_int(key_cache.size(2), "num_kv_heads"), to_int(query.size(2), "head_size"),
             to_int(key_cache.size(1), "block_size"),
             to_int(block_tables.size(1), "max_blocks_per_seq"), static_cast<float>(scale),
-            dtype_of(query), current_stream()),
+            features_of(sliding_window, soft_cap, sinks), dtype_of(query), current_stream()),
         "paged_attention_v1");
 }
 
 void paged_attention_v2(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                         const at::Tensor& value_cache, const at::Tensor& block_tables,
                         const at::Tensor& seq_lens, double scale, at::Tensor& exp_sums,
-                        at::Tensor& max_logits, at::Tensor& tmp_out) {
+                        at::Tensor& max_logits, at::Tensor& tmp_out, int64_t sliding_window,
+                        double soft_cap, const std::optional<at::Tensor>& sinks) {
   const c10::cuda::CUDAGuard guard(query.device());
   check(pagedserve::launch_paged_attention_v2(
             out.data_ptr(), query.data_ptr(), query.stride(0), key_cache.data_ptr(),
@@ -78,14 +91,15 @@ void paged_attention_v2(at::Tensor& out, const at::Tensor& query, const at::Tens
             to_int(key_cache.size(2), "num_kv_heads"), to_int(query.size(2), "head_size"),
             to_int(key_cache.size(1), "block_size"),
             to_int(block_tables.size(1), "max_blocks_per_seq"), static_cast<float>(scale),
-            dtype_of(query), current_stream()),
+            features_of(sliding_window, soft_cap, sinks), dtype_of(query), current_stream()),
         "paged_attention_v2");
 }
 
 void prefill_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                        const at::Tensor& value_cache, const at::Tensor& block_tables,
                        const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
-                       int64_t max_query_len, double scale) {
+                       int64_t max_query_len, double scale, int64_t sliding_window,
+                       double soft_cap, const std::optional<at::Tensor>& sinks) {
   const c10::cuda::CUDAGuard guard(query.device());
   check(pagedserve::launch_prefill_attention(
             out.data_ptr(), query.data_ptr(), query.stride(0), key_cache.data_ptr(),
@@ -95,7 +109,7 @@ void prefill_attention(at::Tensor& out, const at::Tensor& query, const at::Tenso
             to_int(query.size(1), "num_heads"), to_int(key_cache.size(2), "num_kv_heads"),
             to_int(query.size(2), "head_size"), to_int(key_cache.size(1), "block_size"),
             to_int(block_tables.size(1), "max_blocks_per_seq"), static_cast<float>(scale),
-            dtype_of(query), current_stream()),
+            features_of(sliding_window, soft_cap, sinks), dtype_of(query), current_stream()),
         "prefill_attention");
 }
 

@@ -22,6 +22,20 @@ enum class DType : int { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
 constexpr int kMaxHeadSize = 256;    // the generic (unspecialized) head-size path's bound
 constexpr int kPartitionSize = 512;  // tokens of context per thread block in paged attention v2
 
+// A layer's optional attention features, all off by default (the kernels then compile
+// the plain path, unchanged). sliding_window W > 0: a query at position p sees the keys
+// p - W < j <= p, and no block wholly before the step's first query's window is read (its
+// table entry may be anything); soft_cap c > 0: each scaled logit x becomes c * tanh(x / c)
+// before masking; sinks (device float32 [num_heads], or null): one more logit per query
+// head in every softmax's denominator, with no value (GPT-OSS's learned sinks).
+struct AttentionFeatures {
+  int sliding_window = 0;
+  float soft_cap = 0.f;
+  const float* sinks = nullptr;
+
+  bool any() const { return sliding_window > 0 || soft_cap > 0.f || sinks != nullptr; }
+};
+
 // key, value: [num_tokens, num_kv_heads, head_size], the last two dims contiguous, token
 // strides given in elements. Tokens whose slot is < 0 are padding and are skipped.
 cudaError_t launch_reshape_and_cache(const void* key, const void* value, void* key_cache,
@@ -39,7 +53,8 @@ cudaError_t launch_paged_attention_v1(void* out, const void* query, int64_t quer
                                       const int* block_tables, const int* seq_lens,
                                       int num_seqs, int num_heads, int num_kv_heads,
                                       int head_size, int block_size, int max_blocks_per_seq,
-                                      float scale, DType dtype, cudaStream_t stream);
+                                      float scale, const AttentionFeatures& features,
+                                      DType dtype, cudaStream_t stream);
 
 // As v1, with the context cut into kPartitionSize-token partitions attended by separate
 // thread blocks, then combined by a reduce kernel. Workspaces (float32, any contents):
@@ -52,7 +67,8 @@ cudaError_t launch_paged_attention_v2(void* out, const void* query, int64_t quer
                                       float* exp_sums, float* max_logits, float* tmp_out,
                                       int max_num_partitions, int num_seqs, int num_heads,
                                       int num_kv_heads, int head_size, int block_size,
-                                      int max_blocks_per_seq, float scale, DType dtype,
+                                      int max_blocks_per_seq, float scale,
+                                      const AttentionFeatures& features, DType dtype,
                                       cudaStream_t stream);
 
 // Causal attention of each sequence's new tokens (its last q_len positions) over its paged
@@ -65,7 +81,8 @@ cudaError_t launch_prefill_attention(void* out, const void* query, int64_t query
                                      const int* seq_lens, int num_seqs, int max_query_len,
                                      int num_heads, int num_kv_heads, int head_size,
                                      int block_size, int max_blocks_per_seq, float scale,
-                                     DType dtype, cudaStream_t stream);
+                                     const AttentionFeatures& features, DType dtype,
+                                     cudaStream_t stream);
 
 // Copy-on-write for every layer in one launch. key_cache_ptrs, value_cache_ptrs: device
 // arrays of num_layers addresses (int64) of caches whose blocks are block_bytes apart;

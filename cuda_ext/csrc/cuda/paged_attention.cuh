@@ -15,6 +15,8 @@
 // suffers, which is what v2 is for). Query heads of one KV group are adjacent in
 // blockIdx.x, so under GQA the group's thread blocks tend to run together and can find
 // their shared K/V in L2 (the design's intent; not measured).
+// With a sliding window (AttentionFeatures) a context starts at the query's window: blocks
+// wholly before it are never read, and the first block's earlier tokens are masked.
 #pragma once
 
 #include "common.cuh"
@@ -54,21 +56,24 @@ struct WarpSoftmax {
   }
 };
 
-// Folds the first `valid` tokens of one KV block into the warp's softmax. The block's
+// Folds tokens [lo, valid) of one KV block into the warp's softmax (lo > 0 only for the
+// block where a sliding window starts; FEATURES also soft-caps the logits). The block's
 // other slots are never read: their memory may hold anything, NaN included.
-template <typename T, int BLOCK_SIZE, int ITERS, int VEC>
+template <typename T, int BLOCK_SIZE, bool FEATURES, int ITERS, int VEC>
 __device__ __forceinline__ void fold_block(WarpSoftmax<ITERS, VEC>& state,
                                            const float (&q)[ITERS][VEC],  // scaled query
                                            const T* k_block, const T* v_block,
-                                           int64_t token_stride, int valid, int head_size,
-                                           int lane) {
+                                           int64_t token_stride, int lo, int valid,
+                                           int head_size, int lane, float soft_cap) {
+  // `lo` and `valid` are uniform in the warp; the plain path has lo == 0.
+  const auto seen = [&](int t) { return (!FEATURES || t >= lo) && t < valid; };
   // Partial dot products for every token (BLOCK_SIZE independent loads in flight), then
   // a butterfly sum that leaves every logit in every lane.
   float s[BLOCK_SIZE];
 #pragma unroll
   for (int t = 0; t < BLOCK_SIZE; ++t) {
     float partial = 0.f;
-    if (t < valid) {
+    if (seen(t)) {
 #pragma unroll
       for (int i = 0; i < ITERS; ++i) {
         const int d0 = lane_dim<VEC>(i, lane);
@@ -85,7 +90,8 @@ __device__ __forceinline__ void fold_block(WarpSoftmax<ITERS, VEC>& state,
   float block_max_logit = kNegInfinity;
 #pragma unroll
   for (int t = 0; t < BLOCK_SIZE; ++t) {
-    s[t] = t < valid ? group_sum(s[t]) : kNegInfinity;  // `valid` is uniform in the warp
+    s[t] = seen(t) ? group_sum(s[t]) : kNegInfinity;
+    if constexpr (FEATURES) s[t] = seen(t) ? soft_capped(s[t], soft_cap) : kNegInfinity;
     block_max_logit = fmaxf(block_max_logit, s[t]);
   }
 
@@ -101,7 +107,7 @@ __device__ __forceinline__ void fold_block(WarpSoftmax<ITERS, VEC>& state,
   }
 #pragma unroll
   for (int t = 0; t < BLOCK_SIZE; ++t) {
-    if (t < valid) {
+    if (seen(t)) {
       const float p = __expf(s[t] - m_new);
       state.l += p;
 #pragma unroll
@@ -120,8 +126,10 @@ __device__ __forceinline__ void fold_block(WarpSoftmax<ITERS, VEC>& state,
 
 // HEAD_SIZE == 0 is the generic path: head_size_rt <= kMaxHeadSize at run time.
 // PARTITION_SIZE == 0 is v1 (write `out`); otherwise v2 (write the partition's normalized
-// output to tmp_out and its max logit and exp sum to max_logits and exp_sums).
-template <typename T, int HEAD_SIZE, int BLOCK_SIZE, int PARTITION_SIZE>
+// output to tmp_out and its max logit and exp sum to max_logits and exp_sums; a partition
+// wholly before a sliding window writes an empty softmax: -inf, 0 and zeros). FEATURES:
+// apply `features` (launchers.h); v2 leaves the sinks to the reduce kernel.
+template <typename T, int HEAD_SIZE, int BLOCK_SIZE, int PARTITION_SIZE, bool FEATURES>
 __global__ void __launch_bounds__(kAttnThreads) paged_attention_kernel(
     T* __restrict__ out,                 // v1: [num_seqs, num_heads, head_size]
     float* __restrict__ exp_sums,        // v2: [num_seqs, num_heads, max_num_partitions]
@@ -133,7 +141,8 @@ __global__ void __launch_bounds__(kAttnThreads) paged_attention_kernel(
     const T* __restrict__ value_cache,   // [num_blocks, BLOCK_SIZE, num_kv_heads, head_size]
     const int* __restrict__ block_tables,  // [num_seqs, max_blocks_per_seq]
     const int* __restrict__ seq_lens,      // [num_seqs]
-    int max_blocks_per_seq, int num_kv_heads, int head_size_rt, float scale) {
+    int max_blocks_per_seq, int num_kv_heads, int head_size_rt, float scale,
+    AttentionFeatures features) {
   static_assert(PARTITION_SIZE % BLOCK_SIZE == 0, "partitions hold whole blocks");
   constexpr bool kGeneric = HEAD_SIZE == 0;
   constexpr int kMaxD = kGeneric ? kMaxHeadSize : HEAD_SIZE;
@@ -151,9 +160,9 @@ __global__ void __launch_bounds__(kAttnThreads) paged_attention_kernel(
   const int64_t row = static_cast<int64_t>(seq) * num_heads + head;  // of out, the stats
 
   const int seq_len = seq_lens[seq];
-  const int start = partition * PARTITION_SIZE;  // 0 for v1
-  const int end = PARTITION_SIZE == 0 ? seq_len : min(start + PARTITION_SIZE, seq_len);
-  if (start >= end) {
+  const int partition_start = partition * PARTITION_SIZE;  // 0 for v1
+  const int end = PARTITION_SIZE == 0 ? seq_len : min(partition_start + PARTITION_SIZE, seq_len);
+  if (partition_start >= end) {
     // v2: a partition past this sequence's end (the reduce kernel never reads it).
     // v1: an empty context attends to nothing; its output is zero.
     if constexpr (PARTITION_SIZE == 0) {
@@ -162,6 +171,19 @@ __global__ void __launch_bounds__(kAttnThreads) paged_attention_kernel(
       }
     }
     return;
+  }
+  int start = partition_start;
+  if constexpr (FEATURES) {
+    start = max(start, window_start(seq_len - 1, features.sliding_window));
+    if (PARTITION_SIZE != 0 && start >= end) {  // a v2 partition wholly before the window
+      const int64_t at = row * gridDim.z + partition;
+      for (int d = threadIdx.x; d < head_size; d += kAttnThreads) tmp_out[at * head_size + d] = 0.f;
+      if (threadIdx.x == 0) {
+        max_logits[at] = kNegInfinity;
+        exp_sums[at] = 0.f;
+      }
+      return;
+    }
   }
 
   float q[ITERS][VEC];  // pre-scaled, in this lane's dims
@@ -184,8 +206,10 @@ __global__ void __launch_bounds__(kAttnThreads) paged_attention_kernel(
     const int64_t block_start = static_cast<int64_t>(table[b]) * BLOCK_SIZE * token_stride +
                                 static_cast<int64_t>(kv_head) * head_size;
     const int valid = min(BLOCK_SIZE, end - b * BLOCK_SIZE);  // >= 1
-    fold_block<T, BLOCK_SIZE>(state, q, key_cache + block_start, value_cache + block_start,
-                              token_stride, valid, head_size, lane);
+    const int lo = FEATURES ? max(0, start - b * BLOCK_SIZE) : 0;  // < valid
+    fold_block<T, BLOCK_SIZE, FEATURES>(state, q, key_cache + block_start,
+                                        value_cache + block_start, token_stride, lo, valid,
+                                        head_size, lane, features.soft_cap);
   }
 
   // Block-level reduction of the warps' softmaxes. A warp that saw no block has m = -inf,
@@ -217,7 +241,9 @@ __global__ void __launch_bounds__(kAttnThreads) paged_attention_kernel(
     weight[w] = __expf(warp_m[w] - total_max);
     total_sum += warp_l[w] * weight[w];
   }
-  const float inv_sum = 1.f / total_sum;
+  const float inv_sum = PARTITION_SIZE == 0 && FEATURES
+                            ? softmax_normalizer(total_max, total_sum, features.sinks, head)
+                            : 1.f / total_sum;  // v2's sinks wait for the reduce kernel
   const int max_num_partitions = gridDim.z;
   for (int d = threadIdx.x; d < head_size; d += kAttnThreads) {
     float o = 0.f;
@@ -249,14 +275,18 @@ cudaError_t launch_paged_attention_kernel(void* out, float* exp_sums, float* max
                                           const int* block_tables, const int* seq_lens,
                                           int num_seqs, int num_heads, int num_kv_heads,
                                           int head_size, int block_size,
-                                          int max_blocks_per_seq, float scale, DType dtype,
+                                          int max_blocks_per_seq, float scale,
+                                          const AttentionFeatures& features, DType dtype,
                                           cudaStream_t stream) {
   if (num_seqs == 0) return cudaSuccess;
   if (num_seqs < 0 || num_kv_heads <= 0 || num_heads % num_kv_heads != 0 ||
       num_seqs > 65535 || num_partitions <= 0 || num_partitions > 65535) {
     return cudaErrorInvalidValue;
   }
+  if (features.sliding_window < 0 || !(features.soft_cap >= 0.f)) return cudaErrorInvalidValue;
   const int group = num_heads / num_kv_heads;
+  return dispatch_bool(features.any(), [&](auto features_tag) {
+  constexpr bool kFeatures = decltype(features_tag)::value;
   return dispatch_dtype(dtype, [&](auto dtype_tag) {
     using T = decltype(dtype_tag);
     return dispatch_head_size(head_size, [&](auto head_tag) {
@@ -268,28 +298,30 @@ cudaError_t launch_paged_attention_kernel(void* out, float* exp_sums, float* max
           const auto launch = [&](auto group_tag) {
             constexpr int kGroup = decltype(group_tag)::value;
             const dim3 grid(num_kv_heads * cdiv(group, kGroup), num_seqs, num_partitions);
-            paged_attention_grouped_kernel<T, kHead, kBlock, PARTITION_SIZE, kGroup>
+            paged_attention_grouped_kernel<T, kHead, kBlock, PARTITION_SIZE, kGroup, kFeatures>
                 <<<grid, kAttnThreads, 0, stream>>>(
                     static_cast<T*>(out), exp_sums, max_logits, tmp_out,
                     static_cast<const T*>(query), query_stride,
                     static_cast<const T*>(key_cache), static_cast<const T*>(value_cache),
                     block_tables, seq_lens, max_blocks_per_seq, num_heads, num_kv_heads,
-                    scale);
+                    scale, features);
             return cudaGetLastError();
           };
           return group == 1 ? launch(IntConst<1>{}) : launch(IntConst<kMaxGroupedHeads>{});
         } else {
           const dim3 grid(num_heads, num_seqs, num_partitions);
-          paged_attention_kernel<T, kHead, kBlock, PARTITION_SIZE>
+          paged_attention_kernel<T, kHead, kBlock, PARTITION_SIZE, kFeatures>
               <<<grid, kAttnThreads, 0, stream>>>(
                   static_cast<T*>(out), exp_sums, max_logits, tmp_out,
                   static_cast<const T*>(query), query_stride,
                   static_cast<const T*>(key_cache), static_cast<const T*>(value_cache),
-                  block_tables, seq_lens, max_blocks_per_seq, num_kv_heads, head_size, scale);
+                  block_tables, seq_lens, max_blocks_per_seq, num_kv_heads, head_size, scale,
+                  features);
           return cudaGetLastError();
         }
       });
     });
+  });
   });
 }
 

@@ -9,7 +9,9 @@
 //   - a piece's keys and values (up to a KV block) are all loaded before any is used
 //     (2 * kSteps * ITERS 16-byte loads in flight per lane): one memory round trip each.
 // Outputs, workspaces and the v1/v2 split are paged_attention_kernel's: the v2 reduce
-// kernel combines partitions the same way. Slots past a context are never read.
+// kernel combines partitions the same way. Slots past a context are never read, nor are
+// blocks wholly before a sliding window (FEATURES: the window, soft cap and v1's sinks, as
+// in paged_attention_kernel).
 #pragma once
 
 #include "common.cuh"
@@ -68,7 +70,8 @@ __host__ __device__ constexpr bool grouped_head_size(int head_size) {
   return head_size > 0 && head_size % (kTokenLanes * (16 / static_cast<int>(sizeof(T)))) == 0;
 }
 
-template <typename T, int HEAD_SIZE, int BLOCK_SIZE, int PARTITION_SIZE, int GROUP>
+template <typename T, int HEAD_SIZE, int BLOCK_SIZE, int PARTITION_SIZE, int GROUP,
+          bool FEATURES>
 __global__ void __launch_bounds__(kAttnThreads) paged_attention_grouped_kernel(
     T* __restrict__ out,                 // v1: [num_seqs, num_heads, head_size]
     float* __restrict__ exp_sums,        // v2: [num_seqs, num_heads, max_num_partitions]
@@ -80,7 +83,8 @@ __global__ void __launch_bounds__(kAttnThreads) paged_attention_grouped_kernel(
     const T* __restrict__ value_cache,   // [num_blocks, BLOCK_SIZE, num_kv_heads, head_size]
     const int* __restrict__ block_tables,  // [num_seqs, max_blocks_per_seq]
     const int* __restrict__ seq_lens,      // [num_seqs]
-    int max_blocks_per_seq, int num_heads, int num_kv_heads, float scale) {
+    int max_blocks_per_seq, int num_heads, int num_kv_heads, float scale,
+    AttentionFeatures features) {
   constexpr int CHUNK = 16 / static_cast<int>(sizeof(T));     // elements per 16-byte load
   constexpr int ITERS = HEAD_SIZE / (kTokenLanes * CHUNK);    // loads per lane per token
   // A piece: the tokens a warp loads before using any, at most one KV block, sized so that
@@ -108,9 +112,9 @@ __global__ void __launch_bounds__(kAttnThreads) paged_attention_grouped_kernel(
   const int tl = lane % kTokenLanes;   // lane within the token's group: dims below
 
   const int seq_len = seq_lens[seq];
-  const int start = partition * PARTITION_SIZE;
-  const int end = PARTITION_SIZE == 0 ? seq_len : min(start + PARTITION_SIZE, seq_len);
-  if (start >= end) {  // as paged_attention_kernel: zeros (v1) or an unread partition (v2)
+  const int partition_start = partition * PARTITION_SIZE;
+  const int end = PARTITION_SIZE == 0 ? seq_len : min(partition_start + PARTITION_SIZE, seq_len);
+  if (partition_start >= end) {  // as paged_attention_kernel: zeros (v1) or an unread partition (v2)
     if constexpr (PARTITION_SIZE == 0) {
       for (int i = threadIdx.x; i < heads * HEAD_SIZE; i += kAttnThreads) {
         const int64_t row = static_cast<int64_t>(seq) * num_heads + first_head + i / HEAD_SIZE;
@@ -118,6 +122,22 @@ __global__ void __launch_bounds__(kAttnThreads) paged_attention_grouped_kernel(
       }
     }
     return;
+  }
+  int start = partition_start;
+  if constexpr (FEATURES) {
+    start = max(start, window_start(seq_len - 1, features.sliding_window));
+    if (PARTITION_SIZE != 0 && start >= end) {  // a v2 partition wholly before the window
+      for (int i = threadIdx.x; i < heads * HEAD_SIZE; i += kAttnThreads) {
+        const int64_t row = static_cast<int64_t>(seq) * num_heads + first_head + i / HEAD_SIZE;
+        const int64_t at = row * gridDim.z + partition;
+        tmp_out[at * HEAD_SIZE + i % HEAD_SIZE] = 0.f;
+        if (i % HEAD_SIZE == 0) {
+          max_logits[at] = kNegInfinity;
+          exp_sums[at] = 0.f;
+        }
+      }
+      return;
+    }
   }
 
   // The lane's dims: for i < ITERS, [(i * kTokenLanes + tl) * CHUNK, + CHUNK). The query
@@ -158,13 +178,17 @@ __global__ void __launch_bounds__(kAttnThreads) paged_attention_grouped_kernel(
         static_cast<int64_t>(first_token % BLOCK_SIZE) * token_stride +
         static_cast<int64_t>(kv_head) * HEAD_SIZE;
     const int valid = min(PIECE, end - first_token);  // >= 1
+    const int lo = FEATURES ? max(0, start - first_token) : 0;  // < valid
+    // Whether the piece's t-th token is in the context (and the window); only these slots
+    // are read.
+    const auto seen = [&](int t) { return (!FEATURES || t >= lo) && t < valid; };
     // Every load of the piece first: keys and values of the lane's tokens.
     uint4 k[kSteps][ITERS];
     uint4 v[kSteps][ITERS];
 #pragma unroll
     for (int s = 0; s < kSteps; ++s) {
       const int t = s * kTokensPerStep + sub;
-      if (t < valid) {
+      if (seen(t)) {
 #pragma unroll
         for (int i = 0; i < ITERS; ++i) {
           const int64_t at = base + t * token_stride + (i * kTokenLanes + tl) * CHUNK;
@@ -192,7 +216,8 @@ __global__ void __launch_bounds__(kAttnThreads) paged_attention_grouped_kernel(
           for (int c = 0; c < CHUNK; ++c) partial = fmaf(query_part[c], key[i][c], partial);
         }
         partial = group_sum<kTokenLanes>(partial) * scale;  // in every lane of the group
-        logit[g][s] = s * kTokensPerStep + sub < valid ? partial : kNegInfinity;
+        if constexpr (FEATURES) partial = soft_capped(partial, features.soft_cap);
+        logit[g][s] = seen(s * kTokensPerStep + sub) ? partial : kNegInfinity;
       }
     }
     // Each head's running softmax moves to the piece's max; p = 0 past the context.
@@ -217,14 +242,14 @@ __global__ void __launch_bounds__(kAttnThreads) paged_attention_grouped_kernel(
       }
 #pragma unroll
       for (int s = 0; s < kSteps; ++s) {
-        p[g][s] = s * kTokensPerStep + sub < valid ? __expf(logit[g][s] - m_new) : 0.f;
+        p[g][s] = seen(s * kTokensPerStep + sub) ? __expf(logit[g][s] - m_new) : 0.f;
         l[g] += p[g][s];
       }
     }
     // p * V, a step at a time; a value past the context may be NaN, so it is never read.
 #pragma unroll
     for (int s = 0; s < kSteps; ++s) {
-      if (s * kTokensPerStep + sub < valid) {
+      if (seen(s * kTokensPerStep + sub)) {
         float value[ITERS][CHUNK];
 #pragma unroll
         for (int i = 0; i < ITERS; ++i) unpack(v[s][i], value[i], T{});
@@ -289,7 +314,12 @@ __global__ void __launch_bounds__(kAttnThreads) paged_attention_grouped_kernel(
     }
     const int64_t row = static_cast<int64_t>(seq) * num_heads + first_head + g;
     if constexpr (PARTITION_SIZE == 0) {
-      out[row * HEAD_SIZE + d] = from_float<T>(o / total_sum);
+      if constexpr (FEATURES) {
+        const float norm = softmax_normalizer(total_max, total_sum, features.sinks, first_head + g);
+        out[row * HEAD_SIZE + d] = from_float<T>(o * norm);
+      } else {
+        out[row * HEAD_SIZE + d] = from_float<T>(o / total_sum);
+      }
     } else {
       tmp_out[(row * max_num_partitions + partition) * HEAD_SIZE + d] = o / total_sum;
       if (d == 0) {

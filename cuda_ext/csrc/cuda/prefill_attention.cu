@@ -15,6 +15,10 @@
 //   3. the row's probabilities go through shared memory, and lane j accumulates
 //      p * V into the dims j, j + 8, j + 16, ... that it owns.
 // Rows and K/V tiles are padded by one float so the row-parallel reads hit distinct banks.
+// FEATURES (AttentionFeatures): soft-capped logits; a sliding window, whose key tiles start
+// at the query tile's first window and load no position before it (so no block wholly
+// before the step's first window is read), a row that sees no key of a tile leaving its
+// softmax as it was; sinks in each row's normalizer.
 #include "common.cuh"
 
 namespace pagedserve {
@@ -32,7 +36,7 @@ __host__ __device__ constexpr int prefill_smem_floats(int head_size) {
 }
 
 // HEAD_SIZE == 0 is the generic path: head_size_rt <= kMaxHeadSize at run time.
-template <typename T, int HEAD_SIZE>
+template <typename T, int HEAD_SIZE, bool FEATURES>
 __global__ void __launch_bounds__(kPrefillThreads) prefill_attention_kernel(
     T* __restrict__ out,                   // [num_tokens, num_heads, head_size]
     const T* __restrict__ query,           // [num_tokens, num_heads, head_size], strided
@@ -43,7 +47,7 @@ __global__ void __launch_bounds__(kPrefillThreads) prefill_attention_kernel(
     const int* __restrict__ query_start_loc,  // [num_seqs + 1]
     const int* __restrict__ seq_lens,         // [num_seqs]
     int max_blocks_per_seq, int num_kv_heads, int block_size, int head_size_rt,
-    float scale) {
+    float scale, AttentionFeatures features) {
   constexpr bool kGeneric = HEAD_SIZE == 0;
   constexpr int kDimsPerLane = cdiv(kGeneric ? kMaxHeadSize : HEAD_SIZE, kLanesPerRow);
   const int head_size = kGeneric ? head_size_rt : HEAD_SIZE;
@@ -61,6 +65,9 @@ __global__ void __launch_bounds__(kPrefillThreads) prefill_attention_kernel(
   const int context = seq_len - q_len;  // tokens before this step's first query
   const int rows = min(kTileQ, q_len - row0);
   const int kv_end = context + row0 + rows;  // the tile's last query sees keys < kv_end
+  // The tile's first query sees keys >= kv_begin; tiles of keys start at a multiple of
+  // kTileK, but no position before kv_begin is loaded.
+  const int kv_begin = FEATURES ? window_start(context + row0, features.sliding_window) : 0;
 
   const int row = threadIdx.x / kLanesPerRow;
   const int j = threadIdx.x % kLanesPerRow;
@@ -91,7 +98,7 @@ __global__ void __launch_bounds__(kPrefillThreads) prefill_attention_kernel(
   for (int i = 0; i < kDimsPerLane; ++i) acc[i] = 0.f;
 
   const int* table = block_tables + static_cast<int64_t>(seq) * max_blocks_per_seq;
-  for (int kv0 = 0; kv0 < kv_end; kv0 += kTileK) {
+  for (int kv0 = kv_begin / kTileK * kTileK; kv0 < kv_end; kv0 += kTileK) {
     __syncthreads();  // the previous tile is consumed (and, first time, sq is written)
     for (int idx = threadIdx.x; idx < kTileK * head_size; idx += kPrefillThreads) {
       const int t = idx / head_size;
@@ -99,7 +106,7 @@ __global__ void __launch_bounds__(kPrefillThreads) prefill_attention_kernel(
       const int pos = kv0 + t;
       float kx = 0.f;
       float vx = 0.f;
-      if (pos < kv_end) {
+      if (pos < kv_end && (!FEATURES || pos >= kv_begin)) {
         const int64_t slot =
             static_cast<int64_t>(table[pos / block_size]) * block_size + pos % block_size;
         const int64_t at = (slot * num_kv_heads + kv_head) * head_size + d;
@@ -121,19 +128,28 @@ __global__ void __launch_bounds__(kPrefillThreads) prefill_attention_kernel(
       float dot = 0.f;
       for (int d = 0; d < head_size; ++d) dot = fmaf(qr[d], kr[d], dot);
       const int pos = kv0 + key;
-      s[c] = (pos <= q_pos && pos < kv_end) ? dot : kNegInfinity;
+      if constexpr (FEATURES) {
+        const bool seen = pos <= q_pos && pos < kv_end &&
+                          pos >= window_start(q_pos, features.sliding_window);
+        s[c] = seen ? soft_capped(dot, features.soft_cap) : kNegInfinity;
+      } else {
+        s[c] = (pos <= q_pos && pos < kv_end) ? dot : kNegInfinity;
+      }
       tile_max = fmaxf(tile_max, s[c]);
     }
     // Finite for real rows: each row's first tile holds key 0. Padding rows score zeros.
+    // With a window a row may have seen no key yet (m_new = -inf): its exponents are then
+    // taken from 0, so that p = 0 and the rescale of its empty sums is 0.
     const float m_new = fmaxf(m, group_max<kLanesPerRow>(tile_max));
+    const float m_ref = FEATURES && m_new == kNegInfinity ? 0.f : m_new;
     float p_sum = 0.f;
 #pragma unroll
     for (int c = 0; c < kKeysPerLane; ++c) {
-      const float p = __expf(s[c] - m_new);
+      const float p = __expf(s[c] - m_ref);
       sp[row * (kTileK + 1) + j + c * kLanesPerRow] = p;
       p_sum += p;
     }
-    const float rescale = __expf(m - m_new);  // 0 on the first tile
+    const float rescale = __expf(m - m_ref);  // 0 on the first tile
     l = l * rescale + group_sum<kLanesPerRow>(p_sum);
     m = m_new;
     __syncwarp();  // the row's probabilities, written by lanes of this warp
@@ -153,7 +169,7 @@ __global__ void __launch_bounds__(kPrefillThreads) prefill_attention_kernel(
   }
 
   if (row >= rows) return;
-  const float inv_sum = 1.f / l;
+  const float inv_sum = FEATURES ? softmax_normalizer(m, l, features.sinks, head) : 1.f / l;
   T* o = out + (static_cast<int64_t>(q_begin + row0 + row) * num_heads + head) * head_size;
 #pragma unroll
   for (int i = 0; i < kDimsPerLane; ++i) {
@@ -170,19 +186,23 @@ cudaError_t launch_prefill_attention(void* out, const void* query, int64_t query
                                      const int* seq_lens, int num_seqs, int max_query_len,
                                      int num_heads, int num_kv_heads, int head_size,
                                      int block_size, int max_blocks_per_seq, float scale,
-                                     DType dtype, cudaStream_t stream) {
+                                     const AttentionFeatures& features, DType dtype,
+                                     cudaStream_t stream) {
   if (num_seqs == 0 || max_query_len == 0) return cudaSuccess;
   if (num_seqs < 0 || num_seqs > 65535 || num_heads > 65535 || max_query_len < 0 ||
-      num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || block_size <= 0) {
+      num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || block_size <= 0 ||
+      features.sliding_window < 0 || !(features.soft_cap >= 0.f)) {
     return cudaErrorInvalidValue;
   }
   const dim3 grid(cdiv(max_query_len, kTileQ), num_heads, num_seqs);
   const int smem = prefill_smem_floats(head_size) * static_cast<int>(sizeof(float));
+  return dispatch_bool(features.any(), [&](auto features_tag) {
+  constexpr bool kFeatures = decltype(features_tag)::value;
   return dispatch_dtype(dtype, [&](auto dtype_tag) {
     using T = decltype(dtype_tag);
     return dispatch_head_size(head_size, [&](auto head_tag) {
       constexpr int kHead = decltype(head_tag)::value;
-      auto kernel = prefill_attention_kernel<T, kHead>;
+      auto kernel = prefill_attention_kernel<T, kHead, kFeatures>;
       if (smem > 48 * 1024) {
         const cudaError_t err =
             cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
@@ -192,9 +212,10 @@ cudaError_t launch_prefill_attention(void* out, const void* query, int64_t query
           static_cast<T*>(out), static_cast<const T*>(query), query_stride,
           static_cast<const T*>(key_cache), static_cast<const T*>(value_cache), block_tables,
           query_start_loc, seq_lens, max_blocks_per_seq, num_kv_heads, block_size, head_size,
-          scale);
+          scale, features);
       return cudaGetLastError();
     });
+  });
   });
 }
 

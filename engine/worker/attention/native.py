@@ -7,9 +7,8 @@ the house layout `[num_blocks, block_size, num_kv_heads, head_size]` on CUDA. A 
 writes its new K/V through the slot mapping (`reshape_and_cache`), then attends: the
 decode rows (query length 1, first in the batch) in one `paged_attention_decode` call,
 the prefill chunks in one `paged_attention_prefill` call; no gathering, no per-sequence
-Python loop. The CPU kernels also do the spec's sliding window (reading no block before
-it), soft cap and sinks; the CUDA ones do not. Copy-on-write copies every layer's blocks
-in one call.
+Python loop. Both kernel sets also do the spec's sliding window (reading no block wholly
+before it), soft cap and sinks. Copy-on-write copies every layer's blocks in one call.
 """
 
 from __future__ import annotations
@@ -91,27 +90,26 @@ class NativeCudaBackend(NativeCpuBackend):
     """Paged attention through the CUDA kernels (`kernels`: a loaded CudaKernels): v1
     or v2 decode by context length, the paged prefill kernel, one copy launch for every
     layer. The kernels take int32 block tables and lengths: converted once per layer
-    call here (a few hundred bytes). Not yet run on a GPU (see docs/performance.md)."""
+    call here (a few hundred bytes). Checked on an H200 (docs/performance.md)."""
 
     name = "native-cuda"
     index_dtype = torch.int32
-    unsupported_features = frozenset(
-        {"sliding window", "attention logit soft-capping", "attention sinks"}
-    )
     kv_cache_shape = staticmethod(AttentionBackend.kv_cache_shape)  # the house layout
 
     def _decode(self, out, query, key_cache, value_cache, tables, seq_lens, spec, sinks, metadata):
         max_len = max(metadata.seq_lens_cpu[: metadata.num_decodes])  # host-side: no sync
+        caches, features = (key_cache, value_cache), _features(spec, sinks)
         self.ops.paged_attention(
-            out, query, key_cache, value_cache, tables, seq_lens, spec.scale, max_len
+            out, query, *caches, tables, seq_lens, spec.scale, max_len, **features
         )
 
     def _prefill(
         self, out, query, key_cache, value_cache, tables, starts, seq_lens, spec, sinks, metadata
     ):
         max_query = max(metadata.query_lens_cpu[metadata.num_decodes :])
+        caches, features = (key_cache, value_cache), _features(spec, sinks)
         self.ops.prefill_attention(
-            out, query, key_cache, value_cache, tables, starts, seq_lens, spec.scale, max_query
+            out, query, *caches, tables, starts, seq_lens, spec.scale, max_query, **features
         )
 
 
