@@ -175,6 +175,7 @@ FAMILIES = (
     "gpt-oss",
     "mixtral",
     "qwen3-moe",
+    "qwen3.5",  # linear attention: block size raised to 32 so a page holds a state
 )
 
 
@@ -200,10 +201,11 @@ def check_families(device: str) -> dict:
             roomy = 64 << 20  # explicit: tests share the GPU, so free memory varies
             with LLM(path, **base, block_size=16, kv_cache_memory=roomy) as probe:
                 layout = probe.config.model.kv_cache_layout
-                per_block = block_bytes(probe.config.model, 16)
-            one = layout.max_blocks_per_sequence(64, 16, 16)
+                bs = probe.config.cache.block_size  # raised where a state needs more
+                per_block = block_bytes(probe.config.model, bs)
+            one = layout.max_blocks_per_sequence(64, 16, bs)
             tight = dict(
-                block_size=16,
+                block_size=bs,
                 max_num_batched_tokens=16,
                 kv_cache_memory=per_block * (one + 3),
                 swap_space=per_block * 64 / 1024**3,

@@ -36,6 +36,25 @@ def layer_sliding_window(hf_config: Any, index: int) -> int | None:
     return int(window)
 
 
+def linear_attention_layers(hf_config: Any) -> tuple[int, ...]:
+    """The layers `layer_types` marks "linear_attention" (Qwen 3.5, Qwen3-Next: Gated
+    DeltaNet), which keep a recurrent state per sequence instead of K/V per token."""
+    layer_types = getattr(hf_config, "layer_types", None) or ()
+    return tuple(i for i, kind in enumerate(layer_types) if kind == "linear_attention")
+
+
+def linear_attention_state_bytes(hf_config: Any) -> tuple[int, int]:
+    """One linear-attention layer's float32 state per sequence, in bytes: (recurrent,
+    convolution). Recurrent: the gated delta rule's [value heads, key dim, value dim];
+    convolution: the last (kernel - 1) inputs of its [2 * keys + values] channels."""
+    cfg = hf_config
+    key_dim = cfg.linear_num_key_heads * cfg.linear_key_head_dim
+    value_dim = cfg.linear_num_value_heads * cfg.linear_value_head_dim
+    recurrent = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim
+    conv = (2 * key_dim + value_dim) * (cfg.linear_conv_kernel_dim - 1)
+    return 4 * recurrent, 4 * conv
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """What the model code and loader need: the checkpoint, its HF config, dtype, length."""
@@ -78,7 +97,19 @@ class ModelConfig:
     @property
     def kv_cache_layout(self) -> KVCacheLayout:
         """The model's KV cache groups by layer kind (engine/kv/kv_cache_groups.py)."""
-        return KVCacheLayout.from_windows(self.sliding_windows)
+        return KVCacheLayout.from_windows(
+            self.sliding_windows, linear_attention_layers(self.hf_config)
+        )
+
+    def min_block_size(self, world_size: int = 1) -> int:
+        """The smallest block size whose pages hold a linear-attention layer's state (a
+        page: one K or V tensor's block, this rank's KV heads; in multiples of 16
+        tokens); 1 for models without such layers."""
+        if not linear_attention_layers(self.hf_config):
+            return 1
+        per_token = self.num_kv_heads // world_size * self.head_size * self.dtype.itemsize
+        state = max(linear_attention_state_bytes(self.hf_config))
+        return -(-state // (16 * per_token)) * 16
 
     @property
     def attention_features(self) -> frozenset[str]:

@@ -3,6 +3,7 @@ once by `build()` into the frozen `EngineConfig` (engine/config.py)."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from engine.config import (
@@ -12,6 +13,8 @@ from engine.config import (
     ParallelConfig,
     SchedulerConfig,
 )
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -67,7 +70,7 @@ class EngineArgs:
         return EngineConfig(
             model=model_config,
             cache=CacheConfig(
-                self.block_size,
+                self._block_size(model_config, parallel.tensor_parallel_size),
                 self.kv_cache_memory,
                 self.gpu_memory_utilization,
                 self.enable_prefix_caching,
@@ -86,3 +89,22 @@ class EngineArgs:
             max_tokens_per_request=self.max_tokens_per_request,
             grammar_cache_size=self.grammar_cache_size,
         )
+
+    def _block_size(self, model_config, world_size: int) -> int:
+        """`block_size`, raised where a linear-attention layer's state needs bigger pages
+        (vLLM raises the attention block size the same way for such models)."""
+        need = model_config.min_block_size(world_size)
+        if self.block_size >= need:
+            return self.block_size
+        if need > 1024:
+            raise ValueError(
+                f"{model_config.architecture}'s linear-attention state needs pages of "
+                f"{need} tokens, more than block_size's limit of 1024"
+            )
+        logger.warning(
+            "block_size raised from %d to %d: %s's linear-attention state must fit one page",
+            self.block_size,
+            need,
+            model_config.architecture,
+        )
+        return need

@@ -15,7 +15,6 @@ from engine.core.engine_core import EngineCore
 from engine.kv.block_ledger import BlockLedger, HybridBlockLedger
 from engine.kv.block_manager import BlockManager, block_tables_for
 from engine.kv.block_tables import BlockTables
-from engine.kv.kv_cache_groups import KVCacheLayout
 from engine.messages import WorkerReady
 from engine.text.request_validation import RequestLimits
 from engine.text.text_processor import TextProcessor
@@ -63,7 +62,7 @@ def build_engine(
         "enable_prefix_caching": cache.enable_prefix_caching,
         "num_cpu_blocks": ready.num_cpu_blocks,
     }
-    layout = KVCacheLayout.from_windows(model.sliding_windows)
+    layout = model.kv_cache_layout
     if not with_block_manager:
         blocks = block_tables_for(layout=layout, **tables)
     elif layout.is_hybrid:

@@ -152,7 +152,14 @@ class Scheduler:
         kv = self.kv_cache
         while self.swapped and budget > 0:
             unit = self._swap_unit(self.swapped[0])
-            blocks = sum(kv.blocks_for(r.num_tokens, r.num_computed_tokens) for r in unit)
+            # Blocks for what comes back and the chunk it computes next (not the rest of
+            # a prompt: windowed and recurrent groups hold only a chunk and their window).
+            blocks = sum(
+                kv.blocks_for(
+                    min(r.num_tokens, r.num_computed_tokens + budget), r.num_computed_tokens
+                )
+                for r in unit
+            )
             if (
                 blocks > kv.num_free_blocks
                 or len(self.running) + len(unit) > self.config.max_num_seqs

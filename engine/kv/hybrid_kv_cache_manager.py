@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from engine.kv.block_count import cdiv
 from engine.kv.block_tables import BlockCopy
-from engine.kv.kv_cache_groups import KVCacheLayout
+from engine.kv.kv_cache_groups import KVCacheGroupKind, KVCacheLayout
 from engine.kv.kv_cache_manager import KVCacheManager
 from engine.kv.prefix_hash import BlockHash, TokenSlice, chain_hashes
 
@@ -57,7 +57,8 @@ class HybridKVCacheManager(KVCacheManager):
             self.cpu_pool.allocate(1)  # CPU block 0 stands for NULL in swapped tables
         self.layout = layout
         self.num_groups = layout.num_groups
-        self.windows = tuple(g.sliding_window for g in layout.groups)
+        self.windows = tuple(g.window for g in layout.groups)  # recurrent: a window of 2
+        self.recurrent = any(g.kind is KVCacheGroupKind.RECURRENT for g in layout.groups)
         self.has_windows = any(w is not None for w in self.windows)
         self.keys = tuple(hash((extra_key, g)) for g in range(self.num_groups))
 
@@ -112,6 +113,12 @@ class HybridKVCacheManager(KVCacheManager):
         return len(freed)
 
     def sees_context(self, seq_id: str, position: int) -> bool:
+        """Whether a query at `position` could be (re)computed on this table: every
+        windowed group still holds the blocks it reads, and (recurrent groups) the
+        state after position - 1 is a page's: `position` starts a block, since a
+        block's page holds the state after its last computed token only."""
+        if self.recurrent and position % self.block_size:
+            return False
         table, groups = self.block_table(seq_id), self.num_groups
         for g, window in enumerate(self.windows):
             first = self._first_needed(window, position) * groups + g
@@ -282,15 +289,14 @@ class HybridKVCacheManager(KVCacheManager):
 
     # -- accounting --------------------------------------------------------------------
     def needed_slots(self, num_tokens: int) -> int:
-        """Per group, every token (full attention) or the last `window` (windowed), in
-        page slots: a group of fewer than `layers_per_group` layers (the padded last
-        chunk of a kind) fills that share of its pages' slots."""
+        """Per group, every token (full attention) or the last `window` (windowed; a
+        recurrent group's state counts as one block), in page slots: a group of fewer
+        than `layers_per_group` layers (the padded last chunk of a kind) fills that
+        share of its pages' slots."""
         per_page = self.layout.layers_per_group
         return round(
             sum(
-                (num_tokens if g.sliding_window is None else min(num_tokens, g.sliding_window))
-                * len(g.layers)
-                / per_page
+                _needed_tokens(g, num_tokens, self.block_size) * len(g.layers) / per_page
                 for g in self.layout.groups
             )
         )
@@ -347,6 +353,15 @@ class HybridKVCacheManager(KVCacheManager):
         """Whether a windowed group's cached blocks cover what a hit of `hits` needs."""
         first = self._first_needed(window, hits * self.block_size)
         return all(self.pool.lookup(h) is not None for h in chain[first:hits])
+
+
+def _needed_tokens(group, num_tokens: int, block_size: int) -> int:
+    """The slots a sequence of `num_tokens` needs in one group's pages."""
+    if group.kind is KVCacheGroupKind.RECURRENT:
+        return min(num_tokens, block_size)
+    if group.window is None:
+        return num_tokens
+    return min(num_tokens, group.window)
 
 
 def _live(entries) -> list[int]:

@@ -18,11 +18,19 @@ by its window, so the chunk size is the one that pads full-attention groups leas
 then pads least overall, among those giving at most `MAX_GROUPS` groups (fewer groups
 on a tie). Gemma 3 27B's 52 local and 10 global layers: 7 groups of 10, the last local
 one holding 2 (vLLM's layout too).
+
+A linear-attention (recurrent) layer keeps a fixed-size state per sequence instead of
+K/V per token, in the pages of its group (engine/worker/recurrent_state.py): the page of
+the block holding the sequence's last computed token holds the state after it, and a
+full block's page the state at its end. So a RECURRENT group needs, of a sequence's
+blocks, only those from the last computed token's on: in block arithmetic a window of
+two tokens (`RECURRENT_WINDOW`), which the sliding-window machinery (sliding, prefix
+hits that need only the blocks a window sees, swapping) then serves unchanged.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from functools import cached_property
@@ -30,6 +38,7 @@ from functools import cached_property
 from engine.kv.block_count import cdiv
 
 MAX_GROUPS = 8  # block tables per sequence at most (each costs a slot mapping per step)
+RECURRENT_WINDOW = 2  # a recurrent group keeps the last computed token's block and on
 
 
 class KVCacheGroupKind(StrEnum):
@@ -37,6 +46,7 @@ class KVCacheGroupKind(StrEnum):
 
     FULL_ATTENTION = "full_attention"  # every token's K/V, as long as the sequence lives
     SLIDING_WINDOW = "sliding_window"  # only the last `sliding_window` tokens' K/V
+    RECURRENT = "recurrent"  # linear attention: a state per sequence, in its last block
 
 
 @dataclass(frozen=True)
@@ -54,13 +64,21 @@ class KVCacheGroup:
         if not self.layers:
             raise ValueError("a KV cache group needs at least one layer")
 
+    @property
+    def window(self) -> int | None:
+        """The tokens before the next query whose blocks this group keeps: None (all),
+        the sliding window, or RECURRENT_WINDOW (the last computed token's block on)."""
+        if self.kind is KVCacheGroupKind.RECURRENT:
+            return RECURRENT_WINDOW
+        return self.sliding_window
+
     def blocks_needed(self, num_computed: int, num_tokens: int, block_size: int) -> int:
         """Live blocks this group's table holds for a sequence with `num_tokens` slots
-        of which `num_computed` are computed: all of them, or (windowed) those from the
-        block holding the first key the next query can see."""
-        if self.sliding_window is None:
+        of which `num_computed` are computed: all of them, or (windowed, recurrent)
+        those from the block holding the first key (state) the next query needs."""
+        if self.window is None:
             return cdiv(num_tokens, block_size)
-        first = max(0, num_computed - self.sliding_window + 1) // block_size
+        first = max(0, num_computed - self.window + 1) // block_size
         return cdiv(num_tokens, block_size) - min(first, cdiv(num_tokens, block_size))
 
 
@@ -72,14 +90,18 @@ class KVCacheLayout:
     layers_per_group: int
 
     @classmethod
-    def from_windows(cls, windows: Sequence[int | None]) -> KVCacheLayout:
+    def from_windows(
+        cls, windows: Sequence[int | None], recurrent_layers: Collection[int] = ()
+    ) -> KVCacheLayout:
         """The layout for layers whose sliding windows are `windows` (None: full
-        attention), one entry per layer."""
+        attention), one entry per layer; `recurrent_layers`: the linear-attention ones
+        (their window entries are ignored)."""
         if not windows:
             raise ValueError("a model needs at least one layer")
-        kinds: dict[int | None, list[int]] = {}
+        kinds: dict[int | str | None, list[int]] = {}
         for layer, window in enumerate(windows):
-            kinds.setdefault(window, []).append(layer)
+            key = KVCacheGroupKind.RECURRENT.value if layer in recurrent_layers else window
+            kinds.setdefault(key, []).append(layer)
         counts = [len(layers) for layers in kinds.values()]
         full = len(kinds.get(None, ()))
 
@@ -92,7 +114,9 @@ class KVCacheLayout:
         groups = []
         for window, layers in kinds.items():
             kind = KVCacheGroupKind.FULL_ATTENTION
-            if window is not None:
+            if window == KVCacheGroupKind.RECURRENT.value:
+                kind, window = KVCacheGroupKind.RECURRENT, None
+            elif window is not None:
                 kind = KVCacheGroupKind.SLIDING_WINDOW
             for start in range(0, len(layers), size):
                 groups.append(KVCacheGroup(kind, tuple(layers[start : start + size]), window))
@@ -105,7 +129,14 @@ class KVCacheLayout:
     @property
     def is_hybrid(self) -> bool:
         """Whether blocks are managed per group (more than one group, or windows)."""
-        return self.num_groups > 1 or self.groups[0].sliding_window is not None
+        return self.num_groups > 1 or self.groups[0].window is not None
+
+    @property
+    def recurrent_layers(self) -> frozenset[int]:
+        """The model layers of RECURRENT groups (linear attention)."""
+        return frozenset(
+            layer for g in self.groups if g.kind is KVCacheGroupKind.RECURRENT for layer in g.layers
+        )
 
     @property
     def num_layers(self) -> int:
@@ -144,8 +175,8 @@ class KVCacheLayout:
         total = 0
         for group in self.groups:
             full = cdiv(max_model_len, block_size)
-            if group.sliding_window is not None:
-                span = cdiv(group.sliding_window - 1 + min(max_chunk, max_model_len), block_size)
+            if group.window is not None:
+                span = cdiv(group.window - 1 + min(max_chunk, max_model_len), block_size)
                 full = min(full, span + 1)
             total += full
         return total

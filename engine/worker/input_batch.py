@@ -70,7 +70,7 @@ def build_model_input(
         if span is not None:
             spans.append(span)
         starts.append(len(ids))
-    metadata = _metadata(rows, starts, slots, device, num_groups)
+    metadata = _metadata(rows, starts, slots, device, num_groups, block_size)
     if layout is not None and layout.is_hybrid:
         metadata = GroupedAttentionMetadata(metadata, layout.group_of_layer)
     else:
@@ -86,7 +86,7 @@ def build_model_input(
     )
 
 
-def _metadata(rows, starts, slots, device, num_groups) -> tuple[AttentionMetadata, ...]:
+def _metadata(rows, starts, slots, device, num_groups, block_size) -> tuple[AttentionMetadata, ...]:
     """One metadata per group, sharing the batch's offsets and lengths."""
     seq_lens = [r.num_computed_tokens + r.num_scheduled_tokens for r in rows]
     width = max((len(r.block_table) for r in rows), default=0)
@@ -111,6 +111,7 @@ def _metadata(rows, starts, slots, device, num_groups) -> tuple[AttentionMetadat
             query_lens_cpu=tuple(r.num_scheduled_tokens for r in rows),
             seq_lens_cpu=tuple(seq_lens),
             num_decodes=sum(1 for r in rows if r.num_scheduled_tokens == 1),
+            block_size=block_size,
         )
         for g in range(num_groups)
     )

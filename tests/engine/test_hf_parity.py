@@ -63,6 +63,7 @@ def test_greedy_matches_transformers_under_preemption(checkpoint):
         block_size=block_size,
         kv_cache_memory=1 << 20,
     )
+    block_size = probe.config.cache.block_size  # raised where a state needs bigger pages
     per_block = block_bytes(probe.config.model, block_size)
     chunk = 16  # sliding-window layers hold a chunk and their window of a sequence
     one = probe.config.model.kv_cache_layout.max_blocks_per_sequence(max_len, chunk, block_size)

@@ -82,7 +82,10 @@ def _assert_same_as_one_device(model_dir: str, **kwargs) -> None:
     assert not live_children()
 
 
-@pytest.fixture(scope="module", params=sorted(ARCHITECTURES))
+ONE_DEVICE_ONLY = {"qwen3.5"}  # linear-attention layers are not split over ranks
+
+
+@pytest.fixture(scope="module", params=sorted(set(ARCHITECTURES) - ONE_DEVICE_ONLY))
 def checkpoint(request, tmp_path_factory):
     directory = tmp_path_factory.mktemp(request.param)
     save_hf_model(request.param, directory)
@@ -111,6 +114,13 @@ def test_a_model_the_ranks_cannot_split_is_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match=r"num_attention_heads \(4\) does not split evenly"):
         LLM(str(tmp_path), tensor_parallel_size=3, skip_tokenizer_init=True)
     assert not live_children()  # refused before any rank started
+
+
+def test_a_model_with_linear_attention_is_refused_on_two_ranks_by_name(tmp_path):
+    save_hf_model("qwen3.5", tmp_path)
+    with pytest.raises(ValueError, match=r"Qwen3_5ForCausalLM cannot be split: .*Gated DeltaNet"):
+        LLM(str(tmp_path), tensor_parallel_size=2, skip_tokenizer_init=True)
+    assert not live_children()
 
 
 def test_tensor_parallel_size_is_range_checked(tmp_path):

@@ -107,6 +107,23 @@ GPT_OSS_FIELDS = dict(
         "original_max_position_embeddings": 32,
     },
 )
+# Qwen 3.5: three Gated DeltaNet (linear-attention) layers, then gated full attention
+# with partial rotary (a quarter of each head); 4 value heads over 2 key heads.
+# rms_norm_eps 1e-5, not 1e-6: the gated norm of a near-zero DeltaNet output (a strong
+# decay, q nearly orthogonal to k) then scales float32 rounding by ~1000, and a 1e-6
+# nudge of one layer moves transformers' own float32 logits by 2e-4.
+QWEN3_5_FIELDS = dict(
+    LLAMA_FIELDS,
+    num_hidden_layers=4,
+    rms_norm_eps=1e-5,
+    head_dim=16,
+    layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_conv_kernel_dim=4,
+)
 
 # name -> (config class, model class, config fields)
 ARCHITECTURES = {
@@ -134,6 +151,7 @@ ARCHITECTURES = {
     "gemma2": (hf.Gemma2Config, hf.Gemma2ForCausalLM, GEMMA2_FIELDS),
     "gemma3": (hf.Gemma3TextConfig, hf.Gemma3ForCausalLM, GEMMA3_FIELDS),
     "phi3": (hf.Phi3Config, hf.Phi3ForCausalLM, PHI3_FIELDS),
+    "qwen3.5": (hf.Qwen3_5TextConfig, hf.Qwen3_5ForCausalLM, QWEN3_5_FIELDS),
 }
 
 

@@ -23,6 +23,7 @@ class AttentionMetadata:
     query_lens_cpu: tuple[int, ...]
     seq_lens_cpu: tuple[int, ...]
     num_decodes: int
+    block_size: int = 0  # tokens per page (0: not given; linear-attention layers need it)
 
     @property
     def num_seqs(self) -> int:

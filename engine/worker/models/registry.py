@@ -15,6 +15,7 @@ from engine.worker.models.llama import (
 from engine.worker.models.mixtral import MixtralForCausalLM, Qwen3MoeForCausalLM
 from engine.worker.models.opt import OPTForCausalLM
 from engine.worker.models.phi3 import Phi3ForCausalLM
+from engine.worker.models.qwen3_5 import Qwen3_5ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -29,10 +30,22 @@ MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
+}
+
+# Architectures refused with what to do instead.
+REFUSED: dict[str, str] = {
+    "Qwen3_5ForConditionalGeneration": (
+        "multimodal Qwen 3.5 checkpoints (a vision tower, the text model's config under "
+        "text_config and its weights under model.language_model.) are not supported; "
+        "serve a text-only Qwen3_5ForCausalLM checkpoint"
+    ),
 }
 
 
 def resolve_model_class(architecture: str) -> type[CausalLM]:
+    if architecture in REFUSED:
+        raise ValueError(f"architecture {architecture!r}: {REFUSED[architecture]}")
     if architecture not in MODEL_REGISTRY:
         raise ValueError(
             f"architecture {architecture!r} is not supported; supported: {sorted(MODEL_REGISTRY)}"
