@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     import torch
 
 ATTENTION_BACKENDS = ("auto", "native", "sdpa", "reference")
+MAX_BLOCK_SIZE = 2048  # tokens per block (linear-attention states may need large pages)
 LINEAR_KERNELS = ("auto", "onednn", "torch")
 
 
@@ -103,12 +104,13 @@ class ModelConfig:
 
     def min_block_size(self, world_size: int = 1) -> int:
         """The smallest block size whose pages hold a linear-attention layer's state (a
-        page: one K or V tensor's block, this rank's KV heads; in multiples of 16
+        layer's K and V pages of one block, this rank's KV heads; in multiples of 16
         tokens); 1 for models without such layers."""
         if not linear_attention_layers(self.hf_config):
             return 1
-        per_token = self.num_kv_heads // world_size * self.head_size * self.dtype.itemsize
-        state = max(linear_attention_state_bytes(self.hf_config))
+        heads = self.num_kv_heads // world_size
+        per_token = 2 * heads * self.head_size * self.dtype.itemsize
+        state = sum(linear_attention_state_bytes(self.hf_config))
         return -(-state // (16 * per_token)) * 16
 
     @property
@@ -160,8 +162,8 @@ class CacheConfig:
         object.__setattr__(self, "preemption_mode", PreemptionMode(self.preemption_mode))
         if self.preemption_mode is PreemptionMode.SWAP and self.swap_space <= 0:
             raise ValueError("preemption_mode='swap' needs swap_space > 0 (GiB of CPU memory)")
-        if not 1 <= self.block_size <= 1024:
-            raise ValueError(f"block_size must be in [1, 1024], got {self.block_size}")
+        if not 1 <= self.block_size <= MAX_BLOCK_SIZE:
+            raise ValueError(f"block_size must be in [1, {MAX_BLOCK_SIZE}], got {self.block_size}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -7,6 +7,7 @@ import logging
 from dataclasses import dataclass
 
 from engine.config import (
+    MAX_BLOCK_SIZE,
     CacheConfig,
     DeviceConfig,
     EngineConfig,
@@ -96,10 +97,10 @@ class EngineArgs:
         need = model_config.min_block_size(world_size)
         if self.block_size >= need:
             return self.block_size
-        if need > 1024:
+        if need > MAX_BLOCK_SIZE:
             raise ValueError(
                 f"{model_config.architecture}'s linear-attention state needs pages of "
-                f"{need} tokens, more than block_size's limit of 1024"
+                f"{need} tokens, more than block_size's limit of {MAX_BLOCK_SIZE}"
             )
         logger.warning(
             "block_size raised from %d to %d: %s's linear-attention state must fit one page",

@@ -53,7 +53,7 @@ def config():
 @functools.cache
 def block_size() -> int:
     cfg = config()
-    state = max(linear_attention_state_bytes(cfg))
+    state = sum(linear_attention_state_bytes(cfg))
     return state_block_size(state, cfg.num_key_value_heads, cfg.head_dim, torch.float32)
 
 
