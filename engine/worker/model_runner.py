@@ -80,6 +80,7 @@ class ModelRunner:
                 self.device,
                 model_config.dtype,
                 model_config.attention_features,
+                cache_config.block_size,
             )
         except ValueError as exc:  # name the model: its layers may need what is missing
             raise ValueError(f"{model_config.model} ({model_config.architecture}): {exc}") from None

@@ -9,6 +9,7 @@ import torch
 
 from engine.worker.attention import AttentionMetadata, ReferenceBackend, SdpaBackend
 from engine.worker.attention.native import NativeCpuBackend, NativeCudaBackend
+from engine.worker.attention.selector import select_backend
 from engine.worker.attention.spec import AttentionSpec
 from tests.engine.native_backend import native_backend
 
@@ -269,3 +270,12 @@ def test_both_native_backends_do_every_feature():
     every = AttentionSpec(scale=1.0, sliding_window=4, logit_soft_cap=3.0, has_sinks=True)
     NativeCpuBackend(ops=None).check_spec(every)
     NativeCudaBackend(ops=None).check_spec(every)
+
+
+def test_a_block_size_the_cuda_kernels_lack_picks_sdpa_or_is_refused_by_name():
+    """Checked before the kernels load, so it holds on any machine."""
+    choice = select_backend("auto", device="cuda", block_size=64)
+    assert isinstance(choice.backend, SdpaBackend)
+    assert "blocks of 8, 16, 32 tokens, not block_size=64" in choice.reason
+    with pytest.raises(ValueError, match="not block_size=64"):
+        select_backend("native", device="cuda", block_size=64)

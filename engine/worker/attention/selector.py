@@ -28,16 +28,17 @@ def select_backend(
     device: str = "cpu",
     dtype: torch.dtype = torch.float32,
     features: frozenset[str] = frozenset(),
+    block_size: int | None = None,
 ) -> BackendChoice:
     """'auto': the native kernels where they load and do every attention feature the
     model uses (`features`: sliding window, soft cap, sinks), else torch's SDPA.
     'native' insists on the kernels (an error with the loader's reason if they cannot
-    load, or naming the feature they lack); 'sdpa' and 'reference' are the torch
-    backends."""
+    load, or naming the feature or the block size they lack); 'sdpa' and 'reference'
+    are the torch backends."""
     if name not in NAMES:
         raise ValueError(f"attention_backend must be one of {list(NAMES)}, got {name!r}")
     if name in ("auto", "native"):
-        choice = _native(device, dtype)
+        choice = _native(device, dtype, block_size)
         lacking = sorted(features & choice.backend.unsupported_features) if choice.backend else []
         if lacking:
             choice = BackendChoice(None, f"the native kernels cannot do {' or '.join(lacking)}")
@@ -50,9 +51,9 @@ def select_backend(
     return _chosen(BackendChoice(backend, f"attention_backend={name!r} was asked for"))
 
 
-def _native(device: str, dtype: torch.dtype) -> BackendChoice:
+def _native(device: str, dtype: torch.dtype, block_size: int | None) -> BackendChoice:
     if str(device).startswith("cuda"):
-        return _native_cuda()
+        return _native_cuda(block_size)
     if not str(device).startswith("cpu"):
         return BackendChoice(None, f"no native kernels for device {device!r}")
     if dtype not in (torch.float32, torch.bfloat16):
@@ -68,8 +69,18 @@ def _native(device: str, dtype: torch.dtype) -> BackendChoice:
     return BackendChoice(NativeCpuBackend(ops), reason)
 
 
-def _native_cuda() -> BackendChoice:
-    from cuda_ext.native_cuda import cuda_unavailable_reason, load_cuda_kernels
+def _native_cuda(block_size: int | None) -> BackendChoice:
+    from cuda_ext.native_cuda import (
+        DECODE_BLOCK_SIZES,
+        cuda_unavailable_reason,
+        load_cuda_kernels,
+    )
+
+    if block_size is not None and block_size not in DECODE_BLOCK_SIZES:
+        sizes = ", ".join(map(str, DECODE_BLOCK_SIZES))
+        return BackendChoice(
+            None, f"the CUDA kernels take blocks of {sizes} tokens, not block_size={block_size}"
+        )
 
     kernels = load_cuda_kernels()
     if kernels is None:
