@@ -176,6 +176,7 @@ FAMILIES = (
     "mixtral",
     "qwen3-moe",
     "qwen3.5",  # linear attention: block size raised to 32 so a page holds a state
+    "qwen3-next",
 )
 
 

@@ -1,7 +1,7 @@
-"""A model with linear-attention layers (Qwen 3.5's Gated DeltaNet beside full attention)
-through the engine, against transformers: states kept in KV cache pages of a RECURRENT
-group, across chunked prefill, one step ahead, prefix-cache hits at block boundaries,
-swap and recompute preemption, n=2 and beam search."""
+"""Models with linear-attention layers (Qwen 3.5's and Qwen3-Next's Gated DeltaNet beside
+full attention) through the engine, against transformers: states kept in KV cache pages
+of a RECURRENT group, across chunked prefill, one step ahead, prefix-cache hits at block
+boundaries, swap and recompute preemption, n=2 and beam search."""
 
 from __future__ import annotations
 
@@ -18,10 +18,10 @@ MAX_NEW, MAX_LEN = 10, 96
 PROMPT_LENS = (1, 5, 31, 32, 33, 70)  # around the (raised) block size of 32
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("qwen3.5")
-    hf = save_hf_model("qwen3.5", directory)
+@pytest.fixture(scope="module", params=["qwen3.5", "qwen3-next"])
+def model(request, tmp_path_factory):
+    directory = tmp_path_factory.mktemp(request.param)
+    hf = save_hf_model(request.param, directory)
     rng = random.Random(5)
     prompts = [[rng.randrange(VOCAB) for _ in range(n)] for n in PROMPT_LENS]
     return str(directory), hf, prompts, [hf_greedy(hf, p, MAX_NEW) for p in prompts]

@@ -1,6 +1,8 @@
-"""Qwen 3.5 (Gated DeltaNet and gated full attention) against transformers, run directly.
+"""Qwen 3.5 and Qwen3-Next (Gated DeltaNet and gated full attention) against
+transformers, run directly.
 
-Our `Qwen3_5ForCausalLM` gets the tiny random HF model's weights and paged per-layer
+Our model class (the registry's for the HF class: `Qwen3_5ForCausalLM`,
+`Qwen3NextForCausalLM`) gets the tiny random HF model's weights and paged per-layer
 caches whose block size holds a linear-attention layer's state; each case compares
 logits with HF's full-sequence forward (float32): a whole prompt in one step; several
 sequences fed in chunks that cross block boundaries beside decode rows, with the
@@ -24,6 +26,7 @@ from engine.worker.attention import (
     SdpaBackend,
 )
 from engine.worker.attention.metadata import GroupedAttentionMetadata
+from engine.worker.models.base import CausalLM
 from engine.worker.models.gated_delta_net import (
     GatedDeltaNet,
     is_linear_attention,
@@ -39,33 +42,43 @@ from tests.engine.tiny_models import VOCAB, build_hf_model
 ATOL = 1e-4
 NUM_BLOCKS = 16  # page 0 is the null page: no table below uses it
 BACKENDS = {"reference": ReferenceBackend, "sdpa": SdpaBackend, "native": native_backend}
+HYBRIDS = ("qwen3.5", "qwen3-next")  # tiny_models' names: DeltaNet and attention layers
+
+
+@pytest.fixture(params=HYBRIDS)
+def arch(request) -> str:
+    return request.param
 
 
 @functools.cache
-def hf_model() -> torch.nn.Module:
-    return build_hf_model("qwen3.5")
+def hf_model(arch: str) -> torch.nn.Module:
+    return build_hf_model(arch)
 
 
-def config():
-    return hf_model().config
+def config(arch: str):
+    return hf_model(arch).config
 
 
 @functools.cache
-def block_size() -> int:
-    cfg = config()
+def block_size(arch: str) -> int:
+    cfg = config(arch)
     state = sum(linear_attention_state_bytes(cfg))
     return state_block_size(state, cfg.num_key_value_heads, cfg.head_dim, torch.float32)
 
 
 @functools.cache
-def hf_logits(tokens: tuple[int, ...]) -> torch.Tensor:  # [T, vocab]
+def hf_logits(arch: str, tokens: tuple[int, ...]) -> torch.Tensor:  # [T, vocab]
     with torch.no_grad():
-        return hf_model()(torch.tensor([tokens])).logits[0].float()
+        return hf_model(arch)(torch.tensor([tokens])).logits[0].float()
 
 
-def our_model(backend: str = "reference") -> Qwen3_5ForCausalLM:
-    model = Qwen3_5ForCausalLM(config(), BACKENDS[backend]())
-    model.load_weights(hf_model().state_dict().items())
+def model_class(arch: str) -> type[CausalLM]:
+    return resolve_model_class(type(hf_model(arch)).__name__)
+
+
+def our_model(arch: str, backend: str = "reference") -> CausalLM:
+    model = model_class(arch)(config(arch), BACKENDS[backend]())
+    model.load_weights(hf_model(arch).state_dict().items())
     return model.eval()
 
 
@@ -73,13 +86,13 @@ def backend_of(model):
     return next(m.attn.backend for m in model.modules() if hasattr(m, "attn"))
 
 
-def make_kv_caches(model) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def make_kv_caches(arch: str, model) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer, a (K, V) pair in its backend's layout (SDPA's puts heads first: the
     linear layers' pages are then one run per head). The linear layers' null page is
     NaN, so a read of it would show in the logits and a write of it in the page."""
-    cfg = config()
+    cfg = config(arch)
     backend = backend_of(model)
-    sizes = (NUM_BLOCKS, block_size(), cfg.num_key_value_heads, cfg.head_dim)
+    sizes = (NUM_BLOCKS, block_size(arch), cfg.num_key_value_heads, cfg.head_dim)
     caches = []
     for layer in range(cfg.num_hidden_layers):
         pair = tuple(torch.zeros(backend.kv_cache_shape(*sizes)) for _ in "kv")
@@ -90,8 +103,8 @@ def make_kv_caches(model) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return caches
 
 
-def null_page_untouched(caches, block_dim: int = 0) -> bool:
-    cfg = config()
+def null_page_untouched(arch: str, caches, block_dim: int = 0) -> bool:
+    cfg = config(arch)
     return all(
         bool(t.select(block_dim, 0).isnan().all())
         for layer, pair in enumerate(caches)
@@ -100,11 +113,11 @@ def null_page_untouched(caches, block_dim: int = 0) -> bool:
     )
 
 
-def make_metadata(rows, free_early_blocks: bool = False):
+def make_metadata(arch: str, rows, free_early_blocks: bool = False):
     """Metadata and positions for rows `(table, first_position, num_new_tokens)`,
     decodes first. `free_early_blocks`: the linear layers get their own group whose
     tables hold the null page before the block their state is read from."""
-    bs = block_size()
+    bs = block_size(arch)
     query_lens = tuple(n for _, _, n in rows)
     seq_lens = tuple(start + n for _, start, n in rows)
     num_decodes = next((i for i, n in enumerate(query_lens) if n != 1), len(rows))
@@ -134,22 +147,23 @@ def make_metadata(rows, free_early_blocks: bool = False):
     for i, (_, start, _) in enumerate(rows):
         linear_tables[i, : max(0, (start - 1) // bs)] = 0
     groups = (metadata(tables), metadata(linear_tables))
-    kinds = tuple(int(is_linear_attention(config(), i)) for i in range(config().num_hidden_layers))
+    cfg = config(arch)
+    kinds = tuple(int(is_linear_attention(cfg, i)) for i in range(cfg.num_hidden_layers))
     return GroupedAttentionMetadata(groups, kinds), positions
 
 
-def run_step(model, caches, rows, tokens, free_early_blocks=False) -> torch.Tensor:
+def run_step(arch, model, caches, rows, tokens, free_early_blocks=False) -> torch.Tensor:
     """Logits [num new tokens, vocab] of one step; rows `(name, table, start, n)`."""
-    metadata, positions = make_metadata([r[1:] for r in rows], free_early_blocks)
+    metadata, positions = make_metadata(arch, [r[1:] for r in rows], free_early_blocks)
     ids = torch.tensor([t for name, _, start, n in rows for t in tokens[name][start : start + n]])
     with torch.no_grad():
         return model.compute_logits(model(ids, positions, caches, metadata))
 
 
-def check_rows(logits, rows, tokens) -> None:
+def check_rows(arch: str, logits, rows, tokens) -> None:
     offset = 0
     for name, _, start, n in rows:
-        expected = hf_logits(tokens[name])[start : start + n]
+        expected = hf_logits(arch, tokens[name])[start : start + n]
         got = logits[offset : offset + n]
         torch.testing.assert_close(got, expected, atol=ATOL, rtol=0, msg=f"{name}@{start}")
         offset += n
@@ -166,24 +180,24 @@ def shuffled_blocks(seed: int) -> list[int]:
     return (torch.randperm(NUM_BLOCKS - 1, generator=g) + 1).tolist()
 
 
-def test_the_config_is_a_hybrid_with_multi_block_sequences() -> None:
-    cfg = config()
+def test_the_config_is_a_hybrid_with_multi_block_sequences(arch: str) -> None:
+    cfg = config(arch)
     assert [is_linear_attention(cfg, i) for i in range(4)] == [True, True, True, False]
-    assert block_size() == 32  # the 4 KiB recurrent state over 128 bytes a token
+    assert block_size(arch) == 32  # the 4 KiB recurrent state over 128 bytes a token
     recurrent, conv = state_shapes(cfg)
     assert linear_attention_state_bytes(cfg) == (4 * math.prod(recurrent), 4 * math.prod(conv))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_whole_prompt_matches_hf(backend: str) -> None:
+def test_whole_prompt_matches_hf(arch: str, backend: str) -> None:
     tokens = {"a": random_tokens(75, seed=1)}
-    expected = hf_logits(tokens["a"])
+    expected = hf_logits(arch, tokens["a"])
     assert expected.std() > 100 * ATOL  # the comparison is not vacuous
-    model = our_model(backend)
-    caches = make_kv_caches(model)
+    model = our_model(arch, backend)
+    caches = make_kv_caches(arch, model)
     rows = [("a", shuffled_blocks(2)[:3], 0, 75)]
-    check_rows(run_step(model, caches, rows, tokens), rows, tokens)
-    assert null_page_untouched(caches, backend_of(model).block_dim)
+    check_rows(arch, run_step(arch, model, caches, rows, tokens), rows, tokens)
+    assert null_page_untouched(arch, caches, backend_of(model).block_dim)
 
 
 # Per sequence, the tokens of each step: chunks across block boundaries (32), decodes
@@ -197,17 +211,17 @@ SCHEDULES = {
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_chunked_prefill_and_decode_batches_match_hf(backend: str) -> None:
+def test_chunked_prefill_and_decode_batches_match_hf(arch: str, backend: str) -> None:
     tokens = {
         name: random_tokens(sum(s), seed=10 + i) for i, (name, s) in enumerate(SCHEDULES.items())
     }
     blocks = iter(shuffled_blocks(3))
     tables = {
-        name: [next(blocks) for _ in range(math.ceil(sum(s) / block_size()))]
+        name: [next(blocks) for _ in range(math.ceil(sum(s) / block_size(arch)))]
         for name, s in SCHEDULES.items()
     }
-    model = our_model(backend)
-    caches = make_kv_caches(model)
+    model = our_model(arch, backend)
+    caches = make_kv_caches(arch, model)
     done = dict.fromkeys(SCHEDULES, 0)
     for step in range(max(len(s) for s in SCHEDULES.values())):
         rows = [
@@ -216,53 +230,55 @@ def test_chunked_prefill_and_decode_batches_match_hf(backend: str) -> None:
             if step < len(s)
         ]
         rows.sort(key=lambda r: r[3] != 1)  # decode rows first
-        check_rows(run_step(model, caches, rows, tokens, free_early_blocks=True), rows, tokens)
+        logits = run_step(arch, model, caches, rows, tokens, free_early_blocks=True)
+        check_rows(arch, logits, rows, tokens)
         for name, _, _, n in rows:
             done[name] += n
-    assert null_page_untouched(caches, backend_of(model).block_dim)
+    assert null_page_untouched(arch, caches, backend_of(model).block_dim)
 
 
-def test_a_prefix_cache_hit_restarts_from_a_full_blocks_state() -> None:
-    bs = block_size()
+def test_a_prefix_cache_hit_restarts_from_a_full_blocks_state(arch: str) -> None:
+    bs = block_size(arch)
     prompt = random_tokens(70, seed=20)
     tokens = {"a": prompt + (7,), "b": prompt[: 2 * bs] + random_tokens(21, seed=21)}
     blocks = shuffled_blocks(4)
     table_a, table_b = blocks[:3], blocks[:2] + blocks[3:4]  # b shares a's 2 full blocks
-    model = our_model()
-    caches = make_kv_caches(model)
+    model = our_model(arch)
+    caches = make_kv_caches(arch, model)
     rows = [("a", table_a, 0, 70)]
-    check_rows(run_step(model, caches, rows, tokens), rows, tokens)
+    check_rows(arch, run_step(arch, model, caches, rows, tokens), rows, tokens)
     rows = [("b", table_b, 2 * bs, 20)]  # computed before: the 64 cached tokens
-    check_rows(run_step(model, caches, rows, tokens), rows, tokens)
+    check_rows(arch, run_step(arch, model, caches, rows, tokens), rows, tokens)
     rows = [("a", table_a, 70, 1), ("b", table_b, 2 * bs + 20, 1)]  # each its own last page
-    check_rows(run_step(model, caches, rows, tokens), rows, tokens)
+    check_rows(arch, run_step(arch, model, caches, rows, tokens), rows, tokens)
 
 
-def test_a_copied_page_carries_the_state() -> None:
+def test_a_copied_page_carries_the_state(arch: str) -> None:
     """Copy-on-write: a sequence forked after 40 tokens continues from a copy of the
     partly filled page, both branches match HF with their own next tokens."""
     prompt = random_tokens(40, seed=30)
     tokens = {"a": prompt + random_tokens(3, seed=31), "b": prompt + random_tokens(3, seed=32)}
     blocks = shuffled_blocks(5)
     table_a, table_b = blocks[:2], [blocks[0], blocks[2]]
-    model = our_model()
-    caches = make_kv_caches(model)
+    model = our_model(arch)
+    caches = make_kv_caches(arch, model)
     rows = [("a", table_a, 0, 40)]
-    check_rows(run_step(model, caches, rows, tokens), rows, tokens)
+    check_rows(arch, run_step(arch, model, caches, rows, tokens), rows, tokens)
     model.model.layers[3].self_attn.attn.backend.copy_blocks(
         caches, torch.tensor([blocks[1]]), torch.tensor([blocks[2]])
     )
     for start in (40, 41, 42):
         rows = [("a", table_a, start, 1), ("b", table_b, start, 1)]
-        check_rows(run_step(model, caches, rows, tokens), rows, tokens)
+        check_rows(arch, run_step(arch, model, caches, rows, tokens), rows, tokens)
 
 
-def test_tensor_parallelism_is_refused_by_name() -> None:
+def test_tensor_parallelism_is_refused_by_name(arch: str) -> None:
+    cfg = config(arch)
     with (
         torch.device("meta"),
-        pytest.raises(ValueError, match=r"qwen3_5_text: tensor parallelism .* Gated DeltaNet"),
+        pytest.raises(ValueError, match=rf"{cfg.model_type}: tensor parallelism .* Gated DeltaNet"),
     ):
-        Qwen3_5ForCausalLM(config(), ReferenceBackend(), TensorParallelGroup(0, 2))
+        model_class(arch)(cfg, ReferenceBackend(), TensorParallelGroup(0, 2))
 
 
 def test_multimodal_checkpoints_are_refused_by_name() -> None:
@@ -271,9 +287,9 @@ def test_multimodal_checkpoints_are_refused_by_name() -> None:
         resolve_model_class("Qwen3_5ForConditionalGeneration")
 
 
-def test_checkpoint_names_load_into_the_layers() -> None:
+def test_checkpoint_names_load_into_the_layers(arch: str) -> None:
     """`linear_attn` is the DeltaNet; q_proj's rows alternate query and gate per head."""
-    model, state = our_model(), hf_model().state_dict()
+    model, state = our_model(arch), hf_model(arch).state_dict()
     layer = model.model.layers[0].self_attn
     assert isinstance(layer, GatedDeltaNet)
     torch.testing.assert_close(layer.A_log, state["model.layers.0.linear_attn.A_log"])

@@ -82,7 +82,7 @@ def _assert_same_as_one_device(model_dir: str, **kwargs) -> None:
     assert not live_children()
 
 
-ONE_DEVICE_ONLY = {"qwen3.5"}  # linear-attention layers are not split over ranks
+ONE_DEVICE_ONLY = {"qwen3.5", "qwen3-next"}  # linear-attention layers are not split over ranks
 
 
 @pytest.fixture(scope="module", params=sorted(set(ARCHITECTURES) - ONE_DEVICE_ONLY))

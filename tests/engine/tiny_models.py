@@ -124,6 +124,21 @@ QWEN3_5_FIELDS = dict(
     linear_value_head_dim=16,
     linear_conv_kernel_dim=4,
 )
+# Qwen3-Next: Qwen 3.5's layers (fused DeltaNet projections in the checkpoint) and sparse
+# blocks of 4 experts, top 2, each beside a shared expert; layer 1's feed-forward dense
+# (`mlp_only_layers`). The sizes pick weights under which float32 rounding stays small:
+# with others (42 and 48), one DeltaNet output near zero at one position takes the
+# rounding of a change in how the delta rule is chunked (block segments or not: HF's own
+# recurrent path differs from its chunked one as much) to 1.2e-4 in the logits.
+QWEN3_NEXT_FIELDS = dict(
+    QWEN3_5_FIELDS,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=64,
+    num_experts=4,
+    num_experts_per_tok=2,
+    norm_topk_prob=True,
+    mlp_only_layers=[1],
+)
 
 # name -> (config class, model class, config fields)
 ARCHITECTURES = {
@@ -152,6 +167,7 @@ ARCHITECTURES = {
     "gemma3": (hf.Gemma3TextConfig, hf.Gemma3ForCausalLM, GEMMA3_FIELDS),
     "phi3": (hf.Phi3Config, hf.Phi3ForCausalLM, PHI3_FIELDS),
     "qwen3.5": (hf.Qwen3_5TextConfig, hf.Qwen3_5ForCausalLM, QWEN3_5_FIELDS),
+    "qwen3-next": (hf.Qwen3NextConfig, hf.Qwen3NextForCausalLM, QWEN3_NEXT_FIELDS),
 }
 
 

@@ -110,13 +110,20 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)), gate and up in one matmul."""
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)), gate and up in one matmul;
+    `intermediate_size` wide (default: the config's)."""
 
-    def __init__(self, cfg, ops: LayerOps, group: TensorParallelGroup) -> None:
+    def __init__(
+        self,
+        cfg,
+        ops: LayerOps,
+        group: TensorParallelGroup,
+        intermediate_size: int | None = None,
+    ) -> None:
         super().__init__()
         self.ops = ops
         bias = bool(getattr(cfg, "mlp_bias", False))
-        inter = cfg.intermediate_size
+        inter = intermediate_size or cfg.intermediate_size
         part = Part.even(inter, group, "intermediate_size")
         self.gate_up_proj = ColumnParallelLinear(
             cfg.hidden_size, (part, part), bias, group, separate_in_checkpoint=True

@@ -4,8 +4,9 @@ Llama layers (Qwen3's with per-head q/k norms) whose feed-forward block is a rou
 (`gate`, a replicated linear) and a `FusedMoE` over the experts: Mixtral on every layer
 (softmax, top-k, renormalised), Qwen3-MoE on the layers `decoder_sparse_step` picks and
 `mlp_only_layers` does not (softmax, top-k, renormalised with `norm_topk_prob`), a dense
-Llama MLP on the others. Checkpoints store each expert's projections apart
-(`experts.{e}.w1/w3/w2`, `experts.{e}.gate_proj/up_proj/down_proj`); Mixtral's blocks
+Llama MLP on the others; a family built on Qwen3-MoE may add a shared expert beside
+the routed ones (`shared_expert`: Qwen3-Next). Checkpoints store each expert's projections
+apart (`experts.{e}.w1/w3/w2`, `experts.{e}.gate_proj/up_proj/down_proj`); Mixtral's blocks
 are named `block_sparse_moe` on disk (`mlp` in transformers 5's modules).
 
 Tensor parallelism: attention as in Llama; every expert is sliced along its
@@ -32,7 +33,9 @@ from engine.worker.parallel.layers import Part
 
 
 class SparseMoeBlock(nn.Module):
-    """Router `gate` (hidden -> expert logits, no bias) and the experts: [T, H] -> [T, H]."""
+    """Router `gate` (hidden -> expert logits, no bias) and the experts: [T, H] -> [T, H].
+    With a `shared_expert` (an MLP every token goes through), its output weighted by
+    sigmoid(`shared_expert_gate`(x)) (hidden -> 1, no bias) is added to the experts'."""
 
     def __init__(
         self,
@@ -41,6 +44,7 @@ class SparseMoeBlock(nn.Module):
         routing: Routing,
         activation: Activation,
         group: TensorParallelGroup,
+        shared_expert: nn.Module | None = None,
     ) -> None:
         super().__init__()
         num_experts = _num_experts(cfg)
@@ -55,9 +59,16 @@ class SparseMoeBlock(nn.Module):
             layout=ExpertsLayout.PER_EXPERT,
             group=group,
         )
+        self.shared_expert = shared_expert
+        if shared_expert is not None:
+            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [T, hidden_size] -> same
-        return self.experts(hidden, self.gate(hidden))
+        out = self.experts(hidden, self.gate(hidden))
+        if self.shared_expert is None:
+            return out
+        weight = torch.sigmoid(self.shared_expert_gate(hidden))  # [T, 1]
+        return out + weight * self.shared_expert(hidden)
 
 
 def _num_experts(cfg) -> int:
@@ -124,4 +135,9 @@ class Qwen3MoeForCausalLM(SparseLlamaForCausalLM):
         part = Part.even(cfg.moe_intermediate_size, group, "moe_intermediate_size")
         norm = bool(getattr(cfg, "norm_topk_prob", False))
         routing = Routing.SOFTMAX_TOPK_RENORMALIZE if norm else Routing.SOFTMAX_TOPK
-        return SparseMoeBlock(cfg, part, routing, ops.silu_and_mul, group)
+        shared = self.shared_expert(cfg, ops, group)
+        return SparseMoeBlock(cfg, part, routing, ops.silu_and_mul, group, shared)
+
+    def shared_expert(self, cfg, ops: LayerOps, group: TensorParallelGroup) -> nn.Module | None:
+        """A sparse layer's shared expert, [T, hidden] -> [T, hidden] (none here)."""
+        return None

@@ -16,6 +16,7 @@ from engine.worker.models.mixtral import MixtralForCausalLM, Qwen3MoeForCausalLM
 from engine.worker.models.opt import OPTForCausalLM
 from engine.worker.models.phi3 import Phi3ForCausalLM
 from engine.worker.models.qwen3_5 import Qwen3_5ForCausalLM
+from engine.worker.models.qwen3_next import Qwen3NextForCausalLM
 
 MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -31,6 +32,7 @@ MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
+    "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
 }
 
 # Architectures refused with what to do instead.
