@@ -8,20 +8,22 @@ Contract:
 - A file that is not a readable GGUF (empty, wrong magic, truncated, a corrupt header, a
   metadata key missing or of an unexpected type) raises ValueError naming the file and
   what is wrong (gguf_header.py), never the `gguf` package's own IndexError.
-- Only the architectures in `GGUF_ARCHITECTURES` load; any other raises ValueError
-  naming it. Their tensor names map one to one onto the HF names of our model classes.
+- Only the architectures in `GGUF_ARCHITECTURES` load (Llama, Mistral, Qwen2, Qwen3,
+  Gemma 2, Gemma 3, Phi-3, Qwen3-MoE, and Mixtral: llama.cpp's `llama` with experts);
+  any other raises ValueError naming it (and, for one in `REFUSED`, why). Their tensor
+  names map onto the HF names of our model classes (gguf_names.py), a tensor of no known
+  name raises ValueError naming it.
 - Every tensor is dequantized to float32 by `gguf.quants` (F32, F16, BF16, Q4_0, Q4_1,
-  Q5_0, Q5_1, Q8_0 and the K- and I-quants it implements), then cast to the requested
-  dtype. A tensor in a type the package cannot dequantize raises ValueError naming the
-  tensor and the type.
-- Llama GGUFs store `attn_q`/`attn_k` rows permuted for llama.cpp's rotary layout (its
-  converter interleaves each head's two rotary halves); they are permuted back, so the
-  weights equal the HF checkpoint's.
+  Q5_0, Q5_1, Q8_0, MXFP4 and the K- and I-quants it implements), then cast to the
+  requested dtype. A tensor in a type the package cannot dequantize raises ValueError
+  naming the tensor and the type.
+- What llama.cpp's converter did to a tensor is undone in float32 before the cast
+  (gguf_names.py): Llama's permuted q/k rows, Gemma's norms stored as w + 1, experts
+  stacked [n_expert, ...]; so the weights equal the HF checkpoint's.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,72 +32,36 @@ import numpy as np
 import torch
 
 from engine.worker.gguf_header import GgufHeader
+from engine.worker.gguf_names import (
+    FAMILIES,
+    GGUF_ARCHITECTURES,
+    REFUSED,
+    family_name,
+    hf_tensor_name,
+    hf_tensors,
+    unpermute_rotary_rows,
+)
 
-# GGUF `general.architecture` -> (HF architecture, whether q/k rows are permuted).
-GGUF_ARCHITECTURES = {
-    "llama": ("LlamaForCausalLM", True),
-    "mistral": ("MistralForCausalLM", True),
-    "qwen2": ("Qwen2ForCausalLM", False),
-    "qwen3": ("Qwen3ForCausalLM", False),
-}
-_GLOBAL_NAMES = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
-_BLOCK_NAMES = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-# Tensors llama.cpp stores that HF checkpoints compute instead (llama 3's rope factors).
-_SKIPPED = ("rope_freqs.weight",)
-_BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+__all__ = [  # hf_tensor_name and unpermute_rotary_rows: for callers of this module
+    "GgufCheckpoint",
+    "GgufIndex",
+    "GgufTensor",
+    "gguf_architecture",
+    "hf_tensor_name",
+    "unpermute_rotary_rows",
+]
 
 
 def gguf_architecture(header: GgufHeader) -> str:
     """The file's `general.architecture`, checked against GGUF_ARCHITECTURES."""
     arch = header.value("general.architecture", str)
     if arch not in GGUF_ARCHITECTURES:
+        why = f": {REFUSED[arch]}" if arch in REFUSED else ""
         raise ValueError(
-            f"GGUF architecture {arch!r} is not supported ({header.name}); pagedserve loads "
-            f"GGUF files of {', '.join(sorted(GGUF_ARCHITECTURES))}"
+            f"GGUF architecture {arch!r} is not supported ({header.name}){why}; pagedserve "
+            f"loads GGUF files of {', '.join(GGUF_ARCHITECTURES)}"
         )
     return arch
-
-
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None for a
-    tensor the HF model does not hold. Raises ValueError for a name it does not know."""
-    if gguf_name in _SKIPPED:
-        return None
-    if match := _BLOCK.fullmatch(gguf_name):
-        layer, part, kind = match.groups()
-        if part in _BLOCK_NAMES:
-            return f"model.layers.{layer}.{_BLOCK_NAMES[part]}.{kind}"
-    else:
-        stem, _, kind = gguf_name.rpartition(".")
-        if stem in _GLOBAL_NAMES:
-            return f"{_GLOBAL_NAMES[stem]}.{kind}"
-    raise ValueError(f"GGUF tensor {gguf_name!r} has no counterpart in the HF model")
-
-
-def unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """Inverse of llama.cpp's q/k permutation: within each head, rows were reordered
-    from (half, pair) to (pair, half). weight: [num_heads * head_size, ...]."""
-    rows = weight.shape[0]
-    pairs = rows // num_heads // 2
-    return (
-        weight.reshape(num_heads, pairs, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
-    )
 
 
 @dataclass(frozen=True)
@@ -115,19 +81,24 @@ class GgufIndex:
     start does not parse the header again (the `gguf` package takes ~2 s over the 49k
     strings of a vocabulary)."""
 
-    architecture: str
+    architecture: str  # general.architecture
     num_heads: int
     num_kv_heads: int
+    num_experts: int  # 0: a dense model
     tensors: tuple[GgufTensor, ...]
 
     @classmethod
     def read(cls, path: str | Path) -> GgufIndex:
         """Parses the header with the `gguf` package; checks the architecture. A file it
         cannot read raises ValueError naming the file (gguf_header.py)."""
-        header = GgufHeader(path)
+        return cls.from_header(GgufHeader(path))
+
+    @classmethod
+    def from_header(cls, header: GgufHeader) -> GgufIndex:
         arch = gguf_architecture(header)
         num_heads = header.value(f"{arch}.attention.head_count", int)
         num_kv = header.value(f"{arch}.attention.head_count_kv", int, required=False)
+        num_experts = header.value(f"{arch}.expert_count", int, required=False) or 0
         tensors = tuple(
             GgufTensor(
                 t.name,
@@ -138,13 +109,15 @@ class GgufIndex:
             )
             for t in header.tensors
         )
-        return cls(arch, num_heads, num_kv if num_kv is not None else num_heads, tensors)
+        num_kv = num_kv if num_kv is not None else num_heads
+        return cls(arch, num_heads, num_kv, num_experts, tensors)
 
     def to_json(self) -> dict:
         return {
             "architecture": self.architecture,
             "num_heads": self.num_heads,
             "num_kv_heads": self.num_kv_heads,
+            "num_experts": self.num_experts,
             "tensors": [[t.name, t.qtype, list(t.shape), t.offset, t.nbytes] for t in self.tensors],
         }
 
@@ -154,11 +127,23 @@ class GgufIndex:
             GgufTensor(name, qtype, tuple(shape), offset, nbytes)
             for name, qtype, shape, offset, nbytes in data["tensors"]
         )
-        return cls(data["architecture"], data["num_heads"], data["num_kv_heads"], tensors)
+        return cls(
+            data["architecture"],
+            data["num_heads"],
+            data["num_kv_heads"],
+            data["num_experts"],
+            tensors,
+        )
+
+    @property
+    def family(self) -> str:
+        """Its gguf_names.FAMILIES key: the architecture, or "mixtral" for a `llama`
+        file with experts."""
+        return family_name(self.architecture, self.num_experts)
 
     @property
     def hf_architecture(self) -> str:
-        return GGUF_ARCHITECTURES[self.architecture][0]
+        return FAMILIES[self.family].hf_architecture
 
     def tensor_names(self) -> list[str]:
         return [t.name for t in self.tensors]
@@ -172,21 +157,17 @@ class GgufCheckpoint:
         self.index = index
 
     def tensors(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-        """(hf_name, tensor in `dtype`) for every tensor the HF model holds."""
-        permuted = GGUF_ARCHITECTURES[self.index.architecture][1]
+        """(hf_name, tensor in `dtype`) for every tensor the HF model holds (each
+        expert's apart, as the HF checkpoint stores them)."""
+        index = self.index
         raw = np.memmap(self.path, dtype=np.uint8, mode="r")
-        for entry in self.index.tensors:
-            name = hf_tensor_name(entry.name)
-            if name is None:
-                continue
+        for entry in index.tensors:
             data = raw[entry.offset : entry.offset + entry.nbytes]
-            tensor = torch.from_numpy(_dequantize(entry, data))  # [rows, cols] or [n]
-            if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
-                q = "q_proj" in name
-                tensor = unpermute_rotary_rows(
-                    tensor, self.index.num_heads if q else self.index.num_kv_heads
-                )
-            yield name, tensor.to(dtype)
+            values = torch.from_numpy(_dequantize(entry, data))  # [(experts,) rows, cols]
+            for name, tensor in hf_tensors(
+                index.family, entry.name, values, index.num_heads, index.num_kv_heads
+            ):
+                yield name, tensor.to(dtype)
 
 
 def _dequantize(entry: GgufTensor, data: np.ndarray) -> np.ndarray:

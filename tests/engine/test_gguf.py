@@ -17,6 +17,7 @@ from engine.worker.builtin_model import CHAT_TEMPLATE, builtin_model_dir  # noqa
 from engine.worker.gguf_checkpoint import hf_tensor_name, unpermute_rotary_rows  # noqa: E402
 from tests.engine.gguf_files import (  # noqa: E402
     gguf_name,
+    own_cache_sharing_built_kernels,
     permute_rotary_rows,
     write_gguf_and_twin,
     write_minimal_gguf,
@@ -31,8 +32,7 @@ ENGINE = dict(kv_cache_memory=16 << 20, max_model_len=128)
 
 @pytest.fixture(autouse=True)
 def own_cache(tmp_path, monkeypatch):
-    """Side-cars go to a cache of this test's own."""
-    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    own_cache_sharing_built_kernels(tmp_path, monkeypatch)
 
 
 def checkpoint(tmp_path: Path, arch: str) -> Path:
