@@ -28,6 +28,11 @@ class HybridKVCacheManager(KVCacheManager):
     and their entries become `NULL_BLOCK` (reserved at start-up; kernels never read a
     block before a window, so the entry only keeps positions).
 
+    A RECURRENT group (linear attention: a state per sequence in the page of the block
+    holding its last computed token) is served as a window of two tokens
+    (`KVCacheGroup.window`); `sees_context` adds that a state before a position exists
+    only at a block boundary.
+
     Prefix caching is per group: each group hashes its blocks under its own key, and
     `_hashes` interleaves the chains like the tables. A hit of h blocks needs every
     full-attention group to hold blocks 0..h-1 cached and every sliding-window group
