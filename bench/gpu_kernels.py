@@ -69,27 +69,40 @@ def copy_bandwidth_gb_s() -> float:
     return 2 * src.numel() * src.element_size() / (ms / 1e3) / 1e9
 
 
+def decode_inputs(gen, batch, context, heads, kv_heads, head, dtype, device="cuda"):
+    """`batch` sequences of `context` tokens scattered over a shuffled block pool (the
+    CUDA kernels' layout) and one query token each: (key_cache, value_cache, tables
+    [B, per_seq] int32, seq_lens [B] int32, query [B, H, D])."""
+    per_seq = -(-context // BLOCK_SIZE)
+    num_blocks = batch * per_seq + 1
+    shape = (num_blocks, BLOCK_SIZE, kv_heads, head)
+    key_cache = torch.randn(shape, generator=gen, device=device, dtype=dtype)
+    value_cache = torch.randn(shape, generator=gen, device=device, dtype=dtype)
+    order = torch.randperm(num_blocks - 1, generator=gen, device=device)
+    tables = order[: batch * per_seq].view(batch, per_seq).to(torch.int32)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    query = torch.randn(batch, heads, head, generator=gen, device=device).to(dtype)
+    return key_cache, value_cache, tables, seq_lens, query
+
+
+def dense_kv(caches, tables, start: int, end: int) -> list:
+    """Tokens [start, end) of every sequence in each cache, contiguous: [B, KVH, n, D]."""
+    batch, per_seq = tables.shape
+    dense = []
+    for c in caches:  # [B, per_seq, BS, KVH, D] -> [B, KVH, per_seq * BS, D]
+        rows = c[tables.long()].permute(0, 3, 1, 2, 4)
+        rows = rows.reshape(batch, c.shape[2], per_seq * BLOCK_SIZE, c.shape[3])
+        dense.append(rows[:, :, start:end].contiguous())
+    return dense
+
+
 def paged_case(kernels, batch, context, heads, kv_heads, head, dtype) -> dict:
     """One (batch, context) point: v1, v2 and contiguous SDPA, checked then timed."""
     gen = torch.Generator(device="cuda").manual_seed(batch * 100_003 + context)
-    per_seq = -(-context // BLOCK_SIZE)
-    num_blocks = batch * per_seq + 1
-    shape = (num_blocks, BLOCK_SIZE, kv_heads, head)  # the CUDA kernels' layout
-    key_cache = torch.randn(shape, generator=gen, device="cuda", dtype=dtype)
-    value_cache = torch.randn(shape, generator=gen, device="cuda", dtype=dtype)
-    order = torch.randperm(num_blocks - 1, generator=gen, device="cuda")
-    tables = order[: batch * per_seq].view(batch, per_seq).to(torch.int32)
-    seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
-    query = torch.randn(batch, heads, head, generator=gen, device="cuda").to(dtype)
+    inputs = decode_inputs(gen, batch, context, heads, kv_heads, head, dtype)
+    key_cache, value_cache, tables, seq_lens, query = inputs
     scale = head**-0.5
-    # [B, per_seq, BS, KVH, D] -> [B, KVH, context, D], contiguous
-    k, v = (
-        c[tables.long()]
-        .permute(0, 3, 1, 2, 4)
-        .reshape(batch, kv_heads, per_seq * BLOCK_SIZE, head)[:, :, :context]
-        .contiguous()
-        for c in (key_cache, value_cache)
-    )
+    k, v = dense_kv((key_cache, value_cache), tables, 0, context)
     q = query.unsqueeze(2)  # [B, H, 1, D]
     gqa = heads != kv_heads
 
@@ -130,23 +143,10 @@ def window_case(kernels, batch, context, window, heads, kv_heads, head, dtype) -
     """Decode over `context` tokens with and without a window of `window`: checked against
     SDPA over the window's tokens, then timed; also a soft cap and sinks without a window."""
     gen = torch.Generator(device="cuda").manual_seed(batch * 7 + context + window)
-    per_seq = -(-context // BLOCK_SIZE)
-    num_blocks = batch * per_seq + 1
-    shape = (num_blocks, BLOCK_SIZE, kv_heads, head)
-    key_cache = torch.randn(shape, generator=gen, device="cuda", dtype=dtype)
-    value_cache = torch.randn(shape, generator=gen, device="cuda", dtype=dtype)
-    order = torch.randperm(num_blocks - 1, generator=gen, device="cuda")
-    tables = order[: batch * per_seq].view(batch, per_seq).to(torch.int32)
-    seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
-    query = torch.randn(batch, heads, head, generator=gen, device="cuda").to(dtype)
+    inputs = decode_inputs(gen, batch, context, heads, kv_heads, head, dtype)
+    key_cache, value_cache, tables, seq_lens, query = inputs
     scale = head**-0.5
-    k, v = (  # the window's tokens, contiguous: [B, KVH, window, D]
-        c[tables.long()]
-        .permute(0, 3, 1, 2, 4)
-        .reshape(batch, kv_heads, per_seq * BLOCK_SIZE, head)[:, :, context - window : context]
-        .contiguous()
-        for c in (key_cache, value_cache)
-    )
+    k, v = dense_kv((key_cache, value_cache), tables, context - window, context)
     q = query.unsqueeze(2)  # [B, H, 1, D]
 
     def sdpa():
