@@ -35,6 +35,7 @@ from engine.worker.models.layers import (
     RotaryEmbedding,
     activation_fn,
     rope_parameters,
+    zero_centered_rms_norm,
 )
 from engine.worker.models.llama import LlamaForCausalLM
 from engine.worker.parallel.group import TensorParallelGroup
@@ -57,9 +58,7 @@ class GemmaRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., size]
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (h * (1.0 + self.weight.float())).type_as(x)
+        return zero_centered_rms_norm(x, self.weight, self.eps)
 
 
 def layer_rope_parameters(cfg, layer_type: str) -> dict:

@@ -37,6 +37,14 @@ class RMSNorm(nn.Module):
         return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
+def zero_centered_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) * (1 + weight), in float32, rounded to x's dtype once at the end
+    (Gemma's and Qwen 3.5's RMSNorm; Llama's rounds before the weight). x: [..., size]."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * (1.0 + weight.float())).type_as(x)
+
+
 def rope_parameters(hf_config) -> dict:
     """Rotary settings from a transformers 4.x (rope_theta/rope_scaling) or 5.x config."""
     params = dict(getattr(hf_config, "rope_parameters", None) or {})

@@ -25,7 +25,13 @@ from engine.worker.attention.backend import AttentionBackend
 from engine.worker.attention.spec import AttentionSpec
 from engine.worker.models.gated_delta_net import GatedDeltaNet, is_linear_attention
 from engine.worker.models.layer_ops import LayerOps, layer_ops_for
-from engine.worker.models.layers import PagedAttention, RMSNorm, RotaryEmbedding, rope_parameters
+from engine.worker.models.layers import (
+    PagedAttention,
+    RMSNorm,
+    RotaryEmbedding,
+    rope_parameters,
+    zero_centered_rms_norm,
+)
 from engine.worker.models.llama import LlamaForCausalLM
 from engine.worker.parallel.group import TensorParallelGroup
 from engine.worker.parallel.layers import (
@@ -46,9 +52,7 @@ class ZeroCenteredNormOps(LayerOps):
         self.name = f"{base.name}, zero-centered norms"
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        h = x.float()  # [..., size]
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-        return (h * (1.0 + weight.float())).type_as(x)
+        return zero_centered_rms_norm(x, weight, eps)  # [..., size]
 
     def add_rms_norm(self, x, residual, weight, eps):
         residual = residual + x  # [num_tokens, hidden_size]
