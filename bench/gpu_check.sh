@@ -10,7 +10,8 @@
 # Wheels the machine lacks (xgrammar and its pydantic, jsonschema for the structured-output
 # checks; the transformers the tests pin, for the model families' references) go in .whl/
 # at the repository root; they are installed to /tmp/site first. QUICK=1 times fewer kernel
-# points and skips the engine throughput stage.
+# points and skips the engine throughput stage; CHECKS_ONLY=1 stops after the checks
+# (build, tests, engine, families), before any timing.
 set -u
 ASSETS=${1:?usage: gpu_check.sh ASSETS_DIR}
 OUT=${OUT:-/tmp/gpu_check}
@@ -50,10 +51,10 @@ report build $? "$LOGS/build.log"
 
 stage "gpu tests + engine checks + model families, concurrently"
 timeout 200 python3 -m pytest -m gpu tests/cuda_ext/test_native_cuda.py \
-  tests/cuda_ext/test_native_cuda_features.py -q -n 6 --timeout 120 \
+  tests/cuda_ext/test_native_cuda_features.py tests/engine/test_cuda_swap_space.py -q -n 6 --timeout 120 \
   -p no:cacheprovider -rfE >"$OUT/pytest.log" 2>&1 &
 tests=$!
-PAGEDSERVE_NATIVE=0 timeout 200 python3 bench/gpu_e2e.py --stories "$ASSETS/stories260K" \
+PAGEDSERVE_NATIVE=0 timeout 280 python3 bench/gpu_e2e.py --stories "$ASSETS/stories260K" \
   --reference "$ASSETS/stories260K_greedy.json" --parts families \
   --out "$OUT/gpu_e2e_families.json" >/dev/null 2>"$LOGS/families.log" &
 families=$!
@@ -67,6 +68,7 @@ wait $tests
 echo "gpu tests rc $?" >>"$SUMMARY"
 tail -n 25 "$OUT/pytest.log" >>"$SUMMARY"
 
+[ "${CHECKS_ONLY:-0}" = 1 ] && { stage done; cat "$SUMMARY"; exit 0; }
 stage "kernel timings: GQA 32/8 heads, a sliding window, then MHA 32/32"
 if [ "${QUICK:-0}" = 1 ]; then points="--batch 1 32 256 --context 1024 16384"; else points=""; fi
 timeout 90 python3 bench/gpu_kernels.py $points --out "$OUT/gpu_kernels.json" >/dev/null \
