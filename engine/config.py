@@ -44,14 +44,17 @@ def linear_attention_layers(hf_config: Any) -> tuple[int, ...]:
     return tuple(i for i, kind in enumerate(layer_types) if kind == "linear_attention")
 
 
-def linear_attention_state_bytes(hf_config: Any) -> tuple[int, int]:
-    """One linear-attention layer's float32 state per sequence, in bytes: (recurrent,
+def linear_attention_state_bytes(hf_config: Any, world_size: int = 1) -> tuple[int, int]:
+    """One linear-attention layer's float32 state per sequence, in bytes, on one of
+    `world_size` tensor-parallel ranks (each holds its share of the heads): (recurrent,
     convolution). Recurrent: the gated delta rule's [value heads, key dim, value dim];
     convolution: the last (kernel - 1) inputs of its [2 * keys + values] channels."""
     cfg = hf_config
-    key_dim = cfg.linear_num_key_heads * cfg.linear_key_head_dim
-    value_dim = cfg.linear_num_value_heads * cfg.linear_value_head_dim
-    recurrent = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim
+    key_heads = cfg.linear_num_key_heads // world_size
+    value_heads = cfg.linear_num_value_heads // world_size
+    key_dim = key_heads * cfg.linear_key_head_dim
+    value_dim = value_heads * cfg.linear_value_head_dim
+    recurrent = value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim
     conv = (2 * key_dim + value_dim) * (cfg.linear_conv_kernel_dim - 1)
     return 4 * recurrent, 4 * conv
 
@@ -104,13 +107,13 @@ class ModelConfig:
 
     def min_block_size(self, world_size: int = 1) -> int:
         """The smallest block size whose pages hold a linear-attention layer's state (a
-        layer's K and V pages of one block, this rank's KV heads; in multiples of 16
+        layer's K and V pages of one block, this rank's share of both; in multiples of 16
         tokens); 1 for models without such layers."""
         if not linear_attention_layers(self.hf_config):
             return 1
-        heads = self.num_kv_heads // world_size
+        heads = max(1, self.num_kv_heads // world_size)  # a share, or one replicated
         per_token = 2 * heads * self.head_size * self.dtype.itemsize
-        state = sum(linear_attention_state_bytes(self.hf_config))
+        state = sum(linear_attention_state_bytes(self.hf_config, world_size))
         return -(-state // (16 * per_token)) * 16
 
     @property

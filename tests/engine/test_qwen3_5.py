@@ -272,13 +272,32 @@ def test_a_copied_page_carries_the_state(arch: str) -> None:
         check_rows(arch, run_step(arch, model, caches, rows, tokens), rows, tokens)
 
 
-def test_tensor_parallelism_is_refused_by_name(arch: str) -> None:
-    cfg = config(arch)
-    with (
-        torch.device("meta"),
-        pytest.raises(ValueError, match=rf"{cfg.model_type}: tensor parallelism .* Gated DeltaNet"),
-    ):
-        model_class(arch)(cfg, ReferenceBackend(), TensorParallelGroup(0, 2))
+def test_each_of_two_ranks_holds_its_key_heads_with_their_value_heads(arch: str) -> None:
+    """Under tensor parallelism a rank's DeltaNet keeps, of the one-device layer, its key
+    heads' q and k channels and their value heads' v channels (projection rows and
+    convolution), their z/b/a rows, dt_bias and A_log, out_proj's matching input
+    columns, and half of each state (tests/engine/test_tensor_parallel.py runs it)."""
+    one = our_model(arch).model.layers[0].self_attn
+    weights = hf_model(arch).state_dict()
+    kd, vd, hd = one.key_dim // 2, one.value_dim // 2, one.num_v_heads // 2
+    for rank in (0, 1):
+        model = model_class(arch)(config(arch), ReferenceBackend(), TensorParallelGroup(rank, 2))
+        model.load_weights(weights.items())
+        mine = model.model.layers[0].self_attn
+        k, v = slice(rank * kd, (rank + 1) * kd), slice(rank * vd, (rank + 1) * vd)
+        heads = slice(rank * hd, (rank + 1) * hd)
+        for ours, full in ((mine.in_proj_qkv, one.in_proj_qkv), (mine.conv1d, one.conv1d)):
+            q_all, k_all, v_all = full.weight.split([one.key_dim, one.key_dim, one.value_dim])
+            torch.testing.assert_close(ours.weight, torch.cat([q_all[k], k_all[k], v_all[v]]))
+        torch.testing.assert_close(mine.in_proj_z.weight, one.in_proj_z.weight[v])
+        for name in ("in_proj_b", "in_proj_a"):
+            torch.testing.assert_close(getattr(mine, name).weight, getattr(one, name).weight[heads])
+        torch.testing.assert_close(mine.dt_bias, one.dt_bias[heads])
+        torch.testing.assert_close(mine.A_log, one.A_log[heads])
+        torch.testing.assert_close(mine.out_proj.weight, one.out_proj.weight[:, v])
+        assert mine.recurrent_shape == (hd, *one.recurrent_shape[1:])
+        assert mine.conv_shape == (one.conv_shape[0] // 2, one.conv_shape[1])
+        assert (mine.recurrent_shape, mine.conv_shape) == state_shapes(config(arch), 2)
 
 
 def test_multimodal_checkpoints_are_refused_by_name() -> None:

@@ -39,32 +39,42 @@ def live_children() -> list[int]:
     return [pid for pid in children_of(os.getpid()) if alive(pid)]
 
 
-def _num_blocks(model_dir: str) -> int:
+def _block_size(model_dir: str) -> int:
+    """BLOCK_SIZE, or what the engine raises it to (a linear-attention state per page)."""
+    args = EngineArgs(model=model_dir, skip_tokenizer_init=True, block_size=BLOCK_SIZE)
+    return args.build().cache.block_size
+
+
+def _num_blocks(model_dir: str, block_size: int) -> int:
     """NUM_BLOCKS; for a hybrid KV layout, whose windowed groups free blocks as
     sequences pass their windows (so 24 may never preempt, or may not hold one sequence
     across several groups): what one 64-token sequence needs, the allocator's reserved
-    block and one more."""
+    block and one more; with linear-attention groups, room for the beam search's two
+    sequences of up to 64 tokens, each recomputing in one chunk after a preemption."""
     model = EngineArgs(model=model_dir, skip_tokenizer_init=True, max_model_len=64).build().model
     layout = model.kv_cache_layout
     if not layout.is_hybrid:
         return NUM_BLOCKS
-    return layout.max_blocks_per_sequence(64, 64, BLOCK_SIZE) + reserved_blocks(model) + 1
+    sequences = 2 if layout.recurrent_layers else 1
+    one = layout.max_blocks_per_sequence(64, 64, block_size)
+    return sequences * one + reserved_blocks(model) + 1
 
 
-def _run(model_dir: str, tp: int, **kwargs) -> tuple[list, dict]:
-    memory = kv_memory(model_dir, _num_blocks(model_dir), BLOCK_SIZE, world_size=tp)
+def _run(model_dir: str, tp: int, prompts=PROMPTS, **kwargs) -> tuple[list, dict]:
+    block_size = _block_size(model_dir)
+    memory = kv_memory(model_dir, _num_blocks(model_dir, block_size), block_size, world_size=tp)
     with LLM(
         model_dir,
         tensor_parallel_size=tp,
         skip_tokenizer_init=True,
-        block_size=BLOCK_SIZE,
+        block_size=block_size,
         kv_cache_memory=memory,
         max_model_len=64,
         max_num_seqs=8,
         **kwargs,
     ) as llm:
-        outs = llm.generate(PROMPTS[:1], PARAMS[:1], use_tqdm=False)  # caches the prefix
-        outs += llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+        outs = llm.generate(prompts[:1], PARAMS[:1], use_tqdm=False)  # caches the prefix
+        outs += llm.generate(prompts, PARAMS, use_tqdm=False)
         stats = llm.stats()
         llm.engine.check_integrity()
         checks = getattr(llm.engine.worker, "worker", llm.engine.worker).num_rank_checks
@@ -82,19 +92,25 @@ def _assert_same_as_one_device(model_dir: str, **kwargs) -> None:
     assert not live_children()
 
 
-ONE_DEVICE_ONLY = {"qwen3.5", "qwen3-next"}  # linear-attention layers are not split over ranks
+# Linear-attention models' pages hold a state, so their blocks are 32 tokens: prompts
+# sharing a whole block (and short enough for 24 more tokens in 64).
+LINEAR_ATTENTION = {"qwen3.5", "qwen3-next"}
+LONG_PREFIX = [(7 * i + 3) % 50 for i in range(34)]
+LONG_PROMPTS = [LONG_PREFIX + p[len(SHARED_PREFIX) :] for p in PROMPTS]
 
 
-@pytest.fixture(scope="module", params=sorted(set(ARCHITECTURES) - ONE_DEVICE_ONLY))
+@pytest.fixture(scope="module", params=sorted(ARCHITECTURES))
 def checkpoint(request, tmp_path_factory):
     directory = tmp_path_factory.mktemp(request.param)
     save_hf_model(request.param, directory)
-    return str(directory)
+    return request.param, str(directory)
 
 
 @pytest.mark.timeout(240)
 def test_two_ranks_give_what_one_device_gives(checkpoint):
-    _assert_same_as_one_device(checkpoint)
+    name, model_dir = checkpoint
+    prompts = LONG_PROMPTS if name in LINEAR_ATTENTION else PROMPTS
+    _assert_same_as_one_device(model_dir, prompts=prompts)
 
 
 @pytest.mark.timeout(240)
@@ -116,10 +132,10 @@ def test_a_model_the_ranks_cannot_split_is_refused_by_name(tmp_path):
     assert not live_children()  # refused before any rank started
 
 
-def test_a_model_with_linear_attention_is_refused_on_two_ranks_by_name(tmp_path):
-    save_hf_model("qwen3.5", tmp_path)
-    with pytest.raises(ValueError, match=r"Qwen3_5ForCausalLM cannot be split: .*Gated DeltaNet"):
-        LLM(str(tmp_path), tensor_parallel_size=2, skip_tokenizer_init=True)
+def test_linear_attention_heads_that_do_not_split_are_refused_by_name(tmp_path):
+    save_hf_model("qwen3.5", tmp_path)  # 2 key heads over 4 ranks
+    with pytest.raises(ValueError, match=r"linear_num_key_heads \(2\) does not split evenly"):
+        LLM(str(tmp_path), tensor_parallel_size=4, skip_tokenizer_init=True)
     assert not live_children()
 
 

@@ -31,6 +31,13 @@ from torch import nn
 from engine.config import linear_attention_layers
 from engine.worker.attention.metadata import AttentionMetadata
 from engine.worker.parallel.group import TensorParallelGroup
+from engine.worker.parallel.layers import (
+    ColumnParallelLinear,
+    Part,
+    RowParallelLinear,
+    check_shape,
+    copy_parts,
+)
 from engine.worker.recurrent_state import STATE_DTYPE, RecurrentStatePages
 
 CHUNK_SIZE = 64  # tokens per chunk of the chunked rule (transformers' default)
@@ -42,14 +49,42 @@ def is_linear_attention(hf_config, layer: int) -> bool:
     return layer in linear_attention_layers(hf_config)
 
 
-def state_shapes(hf_config) -> tuple[tuple[int, int, int], tuple[int, int]]:
-    """One linear-attention layer's per-sequence state shapes: (recurrent
-    (num_v_heads, head_k_dim, head_v_dim), convolution (conv_dim, kernel - 1))."""
+def state_shapes(hf_config, world_size: int = 1) -> tuple[tuple[int, int, int], tuple[int, int]]:
+    """One linear-attention layer's per-sequence state shapes on one of `world_size`
+    tensor-parallel ranks (each holds its share of the heads): (recurrent
+    (value heads, head_k_dim, head_v_dim), convolution (channels, kernel - 1))."""
     cfg = hf_config
-    conv_dim = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim
-    conv_dim += cfg.linear_num_value_heads * cfg.linear_value_head_dim
-    recurrent = (cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+    key_heads = cfg.linear_num_key_heads // world_size
+    value_heads = cfg.linear_num_value_heads // world_size
+    conv_dim = 2 * key_heads * cfg.linear_key_head_dim + value_heads * cfg.linear_value_head_dim
+    recurrent = (value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
     return recurrent, (conv_dim, cfg.linear_conv_kernel_dim - 1)
+
+
+def head_shares(cfg, group: TensorParallelGroup) -> tuple[Part, Part, Part]:
+    """This rank's share of the projections, as parts of their outputs: the queries' (and
+    likewise the keys') channels, the values' channels, and the value heads. Key heads
+    split evenly; each key head's value heads (consecutive) go with it."""
+    k_start, k_end = group.shard(cfg.linear_num_key_heads, "linear_num_key_heads")
+    repeat = cfg.linear_num_value_heads // cfg.linear_num_key_heads
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    keys = Part(cfg.linear_num_key_heads * dk, k_start * dk, (k_end - k_start) * dk)
+    heads = Part(cfg.linear_num_value_heads, k_start * repeat, (k_end - k_start) * repeat)
+    values = Part(heads.full * dv, heads.start * dv, heads.size * dv)
+    return keys, values, heads
+
+
+class DepthwiseConv1d(nn.Module):
+    """The short convolution's weight [this rank's channels, 1, kernel]: `load` keeps
+    this rank's rows of each of `parts` (the q, k and v channels) of the checkpoint's."""
+
+    def __init__(self, parts: tuple[Part, ...], kernel: int) -> None:
+        super().__init__()
+        self.parts = parts
+        self.weight = nn.Parameter(torch.empty(sum(p.size for p in parts), 1, kernel))
+
+    def load(self, name: str, tensor: torch.Tensor, part: int | None = None) -> None:
+        copy_parts(self.weight, tensor, self.parts, dim=0)
 
 
 class RMSNormGated(nn.Module):
@@ -73,7 +108,9 @@ class GatedDeltaNet(nn.Module):
     """Model layer `layer_index`'s Gated DeltaNet (see the module docstring):
     `forward(positions, hidden [T, hidden_size], kv_cache, metadata) -> [T, hidden_size]`,
     `kv_cache` this layer's (K, V) pages, holding (recurrent, convolution) states.
-    Parameters carry transformers' names. One device only (`group.world_size == 1`)."""
+    Parameters carry transformers' names. Under tensor parallelism each rank holds its
+    share of the key heads (`head_shares`) with their value heads, their channels of
+    the convolution and their part of the state; `out_proj` sums the ranks' parts."""
 
     def __init__(
         self,
@@ -85,34 +122,33 @@ class GatedDeltaNet(nn.Module):
         """`block_dim`: the dimension of the attention backend's cache layout that
         indexes blocks (the pages hold this layer's states)."""
         super().__init__()
-        self.block_dim = block_dim
-        if group is not None and group.world_size > 1:
-            model = (getattr(cfg, "architectures", None) or [cfg.model_type])[0]
-            raise ValueError(
-                f"{model}: tensor parallelism (tensor_parallel_size={group.world_size}) is "
-                "not supported for its Gated DeltaNet (linear-attention) layers: their "
-                "heads, convolution and per-sequence state are not split over ranks; "
-                "run it with tensor_parallel_size=1"
-            )
+        group = group or TensorParallelGroup()
         if cfg.hidden_act != "silu":
             raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (silu)")
-        self.layer_index = layer_index
-        self.num_k_heads, self.num_v_heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.block_dim, self.layer_index = block_dim, layer_index
+        keys, values, heads = head_shares(cfg, group)
         self.head_k_dim, self.head_v_dim = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-        self.key_dim = self.num_k_heads * self.head_k_dim
-        self.value_dim = self.num_v_heads * self.head_v_dim
-        self.recurrent_shape, self.conv_shape = state_shapes(cfg)
-        conv_dim, hidden = self.conv_shape[0], cfg.hidden_size
-        kernel = cfg.linear_conv_kernel_dim
-        self.conv1d = nn.Conv1d(conv_dim, conv_dim, kernel, groups=conv_dim, bias=False)
+        self.num_k_heads, self.num_v_heads = keys.size // self.head_k_dim, heads.size
+        self.key_dim, self.value_dim = keys.size, values.size
+        self.first_v_head, self.total_v_heads = heads.start, heads.full
+        self.recurrent_shape, self.conv_shape = state_shapes(cfg, group.world_size)
+        hidden = cfg.hidden_size
+        self.conv1d = DepthwiseConv1d((keys, keys, values), cfg.linear_conv_kernel_dim)
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
         self.norm = RMSNormGated(self.head_v_dim, cfg.rms_norm_eps)
-        self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
-        self.in_proj_qkv = nn.Linear(hidden, conv_dim, bias=False)
-        self.in_proj_z = nn.Linear(hidden, self.value_dim, bias=False)
-        self.in_proj_b = nn.Linear(hidden, self.num_v_heads, bias=False)
-        self.in_proj_a = nn.Linear(hidden, self.num_v_heads, bias=False)
+        self.out_proj = RowParallelLinear(values.full, hidden, False, group)
+        self.in_proj_qkv = ColumnParallelLinear(hidden, (keys, keys, values), False, group)
+        self.in_proj_z = ColumnParallelLinear(hidden, (values,), False, group)
+        self.in_proj_b = ColumnParallelLinear(hidden, (heads,), False, group)
+        self.in_proj_a = ColumnParallelLinear(hidden, (heads,), False, group)
+
+    def load(self, name: str, tensor: torch.Tensor, part: int | None = None) -> None:
+        """`dt_bias`, `A_log` [all value heads]: this rank's heads'."""
+        param = getattr(self, name)
+        check_shape(tensor, (self.total_v_heads,))
+        with torch.no_grad():
+            param.copy_(tensor.narrow(0, self.first_v_head, self.num_v_heads))
 
     def forward(
         self,

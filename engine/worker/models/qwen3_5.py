@@ -13,7 +13,8 @@ in the layer's KV cache pages) or gated full attention ("full_attention"):
 
 Checkpoints name the DeltaNet `linear_attn` (`self_attn` here, the decoder layer's
 mixer). Multimodal checkpoints (Qwen3_5ForConditionalGeneration) are refused by the
-registry. Tensor parallelism is refused by the DeltaNet layers.
+registry. Under tensor parallelism a DeltaNet splits its key heads, each with its value
+heads, convolution channels and part of the state (gated_delta_net.py).
 """
 
 from __future__ import annotations

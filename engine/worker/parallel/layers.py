@@ -112,18 +112,9 @@ class ColumnParallelLinear(nn.Module):
         """Copies this rank's rows of checkpoint tensor `name` ("weight" or "bias"):
         part `part`'s, or, with None, every part's from their concatenation."""
         dest, dim = self._param(name), self._out_dim(name)
-        indices = range(len(self.parts)) if part is None else (part,)
-        expected = list(dest.shape)
-        expected[dim] = sum(self.parts[i].full for i in indices)
-        check_shape(tensor, expected)
-        offset = sum(self.sizes[: indices[0]])
-        src = 0
-        with torch.no_grad():
-            for i in indices:
-                p = self.parts[i]
-                piece = tensor.narrow(dim, src + p.start, p.size)
-                dest.narrow(dim, offset, p.size).copy_(piece)
-                offset, src = offset + p.size, src + p.full
+        parts = self.parts if part is None else (self.parts[part],)
+        offset = 0 if part is None else sum(self.sizes[:part])
+        copy_parts(dest.narrow(dim, offset, sum(p.size for p in parts)), tensor, parts, dim)
 
     def _param(self, name: str) -> nn.Parameter:
         return self.weight if name == "weight" else self.bias
@@ -248,6 +239,19 @@ def _matmul(x, weight, bias, transposed: bool) -> torch.Tensor:
     if not transposed:
         return F.linear(x, weight, bias)
     return x @ weight if bias is None else torch.addmm(bias, x, weight)
+
+
+def copy_parts(dest: torch.Tensor, tensor: torch.Tensor, parts: tuple[Part, ...], dim: int) -> None:
+    """Copies into `dest` (this rank's slices of `parts`, concatenated along `dim`) its
+    slice of each part of `tensor` (the parts' whole checkpoint rows, concatenated)."""
+    expected = list(dest.shape)
+    expected[dim] = sum(p.full for p in parts)
+    check_shape(tensor, expected)
+    offset = src = 0
+    with torch.no_grad():
+        for p in parts:
+            dest.narrow(dim, offset, p.size).copy_(tensor.narrow(dim, src + p.start, p.size))
+            offset, src = offset + p.size, src + p.full
 
 
 def check_shape(tensor: torch.Tensor, expected) -> None:
