@@ -88,6 +88,7 @@ def build_engine(
         config.scheduler.max_num_seqs,
         max_tokens_per_request=config.max_tokens_per_request,
         kv_layout=layout,
+        max_chunk=config.scheduler.max_num_batched_tokens,
     )
     manager = BlockManager(layout=layout, **tables) if with_block_manager else None
     grammar_backend = functools.partial(

@@ -324,12 +324,15 @@ class Scheduler:
 
     def _group_fits(self, request: Request) -> bool:
         """A waiting sequence of a one-unit group is admitted only when all of the
-        group's waiting sequences fit (blocks and the sequence cap) at once."""
+        group's waiting sequences fit (blocks and the sequence cap) at once, with the
+        blocks each holds at most while it computes its tokens, chunk by chunk (windowed
+        and recurrent groups hold a chunk's and their window's)."""
         group = request.group
         if group is None or not group.preempt_together:
             return True
         members = [r for r in self.waiting if r.group is group]
-        blocks = sum(self.kv_cache.blocks_for(r.num_tokens) for r in members)
+        chunk = self.config.max_num_batched_tokens
+        blocks = sum(self.kv_cache.peak_blocks(r.num_tokens, chunk) for r in members)
         seats = self.config.max_num_seqs - len(self.running)
         return blocks <= self.kv_cache.num_free_blocks and len(members) <= seats
 

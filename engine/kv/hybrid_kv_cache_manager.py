@@ -85,6 +85,12 @@ class HybridKVCacheManager(KVCacheManager):
         computed (windowed groups only what the next query sees)."""
         return self.layout.blocks_needed(num_computed, num_tokens, self.block_size)
 
+    def peak_blocks(self, num_tokens: int, max_chunk: int) -> int:
+        """Pages every group holds at most while a sequence of `num_tokens` tokens is
+        computed from its start in chunks of `max_chunk`: a windowed or recurrent group
+        a chunk plus its window (`KVCacheLayout.max_blocks_per_sequence`)."""
+        return self.layout.max_blocks_per_sequence(num_tokens, max_chunk, self.block_size)
+
     def entries_for(self, num_tokens: int) -> int:
         return self.num_groups * cdiv(num_tokens, self.block_size)
 

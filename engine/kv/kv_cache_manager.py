@@ -88,6 +88,12 @@ class KVCacheManager:
         only to sliding windows)."""
         return cdiv(num_tokens, self.block_size)
 
+    def peak_blocks(self, num_tokens: int, max_chunk: int) -> int:
+        """The most blocks a sequence of `num_tokens` tokens holds while it is computed
+        from its start in chunks of at most `max_chunk` tokens (a readmitted one
+        recomputing): all of them, here."""
+        return cdiv(num_tokens, self.block_size)
+
     def entries_for(self, num_tokens: int) -> int:
         """The length of a table holding `num_tokens` slots."""
         return cdiv(num_tokens, self.block_size)

@@ -16,8 +16,9 @@ class RequestLimits:
     (a beam search ranks one continuation per end token more), whether text can be
     decoded (stop strings), the KV cache's size in blocks and the sequences a step may
     run (0: not checked), the most output tokens one request may ask for over all
-    the sequences it samples (None: no cap), and the KV cache groups (None: one
-    full-attention group; sliding windows need fewer blocks per sequence)."""
+    the sequences it samples (None: no cap), the KV cache groups (None: one
+    full-attention group; sliding windows need fewer blocks per sequence), and the
+    most tokens a step computes (`max_num_batched_tokens`; None: a whole sequence)."""
 
     vocab_size: int
     max_model_len: int
@@ -28,6 +29,7 @@ class RequestLimits:
     max_num_seqs: int = 0
     max_tokens_per_request: int | None = None
     kv_layout: KVCacheLayout | None = None
+    max_chunk: int | None = None
 
 
 def validate_request(
@@ -125,8 +127,9 @@ def _check_beam_search(token_ids: list[int], params: SamplingParams, limits: Req
         return
     longest = len(token_ids) + search.max_new_tokens
     need = width * cdiv(longest, limits.block_size)
-    if limits.kv_layout is not None:  # decoding beams: each holds its windows' blocks
-        need = width * limits.kv_layout.blocks_needed(longest - 1, longest, limits.block_size)
+    if limits.kv_layout is not None:  # each beam, readmitted, recomputes chunk by chunk
+        chunk = limits.max_chunk or longest
+        need = width * limits.kv_layout.max_blocks_per_sequence(longest, chunk, limits.block_size)
     if need > limits.num_blocks:
         raise ValueError(
             f"best_of (the beam width; n when unset) is {width}: that many beams "

@@ -111,3 +111,32 @@ def test_beam_search_equals_transformers(model):
         assert [c.token_ids for c in out.outputs] == want
         assert [c.beam_score for c in out.outputs] == pytest.approx(scores, abs=1e-4)
     llm.engine.check_integrity()
+
+
+@pytest.mark.parametrize("chunk", [16, 96])
+def test_beams_preempted_come_back_in_a_cache_sized_for_their_recompute(model, chunk):
+    """A beam group is readmitted as one unit, each beam recomputing chunk by chunk, so
+    its pages peak at a chunk's span per group per beam (more than decoding needs). The
+    request check counts that peak: a cache one page short refuses the beams up front,
+    and one that holds them runs them, preempted by greedy requests beside them, to
+    transformers' beams (this once deadlocked: nothing running, the group waiting)."""
+    directory, hf, prompts, expected = model
+    config = engine(directory).config
+    bs, layout = config.cache.block_size, config.model.kv_cache_layout
+    per_block = block_bytes(config.model, bs)
+    need = 2 * layout.max_blocks_per_sequence(len(prompts[-1]) + MAX_NEW, chunk, bs)
+    params = SamplingParams(use_beam_search=True, n=2, temperature=0, max_tokens=MAX_NEW)
+    options = dict(max_num_batched_tokens=chunk, preemption_mode="recompute")
+    short = engine(directory, kv_cache_memory=per_block * need, **options)  # less the null page
+    with pytest.raises(ValueError, match=r"best_of \(the beam width.*need \d+ KV cache blocks"):
+        short.generate([prompts[-1]], params, use_tqdm=False)
+    llm = engine(directory, kv_cache_memory=per_block * (need + 1), **options)
+    others = [5, 4, 3]
+    outs = llm.generate(
+        [prompts[-1]] + [prompts[i] for i in others], [params] + [greedy()] * 3, use_tqdm=False
+    )
+    want, _ = hf_beams(hf, prompts[-1], 2, 1.0, False, MAX_NEW)
+    assert [c.token_ids for c in outs[0].outputs] == want
+    assert tokens(outs[1:]) == [expected[i] for i in others]
+    llm.engine.check_integrity()
+    assert llm.stats().num_preemptions > 0

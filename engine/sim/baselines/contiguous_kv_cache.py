@@ -115,6 +115,9 @@ class ContiguousKVCacheManager:
     def blocks_for(self, num_tokens: int, num_computed: int = 0) -> int:
         return cdiv(num_tokens, self.block_size)
 
+    def peak_blocks(self, num_tokens: int, max_chunk: int) -> int:
+        return cdiv(num_tokens, self.block_size)
+
     def entries_for(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
 
