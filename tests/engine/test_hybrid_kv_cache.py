@@ -9,7 +9,7 @@ import pytest
 
 from engine.kv.block_count import cdiv
 from engine.kv.hybrid_kv_cache_manager import NULL_BLOCK, HybridKVCacheManager
-from engine.kv.kv_cache_groups import KVCacheGroupKind, KVCacheLayout
+from engine.kv.kv_cache_groups import MAX_GROUPS, KVCacheGroupKind, KVCacheLayout
 
 FULL, SLIDING = KVCacheGroupKind.FULL_ATTENTION, KVCacheGroupKind.SLIDING_WINDOW
 
@@ -31,16 +31,16 @@ def test_alternating_layers_make_two_equal_groups():
 def test_five_local_to_one_global_pads_only_a_local_group():
     windows = [None if i % 6 == 5 else 1024 for i in range(62)]  # Gemma-3-27B's pattern
     layout = KVCacheLayout.from_windows(windows)
-    assert layout.layers_per_group == 10  # the global layers' count: they need no padding
-    assert [len(g.layers) for g in layout.groups] == [10, 10, 10, 10, 10, 2, 10]
-    assert sum(g.kind is FULL for g in layout.groups) == 1
-    assert layout.padding_share == pytest.approx(1 - 62 / 70)
+    assert layout.layers_per_group == 5  # divides the global layers: they need no padding
+    assert [len(g.layers) for g in layout.groups] == [5] * 10 + [2, 5, 5]
+    assert sum(g.kind is FULL for g in layout.groups) == 2
+    assert layout.padding_share == pytest.approx(1 - 62 / 65)  # vLLM's 7 groups of 10: 70
     assert sorted(i for g in layout.groups for i in g.layers) == list(range(62))
 
 
 def test_the_chunk_size_keeps_groups_few():
     layout = KVCacheLayout.from_windows([None, 8] * 20 + [8])  # 20 full, 21 windowed
-    assert layout.num_groups <= 8
+    assert layout.num_groups <= MAX_GROUPS
     full = [g for g in layout.groups if g.kind is FULL]
     assert all(len(g.layers) == layout.layers_per_group for g in full)
 
