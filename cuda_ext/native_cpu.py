@@ -26,6 +26,7 @@ and returns None:
     ops.fused_add_rms_norm(x, residual, weight, eps)  # in place: both
     ops.silu_and_mul(out, gate_up)
     ops.rotary_embedding(positions, query, key, cos, sin)  # in place: query, key
+    ops.quantized_matmul(out, x, blocks, qtype, k)  # out = x @ W.T, W in GGUF blocks
 
 Layouts (one layer): key_cache, value_cache head-major, `[num_blocks, num_kv_heads,
 block_size, head_size]`, contiguous (each KV head's rows of a block lie together, so
@@ -40,9 +41,13 @@ ops take any dtype their tensors share. The attention ops' optional features are
 `cuda_ext.reference.paged_attention_reference`'s: a sliding window W (0: none; the blocks
 wholly before a query's window are not read, so their block-table entries may be
 anything), a logit soft cap c (0: none), and per-head sink logits (float32 [num_heads]).
-The elementwise ops (the last four) take
+The elementwise ops (rms_norm to rotary_embedding) take
 float32 or bfloat16 rows `[num_tokens, d]` (query/key `[num_tokens, heads, head_size]`)
 with unit last stride and rows that do not overlap. The math is `cuda_ext.reference`'s.
+quantized_matmul takes x `[M, k]` float32 or bfloat16 (unit last stride), W as uint8
+blocks `[N, row_bytes]` in ggml's layout of a `cuda_ext.quant_gemm.QuantType`, and writes
+out `[M, N]` in x's dtype; it quantizes x per block, so it matches the float product
+within the activation's rounding (`cuda_ext.quant_gemm`, which also holds its reference).
 
 A bad argument raises ValueError naming it and what was expected. Data-dependent errors
 (a block id outside the cache, a slot past its end, a context longer than its block
@@ -59,6 +64,7 @@ from types import ModuleType
 import torch
 
 from cuda_ext.build import load_cpu_ops
+from cuda_ext.quant_blocks import BLOCK_SHAPES, QuantType, row_bytes
 
 ATTENTION_DTYPES = (torch.float32, torch.bfloat16)
 BLOCK_TABLE_DTYPES = (torch.int32, torch.int64)
@@ -286,6 +292,43 @@ class NativeCpuOps:
                     f"got cos {_describe(cos)}, sin {_describe(sin)}"
                 )
         self._ops.rotary_embedding(positions, query, key, cos, sin)
+
+    def quantized_matmul(
+        self,
+        out: torch.Tensor,  # [M, N], x's dtype
+        x: torch.Tensor,  # [M, k] float32 or bfloat16
+        blocks: torch.Tensor,  # [N, row_bytes(qtype, k)] uint8, W's rows in ggml blocks
+        qtype: QuantType,
+        k: int,
+    ) -> None:
+        """out = x @ W.T with W [N, k] kept quantized (see cuda_ext.quant_gemm)."""
+        if qtype not in BLOCK_SHAPES:
+            names = ", ".join(f"{t.name} ({t.value})" for t in QuantType)
+            raise ValueError(f"qtype must be a ggml type id of {names}; got {qtype!r}")
+        if not isinstance(k, int) or k <= 0:
+            raise ValueError(f"k must be a positive int; got {k!r}")
+        _check_cpu("x", x)
+        if x.dim() != 2 or x.shape[1] != k or x.dtype not in ATTENTION_DTYPES or not _rows_apart(x):
+            raise ValueError(
+                f"x must be [M, {k}] float32 or bfloat16 with unit last stride; "
+                f"got {_describe(x)} with strides {x.stride()}"
+            )
+        _check_cpu("blocks", blocks)
+        nbytes = row_bytes(qtype, k)
+        if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != nbytes:
+            raise ValueError(
+                f"blocks must be uint8 [N, {nbytes}] ({QuantType(qtype).name} rows of {k} "
+                f"elements); got {_describe(blocks)}"
+            )
+        if not blocks.is_contiguous():
+            raise ValueError(f"blocks must be contiguous; got {_describe(blocks)}")
+        shape = (x.shape[0], blocks.shape[0])
+        _check_cpu("out", out)
+        if out.shape != shape or out.dtype != x.dtype or not _rows_apart(out):
+            raise ValueError(
+                f"out must be {list(shape)} {x.dtype} with unit last stride; got {_describe(out)}"
+            )
+        self._ops.quantized_matmul(out, x, blocks, int(qtype), k)
 
 
 available = NativeCpuOps.available
