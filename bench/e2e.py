@@ -13,8 +13,11 @@ Workloads (every request runs to its max_tokens: greedy, ignore_eos; all sent at
 Systems (each in its own process, the same thread count everywhere):
   pagedserve_offline   LLM.generate(token-id prompts, one SamplingParams per request)
   pagedserve_served    `pagedserve serve`, every request at once to /v1/completions
-  pagedserve_served_gguf  the same, loading the shipped GGUF itself (`--model FILE.gguf`,
-                       dequantized at load: the same float weights); SmolLM2 only
+  pagedserve_served_gguf  the same, loading the shipped GGUF itself (`--model FILE.gguf
+                       --quantization none`: dequantized at load, the same float weights);
+                       SmolLM2 only
+  pagedserve_served_q4_1  the shipped GGUF computed in its Q4_1 blocks (`--quantization
+                       gguf`, the default for a GGUF): llama-server's Q4_1 peer
   llama_server_npN     llama.cpp's llama-server with N slots (--llama-parallel, 8 and 32),
                        every request at once to /completion, the same HTTP client
   llama_server_q4_1_npN  llama-server on the GGUF as shipped (Q4_1: 4-bit weights, its
@@ -63,6 +66,7 @@ QUICK_OUT = DEFAULT_OUT.with_name("e2e_quick.json")
 MODEL_KEYS = ("rand58m", "smollm2")
 WORKLOAD_KEYS = ("synthetic", "sharegpt")
 OURS = ("pagedserve_offline", "pagedserve_served", "pagedserve_served_gguf")
+OURS_QUANTIZED = "pagedserve_served_q4_1"  # ratios against llama-server on the same file
 VLLM = ("vllm_offline", "vllm_served")
 QUANTIZED = "llama_server_q4_1"  # not the same weights: reported beside, not in "best"
 PROMPT_IDS = {
@@ -89,6 +93,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             "pagedserve_offline",
             "pagedserve_served",
             "pagedserve_served_gguf",
+            "pagedserve_served_q4_1",
             "llama_server",
             "llama_server_q4_1",
             "hf_cb",
@@ -143,7 +148,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name, given, known in (
         ("--models", args.models, MODEL_KEYS),
         ("--workloads", args.workloads, WORKLOAD_KEYS),
-        ("--systems", args.systems, ("llama_server", QUANTIZED, "hf_cb", *OURS, *VLLM)),
+        (
+            "--systems",
+            args.systems,
+            ("llama_server", QUANTIZED, "hf_cb", *OURS, OURS_QUANTIZED, *VLLM),
+        ),
     ):
         if unknown := sorted(set(given) - set(known)):
             p.error(f"{name}: unknown {', '.join(unknown)}; choose from {', '.join(known)}")
@@ -256,9 +265,12 @@ def run_hf_cb(args, case: Case) -> dict:
     return _child(args, case, "hf_cb", case.kv_slots * kv_bytes_per_token(args.dtype))
 
 
-def run_pagedserve_served(args, case: Case, model: Path | None = None) -> dict:
+def run_pagedserve_served(
+    args, case: Case, model: Path | None = None, quantization: str = "none"
+) -> dict:
     n = len(case.workload.prompts)
     server_args = ["--model", str(model or case.checkpoint.hf_dir), "--dtype", args.dtype]
+    server_args += ["--quantization", quantization]
     server_args += ["--max-num-seqs", str(args.max_num_seqs)]
     server_args += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     server_args += ["--kv-cache-memory", str(case.kv_slots * case.kv_bytes_per_token)]
@@ -424,6 +436,9 @@ def systems_to_run(args, case: Case) -> dict[str, Callable[[argparse.Namespace, 
         elif name == "pagedserve_served_gguf":
             if shipped:
                 table[name] = lambda a, c: run_pagedserve_served(a, c, shipped)
+        elif name == OURS_QUANTIZED:
+            if shipped:
+                table[name] = lambda a, c: run_pagedserve_served(a, c, shipped, "gguf")
         else:
             table[name] = {
                 "pagedserve_offline": run_pagedserve_offline,
@@ -510,6 +525,18 @@ def ratios(results: dict[str, dict]) -> dict[str, float]:
         for name, values in best.items():
             if values:
                 out[f"{ours}_over_{name}"] = round(tps[ours] / max(values), 3)
+    if OURS_QUANTIZED in tps:  # the same Q4_1 file: against llama-server's quantized kernels
+        quantized = {k: v for k, v in every.items() if k.startswith(QUANTIZED)}
+        if quantized:
+            fastest = max(quantized, key=quantized.get)
+            out[f"{OURS_QUANTIZED}_over_{QUANTIZED}_best"] = round(
+                tps[OURS_QUANTIZED] / quantized[fastest], 3
+            )
+            rss = results[OURS_QUANTIZED]["peak_rss_mib"] / results[fastest]["peak_rss_mib"]
+            out[f"{OURS_QUANTIZED}_peak_rss_over_{QUANTIZED}_best"] = round(rss, 3)
+        for ours in ("pagedserve_served_gguf", "pagedserve_served"):
+            if ours in tps:
+                out[f"{OURS_QUANTIZED}_over_{ours}"] = round(tps[OURS_QUANTIZED] / tps[ours], 3)
     return out
 
 
@@ -611,11 +638,12 @@ def plot(report: dict, path: Path) -> None:
 def _short(system: str) -> str:
     short = system.replace("pagedserve_", "ours\n").replace("llama_server_", "llama.cpp\n")
     short = short.replace("vllm_", "vLLM\n")
+    short = short.replace("served_q4_1", "served\nQ4_1 blocks")
     return short.replace("q4_1_", "Q4_1\n").replace("served_gguf", "served\nGGUF")
 
 
 def _color(system: str) -> str:
-    if system in OURS:
+    if system in OURS or system == OURS_QUANTIZED:
         return "tab:green"
     if system in VLLM:
         return "tab:red"

@@ -59,6 +59,20 @@ def linear_attention_state_bytes(hf_config: Any, world_size: int = 1) -> tuple[i
     return 4 * recurrent, 4 * conv
 
 
+class Quantization(StrEnum):
+    """How the linear layers hold their weights (`--quantization`, vLLM's spelling)."""
+
+    NONE = "none"  # floats in the model's dtype (a GGUF's blocks dequantized at load)
+    GGUF = "gguf"  # a GGUF's matrices kept in their blocks, multiplied by native kernels
+    INT8 = "int8"  # a float checkpoint's linear weights quantized at load: 8-bit blocks
+    Q4_0 = "q4_0"  # likewise, 4-bit blocks (llama.cpp's Q4_0)
+
+    @property
+    def at_load(self) -> bool:
+        """Whether float weights are quantized while loading (int8, q4_0)."""
+        return self in (Quantization.INT8, Quantization.Q4_0)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """What the model code and loader need: the checkpoint, its HF config, dtype, length."""
@@ -73,6 +87,7 @@ class ModelConfig:
     bos_token_id: int | None
     load_format: str
     seed: int
+    quantization: Quantization = Quantization.NONE
 
     @property
     def vocab_size(self) -> int:

@@ -485,6 +485,10 @@ class WorkerReady:
     num_cpu_blocks: int = 0  # blocks of CPU swap space
     attention_backend: str = ""  # the backend the worker runs ("native", "sdpa", ...)
     attention_backend_reason: str = ""  # why it was chosen
+    weights_bytes: int = 0  # the model's weights on this worker (blocks of quantized ones)
+    kv_cache_bytes: int = 0  # its device KV cache (the scheduler's blocks and reserved pages)
+    kv_cache_dtype: str = ""  # what the cache stores ("float32", "bfloat16", ...)
+    quantization: str = ""  # how the linear layers hold their weights ("none", "gguf")
 
 
 # ---------------------------------------------------------------- heartbeat inbox

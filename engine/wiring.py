@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from engine.config import EngineConfig, PreemptionMode, SchedulerConfig
 from engine.core.engine_core import EngineCore
+from engine.core.stats import MemoryReport
 from engine.kv.block_ledger import BlockLedger, HybridBlockLedger
 from engine.kv.block_manager import BlockManager, block_tables_for
 from engine.kv.block_tables import BlockTables
@@ -41,10 +42,11 @@ def build_core(
     eos_token_ids: frozenset[int] = frozenset(),
     preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE,
     attention_backend: str = "",
+    memory: MemoryReport | None = None,
 ) -> EngineCore:
     """The one place an `EngineCore` is built: for the engines (`build_engine`) and for
     the simulator (`engine.sim`, its block tables paged or contiguous)."""
-    return EngineCore(scheduler, blocks, eos_token_ids, preemption_mode, attention_backend)
+    return EngineCore(scheduler, blocks, eos_token_ids, preemption_mode, attention_backend, memory)
 
 
 def build_engine(
@@ -75,6 +77,7 @@ def build_engine(
         model.eos_token_ids,
         cache.preemption_mode,
         ready.attention_backend,
+        MemoryReport.from_ready(ready),
     )
     if tokenizer is None:
         tokenizer = load_engine_tokenizer(config)

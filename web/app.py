@@ -208,9 +208,23 @@ class Server:
                 "auth": bool(self.config.api_keys),
                 "attention_backend": self.engine.ready.attention_backend,
                 "attention_backend_reason": hide_paths(self.engine.ready.attention_backend_reason),
+                "memory": memory_info(self.engine.ready),
                 "data_parallel_size": self.config.data_parallel_size,
             }
         )
+
+
+def memory_info(ready) -> dict:
+    """/v1/info's "memory": what the worker's weights and KV cache take (a WorkerReady's
+    figures; per worker under data parallelism) and how many max_model_len sequences
+    the cache holds at once."""
+    return {
+        "weights_bytes": ready.weights_bytes,
+        "quantization": ready.quantization,
+        "kv_cache_bytes": ready.kv_cache_bytes,
+        "kv_cache_dtype": ready.kv_cache_dtype,
+        "max_concurrency": round(ready.num_blocks * ready.block_size / ready.max_model_len, 2),
+    }
 
 
 def _endpoint(name: str):

@@ -70,6 +70,14 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    p.add_argument(
+        "--quantization",
+        default=None,
+        choices=["gguf", "none", "int8", "q4_0"],
+        help="gguf: a GGUF checkpoint's matrices stay in their quantized blocks and native "
+        "kernels multiply them (the default for a .gguf on a CPU); none: floats; int8, q4_0: "
+        "a float checkpoint's linear weights quantized at load (8- or 4-bit blocks of 32)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--swap-space", type=float, default=0.0, help="GiB of CPU swap space")
     p.add_argument(
@@ -367,6 +375,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         "kv_cache_memory": args.kv_cache_memory,
         "gpu_memory_utilization": args.gpu_memory_utilization,
         "load_format": args.load_format,
+        "quantization": args.quantization,
         "seed": args.seed,
         "enable_prefix_caching": args.enable_prefix_caching,
         "swap_space": args.swap_space,

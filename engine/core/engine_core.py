@@ -27,6 +27,7 @@ answer is checked before the next `block_traffic()`).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from functools import partial
 
@@ -36,7 +37,7 @@ from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_output import SchedulerOutput
 from engine.core.sequence_group import SequenceGroup, sequence_params
-from engine.core.stats import EngineStats, SharingSaving, SlotUtilization
+from engine.core.stats import EngineStats, MemoryReport, SharingSaving, SlotUtilization
 from engine.core.step_plan_builder import StepPlanBuilder
 from engine.core.stop_checker import StopChecker
 from engine.kv.block_ledger import BlockLedger
@@ -71,9 +72,11 @@ class EngineCore:
         eos_token_ids: frozenset[int],
         preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE,
         attention_backend: str = "",
+        memory: MemoryReport | None = None,
     ) -> None:
         self.blocks = blocks
         self.attention_backend = attention_backend  # the workers' (reported in stats)
+        self.memory = memory or MemoryReport()  # likewise
         self._ledger = blocks if isinstance(blocks, BlockLedger) else None
         self.scheduler = Scheduler(config, blocks, preemption_mode=preemption_mode)
         self.builder = StepPlanBuilder()
@@ -226,6 +229,7 @@ class EngineCore:
             mean_kv_sharing_saving=self.sharing.mean,
             attention_backend=self.attention_backend,
             num_swapped=len(scheduler.swapped),
+            **dataclasses.asdict(self.memory),
         )
 
     def check_integrity(self) -> None:

@@ -7,6 +7,24 @@ from dataclasses import dataclass, fields
 
 
 @dataclass(frozen=True)
+class MemoryReport:
+    """What the model and its KV cache take on the worker (from `WorkerReady`, once at
+    start-up): weights (quantized ones in their blocks) and device KV cache in bytes,
+    the cache's dtype and the weights' quantization."""
+
+    weights_bytes: int = 0
+    kv_cache_bytes: int = 0
+    kv_cache_dtype: str = ""
+    quantization: str = ""
+
+    @classmethod
+    def from_ready(cls, ready) -> MemoryReport:  # a WorkerReady
+        return cls(
+            ready.weights_bytes, ready.kv_cache_bytes, ready.kv_cache_dtype, ready.quantization
+        )
+
+
+@dataclass(frozen=True)
 class EngineStats:
     """A snapshot. `kv_slot_utilization` = token slots holding real tokens / slots
     allocated, now; `mean_kv_slot_utilization` is the same ratio summed over all steps.
@@ -31,6 +49,10 @@ class EngineStats:
     mean_kv_sharing_saving: float = 0.0  # the same, summed over all steps
     attention_backend: str = ""  # the workers' attention backend ("native", "sdpa", ...)
     num_swapped: int = 0  # requests swapped out to CPU now (neither running nor waiting)
+    weights_bytes: int = 0  # the model's weights on the worker(s): MemoryReport's
+    kv_cache_bytes: int = 0
+    kv_cache_dtype: str = ""
+    quantization: str = ""
 
     @classmethod
     def merged(cls, parts: Sequence[EngineStats]) -> EngineStats:

@@ -13,13 +13,16 @@ Contract:
   any other raises ValueError naming it (and, for one in `REFUSED`, why). Their tensor
   names map onto the HF names of our model classes (gguf_names.py), a tensor of no known
   name raises ValueError naming it.
-- Every tensor is dequantized to float32 by `gguf.quants` (F32, F16, BF16, Q4_0, Q4_1,
-  Q5_0, Q5_1, Q8_0, MXFP4 and the K- and I-quants it implements), then cast to the
+- A matrix in a type the caller keeps in blocks (`keep_blocks`: those with a native
+  kernel, under `--quantization gguf`) comes as a `QuantizedTensor` of its own bytes.
+- Every other tensor is dequantized to float32 by `gguf.quants` (F32, F16, BF16, Q4_0,
+  Q4_1, Q5_0, Q5_1, Q8_0, MXFP4 and the K- and I-quants it implements), then cast to the
   requested dtype. A tensor in a type the package cannot dequantize raises ValueError
   naming the tensor and the type.
 - What llama.cpp's converter did to a tensor is undone in float32 before the cast
   (gguf_names.py): Llama's permuted q/k rows, Gemma's norms stored as w + 1, experts
-  stacked [n_expert, ...]; so the weights equal the HF checkpoint's.
+  stacked [n_expert, ...]; so the weights equal the HF checkpoint's (blocks go through
+  the same row operations).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from cuda_ext.quant_gemm import QuantType, row_bytes
 from engine.worker.gguf_header import GgufHeader
 from engine.worker.gguf_names import (
     FAMILIES,
@@ -41,6 +45,7 @@ from engine.worker.gguf_names import (
     hf_tensors,
     unpermute_rotary_rows,
 )
+from engine.worker.quantized_weight import QuantizedTensor
 
 __all__ = [  # hf_tensor_name and unpermute_rotary_rows: for callers of this module
     "GgufCheckpoint",
@@ -156,18 +161,37 @@ class GgufCheckpoint:
         self.path = Path(path)
         self.index = index
 
-    def tensors(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    def tensors(
+        self, dtype: torch.dtype, keep_blocks: frozenset[int] = frozenset()
+    ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
         """(hf_name, tensor in `dtype`) for every tensor the HF model holds (each
-        expert's apart, as the HF checkpoint stores them)."""
+        expert's apart, as the HF checkpoint stores them). A matrix whose type is in
+        `keep_blocks` (ggml type ids) comes as a `QuantizedTensor` in its own blocks."""
         index = self.index
         raw = np.memmap(self.path, dtype=np.uint8, mode="r")
         for entry in index.tensors:
+            if entry.qtype in keep_blocks and len(entry.shape) >= 2:
+                yield from self._blocks(entry)
+                continue
             data = raw[entry.offset : entry.offset + entry.nbytes]
             values = torch.from_numpy(_dequantize(entry, data))  # [(experts,) rows, cols]
             for name, tensor in hf_tensors(
                 index.family, entry.name, values, index.num_heads, index.num_kv_heads
             ):
                 yield name, tensor.to(dtype)
+
+    def _blocks(self, entry: GgufTensor) -> Iterator[tuple[str, QuantizedTensor]]:
+        """The tensor's rows in their blocks, through the same row operations as the
+        float path (q/k permutation undone, experts split). Read from the file, not the
+        map: mapped pages would count in the resident memory beside the model's copy."""
+        qtype, k = QuantType(entry.qtype), entry.shape[-1]
+        data = np.fromfile(self.path, dtype=np.uint8, count=entry.nbytes, offset=entry.offset)
+        blocks = torch.from_numpy(data).view(*entry.shape[:-1], row_bytes(qtype, k))
+        index = self.index
+        for name, rows in hf_tensors(
+            index.family, entry.name, blocks, index.num_heads, index.num_kv_heads
+        ):
+            yield name, QuantizedTensor(rows.contiguous(), qtype, k)
 
 
 def _dequantize(entry: GgufTensor, data: np.ndarray) -> np.ndarray:

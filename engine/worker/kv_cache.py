@@ -66,10 +66,12 @@ def num_blocks_for(
         )
     concurrency = num_blocks * cache.block_size / model.max_model_len
     logger.info(
-        "KV cache: %d blocks x %d tokens (%.1f MiB); max concurrency %.2fx at %d tokens/request",
+        "KV cache: %d blocks x %d tokens (%.1f MiB of %s); max concurrency %.2fx at %d "
+        "tokens/request",
         num_blocks,
         cache.block_size,
         num_blocks * per_block / 1024**2,
+        str(model.dtype).removeprefix("torch."),
         concurrency,
         model.max_model_len,
     )

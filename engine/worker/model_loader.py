@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from cuda_ext.build import cache_root
-from engine.config import ModelConfig
+from engine.config import ModelConfig, Quantization
 from engine.default_model import SMOLLM2, resolve_default_model
 from engine.worker.attention.backend import AttentionBackend
 from engine.worker.builtin_model import BUILTIN_MODEL_SPEC, builtin_model_dir
@@ -20,6 +20,7 @@ from engine.worker.gguf_sidecar import gguf_sidecar_dir, gguf_weights, is_gguf_f
 from engine.worker.models.base import CausalLM
 from engine.worker.models.registry import resolve_model_class
 from engine.worker.parallel.group import TensorParallelGroup
+from engine.worker.parallel.layers import LINEAR_LAYERS
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +134,42 @@ def build_model_config(args, device: str) -> ModelConfig:
         bos_token_id=getattr(hf_config, "bos_token_id", None),
         load_format=args.load_format,
         seed=args.seed,
+        quantization=resolve_quantization(
+            args.quantization, args.model, gguf_weights(model_dir) is not None, device
+        ),
     )
+
+
+def resolve_quantization(
+    requested: str | None, model: str, is_gguf: bool, device: str
+) -> Quantization:
+    """`--quantization`: None picks GGUF blocks for a GGUF checkpoint on a CPU (the
+    native kernels are CPU kernels), else floats; a method this engine does not
+    implement, or one that does not fit the checkpoint or device, is refused by name."""
+    on_cpu = torch.device(device).type == "cpu"
+    if requested is None:
+        return Quantization.GGUF if is_gguf and on_cpu else Quantization.NONE
+    allowed = [q.value for q in Quantization]
+    if requested not in allowed:
+        raise ValueError(
+            f"quantization must be one of {allowed} (or unset), got {requested!r}: GGUF "
+            "checkpoints compute in their blocks ('gguf') or in floats ('none'); float "
+            "checkpoints can be quantized at load ('int8', 'q4_0')"
+        )
+    method = Quantization(requested)
+    if method is Quantization.GGUF and not is_gguf:
+        raise ValueError(f"quantization='gguf' needs a GGUF checkpoint; {model} is not one")
+    if method.at_load and is_gguf:
+        raise ValueError(
+            f"quantization={requested!r} quantizes a float checkpoint at load; {model} is a "
+            "GGUF, quantized already: use 'gguf' (its own blocks) or 'none'"
+        )
+    if method is not Quantization.NONE and not on_cpu:
+        raise ValueError(
+            f"quantization={requested!r} computes in quantized blocks on CPUs only, not on "
+            f"{device}; use quantization='none'"
+        )
+    return method
 
 
 def iter_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -183,13 +219,56 @@ def load_model(
     finally:
         torch.set_default_dtype(previous)
     gguf = gguf_weights(config.model_dir) if config.model_dir else None
+    if config.quantization.at_load:
+        quantize_linear_layers_at_load(model, config.quantization)
     if config.load_format == "dummy":
         init_dummy_weights(model, config.seed)
     elif gguf is not None:
-        model.load_weights(gguf.tensors(config.dtype))
+        model.load_weights(gguf.tensors(config.dtype, gguf_blocks_kept(config, gguf)))
     else:
         model.load_weights(iter_safetensors(config.model_dir))
     return model.eval()
+
+
+def quantize_linear_layers_at_load(model: CausalLM, method: Quantization) -> None:
+    """Every linear layer quantizes its float weight (this rank's slice) into blocks
+    once it is loaded (int8: Q8_0's 8-bit blocks of 32 with a scale each; q4_0: Q4_0)."""
+    from cuda_ext.quant_gemm import QuantType
+
+    qtype = QuantType.Q8_0 if method is Quantization.INT8 else QuantType.Q4_0
+    for module in model.modules():
+        if isinstance(module, LINEAR_LAYERS):
+            module.quantize_to = qtype
+    logger.info("quantization=%r: linear weights quantized to %s at load", method.value, qtype.name)
+
+
+def gguf_blocks_kept(config: ModelConfig, gguf) -> frozenset[int]:
+    """The ggml types whose matrices stay in their blocks: under quantization='gguf'
+    those with a native kernel (a log line names the file's types that are dequantized
+    instead); none otherwise."""
+    if config.quantization is not Quantization.GGUF:
+        return frozenset()
+    from cuda_ext.quant_gemm import QuantType, supported_natively
+
+    kept = frozenset(q.value for q in QuantType if supported_natively(q))
+    matrices = {t.qtype for t in gguf.index.tensors if len(t.shape) >= 2} - _FLOAT_TYPES
+    logger.info(
+        "quantization='gguf': linear layers compute in blocks of %s; dequantized to %s at "
+        "load: %s (and the embeddings)",
+        _type_names(matrices & kept),
+        str(config.dtype).removeprefix("torch."),
+        _type_names(matrices - kept),
+    )
+    return kept
+
+
+_FLOAT_TYPES = frozenset({0, 1, 30})  # ggml's F32, F16 and BF16
+
+
+def _type_names(types: set[int]) -> str:
+    from gguf import GGMLQuantizationType
+
+    return ", ".join(sorted(GGMLQuantizationType(t).name for t in types)) or "no type"
 
 
 @contextmanager

@@ -89,6 +89,12 @@ class ModelRunner:
         self.linear_kernel = prepack_linears(
             self.model, device_config.linear_kernel, self.device, device_config.compile_model
         )
+        logger.info(
+            "weights: %.1f MiB (%s, quantization=%s)",
+            self.weights_bytes() / 2**20,
+            str(model_config.dtype).removeprefix("torch."),
+            model_config.quantization.value,
+        )
         if device_config.compile_model:
             compile_model(self.model)
             logger.info("the model's forward pass runs through torch.compile")
@@ -96,6 +102,19 @@ class ModelRunner:
         self.sampler = Sampler(gen)
         self.kv_cache: KVCache = []
         self.swap_cache: KVCache = []  # CPU blocks of swapped-out sequences
+
+    def weights_bytes(self) -> int:
+        """The model's weights here: its parameters and buffers (each storage once) and
+        the packed or quantized weights its linear layers compute with."""
+        tensors = [*self.model.parameters(), *self.model.buffers()]
+        storages = {t.data_ptr(): t.numel() * t.element_size() for t in tensors}
+        packed = [getattr(m, "packed", None) for m in self.model.modules()]
+        return sum(storages.values()) + sum(p.nbytes for p in packed if p is not None)
+
+    def kv_cache_bytes(self) -> int:
+        """The device KV cache's bytes (layers sharing a tensor counted once)."""
+        tensors = [t for pair in self.kv_cache for t in pair]
+        return sum({t.data_ptr(): t.numel() * t.element_size() for t in tensors}.values())
 
     def num_blocks(self) -> int:
         if self.cache_config.kv_cache_memory is not None:  # the user's byte count, any device

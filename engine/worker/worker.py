@@ -304,6 +304,10 @@ def build_worker(
         num_cpu_blocks=num_cpu_blocks,
         attention_backend=runner.backend.name,
         attention_backend_reason=runner.backend_reason,
+        weights_bytes=runner.weights_bytes(),
+        kv_cache_bytes=runner.kv_cache_bytes(),
+        kv_cache_dtype=str(config.model.dtype).removeprefix("torch."),
+        quantization=config.model.quantization.value,
     )
     return Worker(runner, worker_id, grammars), ready
 

@@ -168,6 +168,10 @@ SAMPLES = [
         num_cpu_blocks=8,
         attention_backend="native",
         attention_backend_reason="native CPU kernels loaded",
+        weights_bytes=98 << 20,
+        kv_cache_bytes=2 << 30,
+        kv_cache_dtype="bfloat16",
+        quantization="gguf",
     ),
     m.BlockOpsApplied(2, (3, 4), 17, 5, None),
     m.ApplyBlockOps(
@@ -349,6 +353,10 @@ FIELD_ORDER = {
         "num_cpu_blocks",
         "attention_backend",
         "attention_backend_reason",
+        "weights_bytes",
+        "kv_cache_bytes",
+        "kv_cache_dtype",
+        "quantization",
     ],
     "BlockOpsApplied": [
         "exchange_id",

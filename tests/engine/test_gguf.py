@@ -27,7 +27,8 @@ from tests.engine.tiny_models import save_hf_model  # noqa: E402
 Q = gguf.GGMLQuantizationType
 PROMPTS = ["Hello there", "Once upon a time", "The little dog ran"]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-ENGINE = dict(kv_cache_memory=16 << 20, max_model_len=128)
+# The loader's checks: its blocks dequantized at load (test_gguf_quantized.py computes in them)
+ENGINE = dict(kv_cache_memory=16 << 20, max_model_len=128, quantization="none")
 
 
 @pytest.fixture(autouse=True)

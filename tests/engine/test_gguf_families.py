@@ -26,7 +26,14 @@ from tests.engine.tiny_models import ARCHITECTURES, hf_greedy  # noqa: E402
 Q = gguf.GGMLQuantizationType
 PROMPTS = [[72, 101, 108, 108, 111], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3], [27]]
 MAX_NEW = 12
-ENGINE = dict(kv_cache_memory=16 << 20, max_model_len=128, skip_tokenizer_init=True, seed=0)
+# The loader's checks: its blocks dequantized at load (test_gguf_quantized.py computes in them)
+ENGINE = dict(
+    kv_cache_memory=16 << 20,
+    max_model_len=128,
+    skip_tokenizer_init=True,
+    seed=0,
+    quantization="none",
+)
 
 # test id -> (tiny model, llama.cpp's architecture, fields changed to what a GGUF states).
 FAMILIES = {

@@ -32,7 +32,15 @@ END = "<|im_end|>"
 
 @pytest.fixture(scope="module")
 def llm(smollm2_path: Path) -> LLM:
-    return LLM(str(smollm2_path), seed=0, kv_cache_memory=256 << 20, max_model_len=2048)
+    """The model code against transformers: the file's blocks dequantized at load, as
+    transformers' loader does (test_smollm2_quantized.py computes in them)."""
+    return LLM(
+        str(smollm2_path),
+        seed=0,
+        kv_cache_memory=256 << 20,
+        max_model_len=2048,
+        quantization="none",
+    )
 
 
 def transformers_model(path: Path, llm: LLM):

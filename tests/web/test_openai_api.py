@@ -162,7 +162,7 @@ async def test_models_and_errors(builtin_server) -> None:
         await api.completions.create(model=builtin_server.model, prompt="x", top_p=1.5)
 
 
-async def test_info_names_the_attention_backend_and_why(builtin_server) -> None:
+async def test_info_names_the_attention_backend_why_and_the_memory(builtin_server) -> None:
     import json
     import urllib.request
 
@@ -170,6 +170,10 @@ async def test_info_names_the_attention_backend_and_why(builtin_server) -> None:
         info = json.load(reply)
     assert info["attention_backend"] in ("native", "sdpa")
     assert info["attention_backend_reason"]
+    memory = info["memory"]  # what the weights and the KV cache take, as the log says
+    assert memory["weights_bytes"] > 0 and memory["kv_cache_bytes"] > 0
+    assert memory["quantization"] == "none" and memory["kv_cache_dtype"] in ("float32", "bfloat16")
+    assert memory["max_concurrency"] > 0
 
 
 async def test_beam_search_equals_offline(served) -> None:

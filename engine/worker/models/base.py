@@ -9,7 +9,13 @@ from torch import nn
 
 from engine.worker.attention.metadata import AttentionMetadata
 from engine.worker.parallel.group import TensorParallelGroup
-from engine.worker.parallel.layers import ParallelLMHead, check_shape
+from engine.worker.parallel.layers import (
+    QUANTIZED_LAYERS,
+    ParallelLMHead,
+    VocabParallelEmbedding,
+    check_shape,
+)
+from engine.worker.quantized_weight import QuantizedTensor
 
 
 class CausalLM(nn.Module):
@@ -94,9 +100,17 @@ class CausalLM(nn.Module):
         for ours, source in self.tied_weights.items():
             if (source, None) in loaded:
                 loaded.add((ours, None))
+                self._tie(ours, source)
         missing = sorted(f"{n}[{s}]" if s is not None else n for n, s in self._expected() - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")
+
+    def _tie(self, ours: str, source: str) -> None:
+        """A tied head shares what its embedding loaded (the rows in blocks, if so)."""
+        head = self.get_submodule(ours.rpartition(".")[0])
+        embedding = self.get_submodule(source.rpartition(".")[0])
+        if isinstance(head, ParallelLMHead) and isinstance(embedding, VocabParallelEmbedding):
+            head.tie_to(embedding)
 
     def _stacked_target(self, name: str) -> tuple[str, int | None]:
         for piece, (fused, index) in self.stacked_params.items():
@@ -125,6 +139,8 @@ class CausalLM(nn.Module):
     ) -> None:
         module_name, _, leaf = target.rpartition(".")
         module = self.get_submodule(module_name) if module_name else self
+        if isinstance(tensor, QuantizedTensor) and not isinstance(module, QUANTIZED_LAYERS):
+            tensor = tensor.dequantize().to(param.dtype)  # only linear layers compute in blocks
         if hasattr(module, "load"):  # SLICING_LAYERS, FusedMoE: it keeps its rank's slice
             module.load(leaf, tensor, part)
             return

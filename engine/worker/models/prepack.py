@@ -4,7 +4,8 @@
 whose oneDNN has kernels for the model's dtype, else keeps torch's plain linear;
 'onednn' insists (an error saying why it cannot run); 'torch' keeps the plain weights.
 A packed layer drops its plain weight unless another module reads the same storage
-(a tied embedding), so the model holds each weight once.
+(a tied embedding), so the model holds each weight once. Layers that compute in GGUF
+blocks (`QuantizedWeight`, set while loading) are left as they are.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def prepack_linears(
             raise ValueError(f"linear_kernel='onednn' cannot run: {why_not}")
         return _chosen(LinearKernelChoice("torch", f"auto: {why_not}; using torch's linear"))
     shared = _storage_readers(model)
-    layers = [m for m in model.modules() if isinstance(m, PACKABLE_LAYERS)]
+    layers = [m for m in model.modules() if isinstance(m, PACKABLE_LAYERS) and m.packed is None]
     packed_bytes = 0
     with torch.no_grad():
         for layer in layers:

@@ -30,7 +30,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from cuda_ext.packed_gemm import PackedWeight
+from cuda_ext.quant_gemm import QuantType, quantize
 from engine.worker.parallel.group import TensorParallelGroup
+from engine.worker.quantized_weight import QuantizedTensor, QuantizedWeight
 
 
 @dataclass(frozen=True)
@@ -103,21 +105,64 @@ class ColumnParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(shape))
         self.bias = nn.Parameter(torch.empty(out)) if bias else None
         self.checkpoint_parts = len(parts) if separate_in_checkpoint else None
-        self.packed: PackedWeight | None = None  # set by `prepack_layer`, after loading
+        # set by `prepack_layer` after loading, or by `load` for a weight in GGUF blocks
+        self.packed: PackedWeight | QuantizedWeight | None = None
+        self._quantized: dict[int, QuantizedTensor] | None = None  # parts in blocks, loading
+        self._float_parts: set[int] = set()
+        self.quantize_to: QuantType | None = None  # quantize the float weight once loaded
 
     def split(self, out: torch.Tensor) -> tuple[torch.Tensor, ...]:  # [..., sum] -> parts
         return out.split(self.sizes, dim=-1)
 
-    def load(self, name: str, tensor: torch.Tensor, part: int | None) -> None:
+    def load(self, name: str, tensor: torch.Tensor | QuantizedTensor, part: int | None) -> None:
         """Copies this rank's rows of checkpoint tensor `name` ("weight" or "bias"):
-        part `part`'s, or, with None, every part's from their concatenation."""
-        dest, dim = self._param(name), self._out_dim(name)
-        parts = self.parts if part is None else (self.parts[part],)
-        offset = 0 if part is None else sum(self.sizes[:part])
-        copy_parts(dest.narrow(dim, offset, sum(p.size for p in parts)), tensor, parts, dim)
+        part `part`'s, or, with None, every part's from their concatenation. A weight
+        in GGUF blocks (`QuantizedTensor`) is kept in them: once every part is loaded the
+        layer computes with a `QuantizedWeight` (or, when some parts came as floats,
+        with the float weight, the blocks dequantized into it)."""
+        indices = range(len(self.parts)) if part is None else (part,)
+        if name == "weight" and self._quantized is None:
+            self._quantized, self._float_parts = {}, set()
+        if name == "weight" and isinstance(tensor, QuantizedTensor) and not self.transposed:
+            check_shape(tensor, (sum(self.parts[i].full for i in indices), self.weight.shape[1]))
+            src = 0
+            for i in indices:
+                p = self.parts[i]
+                self._quantized[i] = tensor.narrow(0, src + p.start, p.size)
+                src += p.full
+        else:
+            if isinstance(tensor, QuantizedTensor):
+                tensor = tensor.dequantize().to(self.weight.dtype)
+            dest, dim = self._param(name), self._out_dim(name)
+            parts = tuple(self.parts[i] for i in indices)
+            offset = sum(self.sizes[: indices[0]])
+            copy_parts(dest.narrow(dim, offset, sum(p.size for p in parts)), tensor, parts, dim)
+            if name == "weight":
+                self._float_parts.update(indices)
+        if name == "weight" and len(self._quantized) + len(self._float_parts) == len(self.parts):
+            self._finish_quantized()
+
+    def _finish_quantized(self) -> None:
+        """All parts are in: compute in blocks if every part came in blocks, else
+        dequantize the parts that did into the float weight."""
+        quantized, self._quantized = self._quantized, None
+        if not quantized:
+            self._quantize_loaded_weight()
+            return
+        if len(quantized) == len(self.parts):
+            self.packed = QuantizedWeight([quantized[i] for i in range(len(self.parts))])
+            self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
+            return
+        with torch.no_grad():
+            for i, tensor in quantized.items():
+                rows = self.weight.narrow(0, sum(self.sizes[:i]), self.sizes[i])
+                rows.copy_(tensor.dequantize())
 
     def _param(self, name: str) -> nn.Parameter:
         return self.weight if name == "weight" else self.bias
+
+    def _quantize_loaded_weight(self) -> None:
+        _quantize_loaded_weight(self)
 
     def _out_dim(self, name: str) -> int:
         return 1 if name == "weight" and self.transposed else 0
@@ -147,19 +192,40 @@ class RowParallelLinear(nn.Module):
         shape = (local, out_features) if transposed else (out_features, local)
         self.weight = nn.Parameter(torch.empty(shape))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-        self.packed: PackedWeight | None = None  # set by `prepack_layer`, after loading
+        # set by `prepack_layer` after loading, or by `load` for a weight in GGUF blocks
+        self.packed: PackedWeight | QuantizedWeight | None = None
+        self.quantize_to: QuantType | None = None  # quantize the float weight once loaded
 
-    def load(self, name: str, tensor: torch.Tensor, part: int | None = None) -> None:
+    def load(
+        self, name: str, tensor: torch.Tensor | QuantizedTensor, part: int | None = None
+    ) -> None:
+        """Copies this rank's columns of checkpoint tensor `name`; a weight in GGUF
+        blocks stays in them when this rank's columns fall on block boundaries."""
+        dim = 0 if self.transposed else 1
+        if name == "weight" and isinstance(tensor, QuantizedTensor) and not self.transposed:
+            expected = list(self.weight.shape)
+            expected[dim] *= self.group.world_size
+            check_shape(tensor, expected)
+            try:
+                mine = tensor.narrow(1, self.start, self.weight.shape[1])
+            except ValueError:  # this rank's columns split a block: compute in floats
+                tensor = tensor.dequantize()
+            else:
+                self.packed = QuantizedWeight([mine])
+                self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
+                return
+        if isinstance(tensor, QuantizedTensor):
+            tensor = tensor.dequantize().to(self.weight.dtype)
         with torch.no_grad():
             if name == "bias":
                 check_shape(tensor, self.bias.shape)
                 self.bias.copy_(tensor)
                 return
-            dim = 0 if self.transposed else 1
             expected = list(self.weight.shape)
             expected[dim] *= self.group.world_size
             check_shape(tensor, expected)
             self.weight.copy_(tensor.narrow(dim, self.start, self.weight.shape[dim]))
+        _quantize_loaded_weight(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, in / world] -> [n, out]
         if not self.group.is_parallel:
@@ -169,7 +235,9 @@ class RowParallelLinear(nn.Module):
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Rows [start, end) of the (padded) vocabulary on this rank. ids: [n] -> [n, dim]."""
+    """Rows [start, end) of the (padded) vocabulary on this rank. ids: [n] -> [n, dim].
+    Rows given in GGUF blocks stay in them (`quantized`): a lookup dequantizes the rows
+    it reads."""
 
     checkpoint_parts = None
 
@@ -180,29 +248,61 @@ class VocabParallelEmbedding(nn.Module):
         padded = -(-vocab_size // group.world_size) * group.world_size
         self.start, self.end = group.shard(padded, "vocabulary")
         self.weight = nn.Parameter(torch.empty(self.end - self.start, dim))
+        self.dtype = self.weight.dtype
+        self.quantized: QuantizedTensor | None = None
 
-    def load(self, name: str, tensor: torch.Tensor, part: int | None = None) -> None:
-        """`tensor`: [vocab_size, dim]; rows past the vocabulary (padding) are zero."""
+    def load(
+        self, name: str, tensor: torch.Tensor | QuantizedTensor, part: int | None = None
+    ) -> None:
+        """`tensor`: [vocab_size, dim]; rows past the vocabulary (padding) are zero (in
+        blocks: zero bytes, which every type decodes to 0)."""
         check_shape(tensor, (self.vocab_size, self.weight.shape[1]))
+        mine = max(0, min(self.end, self.vocab_size) - self.start)
+        if isinstance(tensor, QuantizedTensor):
+            rows = tensor.narrow(0, min(self.start, self.vocab_size), mine).blocks
+            pad = rows.new_zeros(self.end - self.start - mine, rows.shape[1])
+            self.quantized = QuantizedTensor(torch.cat([rows, pad]), tensor.qtype, tensor.k)
+            self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
+            return
         with torch.no_grad():
-            rows = tensor[self.start : min(self.end, self.vocab_size)]
+            rows = tensor[self.start : self.start + mine]
             self.weight[rows.shape[0] :].zero_()
             self.weight[: rows.shape[0]].copy_(rows)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if not self.group.is_parallel:
-            return F.embedding(ids, self.weight)
+            return self._rows(ids)
         mine = (ids >= self.start) & (ids < self.end)
         local = torch.where(mine, ids - self.start, torch.zeros_like(ids))
-        out = F.embedding(local, self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)
+        out = self._rows(local) * mine.unsqueeze(-1).to(self.dtype)
         return self.group.all_reduce(out)
+
+    def _rows(self, local_ids: torch.Tensor) -> torch.Tensor:  # [n] -> [n, dim]
+        if self.quantized is None:
+            return F.embedding(local_ids, self.weight)
+        rows = self.quantized.blocks[local_ids.reshape(-1)]
+        values = QuantizedTensor(rows, self.quantized.qtype, self.quantized.k).dequantize()
+        return values.to(self.dtype).reshape(*local_ids.shape, -1)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits of this rank's vocabulary slice, gathered: [n, dim] -> [n, vocab_size]."""
 
-    packed: PackedWeight | None = None  # set by `prepack_layer`, after loading
+    packed: PackedWeight | QuantizedWeight | None = None  # set by `prepack_layer` or `load`
     transposed = False
+
+    def load(
+        self, name: str, tensor: torch.Tensor | QuantizedTensor, part: int | None = None
+    ) -> None:
+        super().load(name, tensor, part)
+        if self.quantized is not None:
+            self.packed = QuantizedWeight([self.quantized])
+
+    def tie_to(self, embedding: VocabParallelEmbedding) -> None:
+        """After loading: the head computes with the embedding's rows (in blocks if so)."""
+        self.weight, self.quantized = embedding.weight, embedding.quantized
+        if self.quantized is not None:
+            self.packed = QuantizedWeight([self.quantized])
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = _linear(self, hidden, None)  # [n, padded vocab / world]
@@ -213,6 +313,10 @@ class ParallelLMHead(VocabParallelEmbedding):
 
 # The layers whose `load(name, tensor, part)` takes whole checkpoint tensors.
 SLICING_LAYERS = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
+# The layers that keep a weight given in GGUF blocks in them (a QuantizedWeight).
+QUANTIZED_LAYERS = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
+# The layers that can quantize a float weight at load (`quantize_to`).
+LINEAR_LAYERS = (ColumnParallelLinear, RowParallelLinear)
 # The layers whose weight `prepack_layer` can hand to a PackedWeight (models/prepack.py).
 PACKABLE_LAYERS = (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)
 
@@ -239,6 +343,18 @@ def _matmul(x, weight, bias, transposed: bool) -> torch.Tensor:
     if not transposed:
         return F.linear(x, weight, bias)
     return x @ weight if bias is None else torch.addmm(bias, x, weight)
+
+
+def _quantize_loaded_weight(layer) -> None:
+    """A layer asked to (`quantize_to`) computes its just-loaded float weight in blocks."""
+    if layer.quantize_to is None or layer.transposed:
+        return
+    weight = layer.weight.detach().float()  # [out, in]
+    blocks = QuantizedTensor(
+        quantize(weight, layer.quantize_to), layer.quantize_to, weight.shape[1]
+    )
+    layer.packed = QuantizedWeight([blocks])
+    layer.weight = nn.Parameter(layer.weight.new_empty(0), requires_grad=False)
 
 
 def copy_parts(dest: torch.Tensor, tensor: torch.Tensor, parts: tuple[Part, ...], dim: int) -> None:
