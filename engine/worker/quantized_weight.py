@@ -23,7 +23,6 @@ import torch
 
 from cuda_ext.quant_gemm import BLOCK_SHAPES, QuantType, dequantize, matmul_kernel
 
-
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # activations the kernels take
 
 
