@@ -18,6 +18,7 @@ from engine.worker.attention.backend import AttentionBackend
 from engine.worker.builtin_model import BUILTIN_MODEL_SPEC, builtin_model_dir
 from engine.worker.gguf_sidecar import gguf_sidecar_dir, gguf_weights, is_gguf_file
 from engine.worker.models.base import CausalLM
+from engine.worker.models.layers import share_rotary_tables
 from engine.worker.models.registry import resolve_model_class
 from engine.worker.parallel.group import TensorParallelGroup
 from engine.worker.parallel.layers import LINEAR_LAYERS
@@ -218,6 +219,7 @@ def load_model(
             model = cls(config.hf_config, backend, group or TensorParallelGroup())
     finally:
         torch.set_default_dtype(previous)
+    share_rotary_tables(model)
     gguf = gguf_weights(config.model_dir) if config.model_dir else None
     if config.quantization.at_load:
         quantize_linear_layers_at_load(model, config.quantization)

@@ -29,6 +29,7 @@ from engine.worker.model_output import LogprobDict, ModelOutput
 from engine.worker.models.prepack import prepack_linears
 from engine.worker.parallel.group import TensorParallelGroup
 from engine.worker.parallel.layers import kv_heads_per_rank
+from engine.worker.quantized_weight import QuantizedWeight
 from engine.worker.sampler import Sampler
 from engine.worker.sampling_metadata import SamplingMetadata, SamplingRow
 
@@ -104,12 +105,20 @@ class ModelRunner:
         self.swap_cache: KVCache = []  # CPU blocks of swapped-out sequences
 
     def weights_bytes(self) -> int:
-        """The model's weights here: its parameters and buffers (each storage once) and
-        the packed or quantized weights its linear layers compute with."""
+        """The model's weights here: its parameters and buffers, the blocks of weights
+        kept quantized (each storage once), and the oneDNN-packed copies."""
         tensors = [*self.model.parameters(), *self.model.buffers()]
+        packed_bytes = 0
+        for module in self.model.modules():
+            packed = getattr(module, "packed", None)
+            if isinstance(packed, QuantizedWeight):
+                tensors += [part.blocks for part in packed.parts]
+            elif packed is not None:
+                packed_bytes += packed.nbytes
+            if getattr(module, "quantized", None) is not None:  # an embedding's blocks
+                tensors.append(module.quantized.blocks)
         storages = {t.data_ptr(): t.numel() * t.element_size() for t in tensors}
-        packed = [getattr(m, "packed", None) for m in self.model.modules()]
-        return sum(storages.values()) + sum(p.nbytes for p in packed if p is not None)
+        return sum(storages.values()) + packed_bytes
 
     def kv_cache_bytes(self) -> int:
         """The device KV cache's bytes (layers sharing a tensor counted once)."""
