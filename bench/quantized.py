@@ -241,6 +241,42 @@ def part_perplexity(args) -> dict:
     return out
 
 
+# ---------------------------------------------------------------------------- plot
+
+
+def plot(report: dict, path: Path) -> None:
+    """7b: output tok/s and peak RSS per batch size, ours beside llama-server;
+    perplexity: llama.cpp's and ours (in blocks, dequantized)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    cells = {k: v for k, v in report.get("7b", {}).items() if k.startswith("batch_")}
+    systems = ("pagedserve", "llama_server")
+    for ax, metric, label in (
+        (axes[0], "output_tokens_per_s", "output tok/s"),
+        (axes[1], "peak_rss_mib", "peak RSS (MiB)"),
+    ):
+        for i, name in enumerate(systems):
+            values = [cells[c].get(name, {}).get(metric) or 0 for c in cells]
+            xs = [j + 0.4 * i for j in range(len(cells))]
+            ax.bar(xs, values, width=0.4, label=name)
+        ax.set_xticks([j + 0.2 for j in range(len(cells))], [c.replace("_", " ") for c in cells])
+        ax.set_title(f"8B-shaped Q4_K_M: {label}")
+        ax.legend()
+    ppl = report.get("perplexity", {})
+    names = [n for n in ("llama_perplexity", "pagedserve_gguf", "pagedserve_none") if n in ppl]
+    colors = ["tab:orange", "tab:green", "tab:olive"][: len(names)]
+    axes[2].bar(names, [ppl[n]["ppl"] for n in names], color=colors)
+    axes[2].set_title("SmolLM2 Q4_1: perplexity (512-token chunks)")
+    axes[2].set_ylim(min((ppl[n]["ppl"] for n in names), default=1) * 0.95, None)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 # ---------------------------------------------------------------------------- helpers
 
 
@@ -298,7 +334,7 @@ def main(argv=None) -> int:
     if "7b" in args.parts:
         report["7b"] = part_7b(args)
     report["wall_s"] = round(time.perf_counter() - t, 1)
-    write_report(report, args.out)
+    write_report(report, args.out, lambda png: plot(report, png))
     return 0
 
 
