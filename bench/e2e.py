@@ -17,7 +17,7 @@ Systems (each in its own process, the same thread count everywhere):
                        --quantization none`: dequantized at load, the same float weights);
                        SmolLM2 only
   pagedserve_served_q4_1  the shipped GGUF computed in its Q4_1 blocks (`--quantization
-                       gguf`, the default for a GGUF): llama-server's Q4_1 peer
+                       gguf`): llama-server's Q4_1 peer
   llama_server_npN     llama.cpp's llama-server with N slots (--llama-parallel, 8 and 32),
                        every request at once to /completion, the same HTTP client
   llama_server_q4_1_npN  llama-server on the GGUF as shipped (Q4_1: 4-bit weights, its

@@ -75,8 +75,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         default=None,
         choices=["gguf", "none", "int8", "q4_0"],
         help="gguf: a GGUF checkpoint's matrices stay in their quantized blocks and native "
-        "kernels multiply them (the default for a .gguf on a CPU); none: floats; int8, q4_0: "
-        "a float checkpoint's linear weights quantized at load (8- or 4-bit blocks of 32)",
+        "kernels multiply them (CPU); none (the default): floats; int8, q4_0: a float "
+        "checkpoint's linear weights quantized at load (8- or 4-bit blocks of 32)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--swap-space", type=float, default=0.0, help="GiB of CPU swap space")

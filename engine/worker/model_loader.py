@@ -144,12 +144,13 @@ def build_model_config(args, device: str) -> ModelConfig:
 def resolve_quantization(
     requested: str | None, model: str, is_gguf: bool, device: str
 ) -> Quantization:
-    """`--quantization`: None picks GGUF blocks for a GGUF checkpoint on a CPU (the
-    native kernels are CPU kernels), else floats; a method this engine does not
-    implement, or one that does not fit the checkpoint or device, is refused by name."""
+    """`--quantization`: None is floats (a GGUF dequantized at load: rounding activations
+    to 8 bits, as the blocks' kernels and llama.cpp do, changes the default model's
+    answers; docs/quantization.md); a method this engine does not implement, or one that
+    does not fit the checkpoint or device, is refused by name."""
     on_cpu = torch.device(device).type == "cpu"
     if requested is None:
-        return Quantization.GGUF if is_gguf and on_cpu else Quantization.NONE
+        return Quantization.NONE
     allowed = [q.value for q in Quantization]
     if requested not in allowed:
         raise ValueError(

@@ -1,4 +1,4 @@
-"""`quantization='gguf'` (the default for a GGUF on a CPU): the file's matrices stay in
+"""`quantization='gguf'` (asked for; the default dequantizes): the file's matrices stay in
 their blocks and the linear layers multiply them natively (cuda_ext/quant_gemm.py), so
 the weights take the file's bytes; tokens and log-probabilities follow the dequantized
 path's within stated bounds (activations are rounded to 8 bits). A fused layer
@@ -67,8 +67,8 @@ def assert_follows_dequantized(blocks: LLM, floats: LLM) -> None:
 @pytest.mark.timeout(240)
 def test_q8_0_blocks_follow_the_dequantized_path(tmp_path) -> None:
     path = model_file(tmp_path, Q.Q8_0)
-    blocks, floats = engine(path, None), engine(path, "none")
-    assert blocks.config.model.quantization is Quantization.GGUF  # the default for a GGUF
+    blocks, floats = engine(path, "gguf"), engine(path, None)
+    assert floats.config.model.quantization is Quantization.NONE  # the default
     assert_follows_dequantized(blocks, floats)
     ours, theirs = blocks.stats(), floats.stats()
     assert (ours.quantization, theirs.quantization) == ("gguf", "none")
@@ -85,8 +85,8 @@ def test_four_and_five_bit_blocks_follow_the_dequantized_path(tmp_path, qtype) -
 
 
 def test_the_method_device_and_checkpoint_are_checked_by_name() -> None:
-    assert resolve_quantization(None, "m.gguf", True, "cpu") is Quantization.GGUF
-    assert resolve_quantization(None, "m.gguf", True, "cuda") is Quantization.NONE
+    assert resolve_quantization(None, "m.gguf", True, "cpu") is Quantization.NONE  # floats
+    assert resolve_quantization("gguf", "m.gguf", True, "cpu") is Quantization.GGUF
     assert resolve_quantization(None, "dir", False, "cpu") is Quantization.NONE
     with pytest.raises(
         ValueError, match=r"quantization must be one of \['none', 'gguf', 'int8', 'q4_0'\].*'awq'"
