@@ -300,8 +300,12 @@ class NativeCpuOps:
         blocks: torch.Tensor,  # [N, row_bytes(qtype, k)] uint8, W's rows in ggml blocks
         qtype: QuantType,
         k: int,
+        levels: int = 2,
     ) -> None:
-        """out = x @ W.T with W [N, k] kept quantized (see cuda_ext.quant_gemm)."""
+        """out = x @ W.T with W [N, k] kept quantized (see cuda_ext.quant_gemm); `levels`:
+        activations rounded to int8 once (1, llama.cpp's scheme) or twice (2)."""
+        if levels not in (1, 2):
+            raise ValueError(f"levels must be 1 or 2; got {levels!r}")
         if qtype not in BLOCK_SHAPES:
             names = ", ".join(f"{t.name} ({t.value})" for t in QuantType)
             raise ValueError(f"qtype must be a ggml type id of {names}; got {qtype!r}")
@@ -328,7 +332,7 @@ class NativeCpuOps:
             raise ValueError(
                 f"out must be {list(shape)} {x.dtype} with unit last stride; got {_describe(out)}"
             )
-        self._ops.quantized_matmul(out, x, blocks, int(qtype), k)
+        self._ops.quantized_matmul(out, x, blocks, int(qtype), k, levels)
 
 
 available = NativeCpuOps.available

@@ -8,7 +8,11 @@ activation row is quantized once per call, per block (int8 blocks of 32 with a f
 scale for the 32-element types, blocks of 256 for the k-quants), and the dot products
 are integer (AVX-512 VNNI / AVX2 where the build has them), scaled into float32 sums.
 So the kernel's only approximation is the activation's rounding to int8: |error| <=
-sum over activation blocks of (max |x| in the block / 254) * sum |w| over the block.
+sum over activation blocks of (max |x| in the block / 254) * sum |w| over the block
+with `levels=1` (llama.cpp's scheme). The default, `levels=2`, rounds what that left
+as a second int8 row (the weights decoded once for both) and sums the two products: the
+bound is then that of the residual, about 2^-7 of the first, for twice the integer work.
+One level changed the default model's answers; two keep them (docs/quantization.md).
 
     y = quantized_matmul(x, blocks, QuantType.Q4_0, k)  # x [M, k] -> y [M, N], x's dtype
 
@@ -43,13 +47,15 @@ def quantized_matmul(
     blocks: torch.Tensor,  # [N, row_bytes(qtype, k)] uint8, contiguous
     qtype: QuantType,
     k: int,
+    levels: int = 2,
 ) -> torch.Tensor:  # [M, N], x's dtype
-    """x @ W.T for the quantized weight W [N, k]; the native kernel where it loads."""
+    """x @ W.T for the quantized weight W [N, k]; the native kernel where it loads, its
+    activations rounded to int8 `levels` times (see the module docstring)."""
     ops = _native_ops()
     if ops is None:
         return reference_quantized_matmul(x, blocks, qtype, k)
     out = torch.empty(x.shape[0], blocks.shape[0], dtype=x.dtype)
-    ops.quantized_matmul(out, x, blocks, qtype, k)
+    ops.quantized_matmul(out, x, blocks, qtype, k, levels)
     return out
 
 
@@ -64,7 +70,7 @@ def matmul_kernel() -> Callable[[torch.Tensor, torch.Tensor, QuantType, int], to
 
     def run(x: torch.Tensor, blocks: torch.Tensor, qtype: QuantType, k: int) -> torch.Tensor:
         out = torch.empty(x.shape[0], blocks.shape[0], dtype=x.dtype)  # [M, N]
-        kernel(out, x, blocks, int(qtype), k)
+        kernel(out, x, blocks, int(qtype), k, 2)
         return out
 
     return run

@@ -144,10 +144,10 @@ def build_model_config(args, device: str) -> ModelConfig:
 def resolve_quantization(
     requested: str | None, model: str, is_gguf: bool, device: str
 ) -> Quantization:
-    """`--quantization`: None is floats (a GGUF dequantized at load: rounding activations
-    to 8 bits, as the blocks' kernels and llama.cpp do, changes the default model's
-    answers; docs/quantization.md); a method this engine does not implement, or one that
-    does not fit the checkpoint or device, is refused by name."""
+    """`--quantization`: None is floats (a GGUF dequantized at load: on small models the
+    float path is still the faster one at large batches; docs/quantization.md); a method
+    this engine does not implement, or one that does not fit the checkpoint or device, is
+    refused by name."""
     on_cpu = torch.device(device).type == "cpu"
     if requested is None:
         return Quantization.NONE

@@ -92,6 +92,19 @@ def quantized_activations(x: torch.Tensor, block: int) -> torch.Tensor:
     return (q.double() * d.double()).reshape(rows, -1)[:, :k]
 
 
+def rounding_residual(x: torch.Tensor, block: int) -> torch.Tensor:
+    """What the first rounding leaves, in float32 as the kernel computes it: x - d * q
+    (rounding_residual in cuda_ext/csrc/cpu/quant_gemm.cpp)."""
+    rows, k = x.shape
+    padded = torch.zeros(rows, cdiv(k, block) * block)
+    padded[:, :k] = x.float()
+    xb = padded.reshape(rows, -1, block)
+    amax = xb.abs().amax(dim=2, keepdim=True)
+    inverse = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
+    r = xb - (amax / 127) * torch.round(xb * inverse)
+    return r.reshape(rows, -1)[:, :k]
+
+
 def activation_bound(x: torch.Tensor, w: torch.Tensor, block: int) -> torch.Tensor:
     """[M, N]: sum over blocks of (max |x| in the block / 254) * sum of |w| over it."""
     rows, k = x.shape
@@ -104,15 +117,22 @@ def activation_bound(x: torch.Tensor, w: torch.Tensor, block: int) -> torch.Tens
     return half_step @ w_sums.T
 
 
-def assert_matches_float(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, qtype) -> None:
-    """got = quantized_matmul(x, W) against the float product x @ w.T (w = dequantized W)
-    within the activation's rounding, and against its exact emulation within float32
-    summation (see the module docstring)."""
+def assert_matches_float(
+    got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, qtype, levels: int = 2
+) -> None:
+    """got = quantized_matmul(x, W, levels) against the float product x @ w.T (w =
+    dequantized W) within the activation's rounding (with two levels, the rounding of
+    what the first left), and against its exact emulation within float32 summation (see
+    the module docstring)."""
     assert got.dtype == x.dtype and got.shape == (x.shape[0], w.shape[0])
     block = activation_block(qtype)
     y = got.double()
     out_rounding = BF16_RTOL if got.dtype == torch.bfloat16 else 0.0
     x_q = quantized_activations(x, block)
+    rounded = x
+    if levels == 2:
+        rounded = rounding_residual(x, block)
+        x_q = x_q + quantized_activations(rounded, block)
     emulated = x_q @ w.double().T
     magnitude = x_q.abs() @ w.double().abs().T
     emulation_tol = FLOAT_SUM_RTOL * magnitude + out_rounding * emulated.abs() + 1e-30
@@ -121,7 +141,7 @@ def assert_matches_float(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, qt
         f"{((y - emulated).abs() / emulation_tol).max().item():.3g}"
     )
     exact = x.double() @ w.double().T
-    bound = activation_bound(x, w, block)
+    bound = activation_bound(rounded, w, block)
     float_tol = bound + FLOAT_SUM_RTOL * magnitude + out_rounding * exact.abs() + 1e-30
     assert ((y - exact).abs() <= float_tol).all(), (
         f"{qtype.name}: worst |got - x @ w.T| / tol {((y - exact).abs() / float_tol).max():.3g}"
@@ -372,3 +392,21 @@ def test_gguf_file_of_every_type(tmp_path):
         assert torch.equal(blocks, written[qtype.name])
         got = quantized_matmul(x, blocks, qtype, k)
         assert_matches_float(got, x, dequantize(blocks, qtype, k), qtype)
+
+
+@needs_native
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("m", [1, 7])
+def test_one_level_rounds_activations_once(qtype, m):
+    """levels=1 (llama.cpp's scheme): the single rounding, emulated exactly; two levels
+    come within the second rounding's much smaller bound of the float product."""
+    k = 512
+    gen = torch.Generator().manual_seed(7 * m + int(qtype))
+    blocks = random_blocks(33, k, qtype, gen)
+    x = torch.randn(m, k, generator=gen)
+    w = dequantize(blocks, qtype, k)
+    one = quantized_matmul(x, blocks, qtype, k, levels=1)
+    assert_matches_float(one, x, w, qtype, levels=1)
+    two = quantized_matmul(x, blocks, qtype, k, levels=2)
+    exact = x.double() @ w.double().T
+    assert (two.double() - exact).abs().max() < (one.double() - exact).abs().max() / 20

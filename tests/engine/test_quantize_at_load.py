@@ -20,10 +20,11 @@ ENGINE = dict(skip_tokenizer_init=True, seed=0, kv_cache_memory=16 << 20, max_mo
 rng = random.Random(7)
 PROMPTS = [[rng.randrange(VOCAB) for _ in range(n)] for n in (3, 9, 17, 30, 41, 60)]
 # Token log-probabilities against the float path's (tests/engine/quantized_checks.py),
-# (largest, mean) shift: weights rounded to 8 or 4 bits, activations to 8 bits. Measured
-# on these models: int8 0.085 / 0.016, q4_0 1.06 / 0.19 (4-bit weights move the flat
-# distributions of a random tiny model a lot; the mean log-likelihood stays within 0.6%).
-BOUNDS = {"int8": (0.12, 0.03), "q4_0": (1.5, 0.3)}
+# (largest, mean) shift: the weights' rounding to 8 or 4 bits (the activations' is far
+# smaller). Measured on these models: int8 0.058 / 0.012, q4_0 1.04 / 0.19 (4-bit
+# weights move the flat distributions of a random tiny model a lot; the mean
+# log-likelihood stays within 0.6%).
+BOUNDS = {"int8": (0.1, 0.02), "q4_0": (1.5, 0.3)}
 
 
 def linear_layers(llm: LLM) -> list:

@@ -32,5 +32,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_embedding", &pagedserve::rotary_embedding, nogil, py::arg("positions"),
         py::arg("query"), py::arg("key"), py::arg("cos"), py::arg("sin"));
   m.def("quantized_matmul", &pagedserve::quantized_matmul, nogil, py::arg("out"),
-        py::arg("x"), py::arg("blocks"), py::arg("qtype"), py::arg("k"));
+        py::arg("x"), py::arg("blocks"), py::arg("qtype"), py::arg("k"), py::arg("levels") = 2);
 }

@@ -600,6 +600,20 @@ void prepare_row(const X* x, int64_t k, int64_t num_blocks, uint8_t* dst) {
   }
 }
 
+// What prepare_row's rounding left of x: r = x - d * q, block by block. Rounding r too
+// (a second activation row) makes the pair x ~ d q + d' q' good to about 2^-15 of each
+// block's largest value, where one level is good to 2^-8.
+template <QType T, typename X>
+void rounding_residual(const X* x, int64_t k, float* r) {
+  constexpr int len = is_k_quant(T) ? 256 : 32;
+  int8_t q[256];
+  for (int64_t start = 0; start < k; start += len) {
+    const int64_t n = std::min<int64_t>(len, k - start);
+    const float d = quantize_block(x + start, n, len, q);
+    for (int64_t i = 0; i < n; ++i) r[start + i] = static_cast<float>(x[start + i]) - d * q[i];
+  }
+}
+
 template <QType T>
 int64_t activation_row_bytes(int64_t num_blocks) {
   return is_k_quant(T) ? num_blocks * static_cast<int64_t>(sizeof(ActSuper))
@@ -662,27 +676,16 @@ void run_tile(const uint8_t* weights, int64_t w_stride, int64_t n0, int64_t n_ro
   }
 }
 
+// The tiles' products of every activation row (`rows` of them, prepared in `act`) with
+// every weight row, into dst [rows, N].
 template <QType T, typename X>
-void quantized_matmul_typed(const at::Tensor& out, const at::Tensor& x,
-                            const at::Tensor& blocks, int64_t k) {
-  const int64_t M = x.size(0), N = blocks.size(0);
-  const int64_t num_blocks = cdiv(k, block_elements(T));
-  const int64_t w_stride = blocks.size(1);
-  const int64_t act_stride = activation_row_bytes<T>(num_blocks);
-  const at::Tensor act = at::empty({M, act_stride}, x.options().dtype(at::kByte));
-  uint8_t* act_data = act.data_ptr<uint8_t>();
-  const Rows<const X> xs(x);
+void tile_products(const uint8_t* weights, int64_t N, int64_t w_stride, const uint8_t* act_data,
+                   int64_t act_stride, int64_t rows, int64_t num_blocks, const Rows<X>& dst) {
   const int threads = at::get_num_threads();
-  const bool parallel = N * w_stride * cdiv(M, kMaxTileCols) > kParallelBytes;
-
-#pragma omp parallel for num_threads(threads) if (M > 1 && M * k > kParallelBytes)
-  for (int64_t m = 0; m < M; ++m) prepare_row<T>(xs[m], k, num_blocks, act_data + m * act_stride);
-
-  const std::vector<TileRange> cols = column_tiles(M);
+  const bool parallel = N * w_stride * cdiv(rows, kMaxTileCols) > kParallelBytes;
+  const std::vector<TileRange> cols = column_tiles(rows);
   const int64_t num_col_tiles = static_cast<int64_t>(cols.size());
   const int64_t tasks = cdiv(N, kTileRows) * num_col_tiles;
-  const uint8_t* weights = blocks.data_ptr<uint8_t>();
-  const Rows<X> dst(out);
 #pragma omp parallel for num_threads(threads) schedule(static) if (parallel)
   for (int64_t t = 0; t < tasks; ++t) {
     const int64_t n0 = t / num_col_tiles * kTileRows;
@@ -702,14 +705,54 @@ void quantized_matmul_typed(const at::Tensor& out, const at::Tensor& x,
   }
 }
 
+// out = x @ W.T. levels 1: each activation block rounded to int8 once (llama.cpp's
+// scheme); 2: its rounding error rounded again as a second activation row, the two
+// rows' products summed in float32 (the weights decoded once for both).
+template <QType T, typename X>
+void quantized_matmul_typed(const at::Tensor& out, const at::Tensor& x,
+                            const at::Tensor& blocks, int64_t k, int64_t levels) {
+  const int64_t M = x.size(0), N = blocks.size(0);
+  const int64_t num_blocks = cdiv(k, block_elements(T));
+  const int64_t w_stride = blocks.size(1);
+  const int64_t act_stride = activation_row_bytes<T>(num_blocks);
+  const at::Tensor act = at::empty({levels * M, act_stride}, x.options().dtype(at::kByte));
+  uint8_t* act_data = act.data_ptr<uint8_t>();
+  const Rows<const X> xs(x);
+  const int threads = at::get_num_threads();
+  const uint8_t* weights = blocks.data_ptr<uint8_t>();
+  if (levels == 1) {
+#pragma omp parallel for num_threads(threads) if (M > 1 && M * k > kParallelBytes)
+    for (int64_t m = 0; m < M; ++m) prepare_row<T>(xs[m], k, num_blocks, act_data + m * act_stride);
+    tile_products<T, X>(weights, N, w_stride, act_data, act_stride, M, num_blocks, Rows<X>(out));
+    return;
+  }
+  const at::Tensor residual = at::empty({M, k}, x.options().dtype(at::kFloat));
+  const Rows<float> rs(residual);
+#pragma omp parallel for num_threads(threads) if (M > 1 && M * k > kParallelBytes)
+  for (int64_t m = 0; m < M; ++m) {
+    prepare_row<T>(xs[m], k, num_blocks, act_data + m * act_stride);
+    rounding_residual<T>(xs[m], k, rs[m]);
+    prepare_row<T>(static_cast<const float*>(rs[m]), k, num_blocks,
+                   act_data + (M + m) * act_stride);
+  }
+  const at::Tensor sums = at::empty({2 * M, N}, x.options().dtype(at::kFloat));
+  const Rows<float> s(sums);
+  tile_products<T, float>(weights, N, w_stride, act_data, act_stride, 2 * M, num_blocks, s);
+  const Rows<X> dst(out);
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t n = 0; n < N; ++n) dst[m][n] = static_cast<X>(s[m][n] + s[M + m][n]);
+  }
+}
+
 }  // namespace
 }  // namespace quant
 
 void quantized_matmul(const at::Tensor& out, const at::Tensor& x, const at::Tensor& blocks,
-                      int64_t qtype, int64_t k) {
+                      int64_t qtype, int64_t k, int64_t levels) {
   // Structural guards for callers that bypass cuda_ext.native_cpu (which explains them).
   TORCH_CHECK_VALUE(k > 0 && x.dim() == 2 && is_rows(x, x.size(0), k),
                     "quantized_matmul: x must be [M, k] with unit last stride, k > 0");
+  TORCH_CHECK_VALUE(levels == 1 || levels == 2, "quantized_matmul: levels must be 1 or 2");
   quant::dispatch_qtype(qtype, [&](auto tag) {
     constexpr quant::QType T = decltype(tag)::value;
     const int64_t bytes = cdiv(k, quant::block_elements(T)) * quant::block_bytes(T);
@@ -722,7 +765,7 @@ void quantized_matmul(const at::Tensor& out, const at::Tensor& x, const at::Tens
                           (out.size(0) <= 1 || out.stride(0) >= blocks.size(0)),
                       "quantized_matmul: out must be [M, N] of x's dtype, unit last stride");
     dispatch_dtype(x.scalar_type(), "quantized_matmul", [&](auto x_tag) {
-      quant::quantized_matmul_typed<T, decltype(x_tag)>(out, x, blocks, k);
+      quant::quantized_matmul_typed<T, decltype(x_tag)>(out, x, blocks, k, levels);
     });
   });
 }
