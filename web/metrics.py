@@ -343,6 +343,14 @@ ENGINE_GAUGES: dict[str, tuple[str, str]] = {
         "1 - blocks owned / blocks the block tables hold, over all steps",
         "mean_kv_sharing_saving",
     ),
+    "pagedserve_model_weights_bytes": (
+        "Bytes of the model's weights on the worker(s), quantized ones in their blocks",
+        "weights_bytes",
+    ),
+    "pagedserve_kv_cache_bytes": (
+        "Bytes of the device KV cache on the worker(s)",
+        "kv_cache_bytes",
+    ),
 }
 # totals since the engine started (exposed as NAME_total)
 ENGINE_COUNTERS: dict[str, tuple[str, str]] = {
