@@ -42,10 +42,6 @@ class QuantizedTensor:
     def nbytes(self) -> int:
         return self.blocks.numel()
 
-    @property
-    def block_elements(self) -> int:
-        return BLOCK_SHAPES[self.qtype][0]
-
     def narrow(self, dim: int, start: int, size: int) -> QuantizedTensor:
         """Rows (dim 0) anywhere; columns (dim 1) only on block boundaries (ValueError)."""
         if dim == 0:

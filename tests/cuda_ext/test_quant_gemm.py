@@ -77,32 +77,30 @@ def activation_block(qtype: QuantType) -> int:
     return 256 if qtype in K_QUANTS else 32
 
 
-def quantized_activations(x: torch.Tensor, block: int) -> torch.Tensor:
-    """x [M, k] as the kernel rounds it, exactly (float64): per block of `block`
-    elements, d * q with d = max|x| / 127, q = round-half-even(x * (127 / max|x|)) in
-    float32 (quantize_block in cuda_ext/csrc/cpu/quant_gemm.cpp)."""
+def rounded_blocks(x: torch.Tensor, block: int):
+    """x [M, k] in float32 blocks of `block` (zero-padded) as the kernel rounds them:
+    (blocks [M, blocks, block], d = max|x| / 127 [M, blocks, 1], q = round-half-even(x *
+    (127 / max|x|)) computed in float32; quantize_block in cuda_ext/csrc/cpu/quant_gemm.cpp)."""
     rows, k = x.shape
     padded = torch.zeros(rows, cdiv(k, block) * block)
     padded[:, :k] = x.float()
     xb = padded.reshape(rows, -1, block)
     amax = xb.abs().amax(dim=2, keepdim=True)
     inverse = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
-    q = torch.round(xb * inverse)
-    d = amax / 127
-    return (q.double() * d.double()).reshape(rows, -1)[:, :k]
+    return xb, amax / 127, torch.round(xb * inverse)
+
+
+def quantized_activations(x: torch.Tensor, block: int) -> torch.Tensor:
+    """x [M, k] as the kernel rounds it, exactly (float64): d * q per block."""
+    _, d, q = rounded_blocks(x, block)
+    return (q.double() * d.double()).reshape(x.shape[0], -1)[:, : x.shape[1]]
 
 
 def rounding_residual(x: torch.Tensor, block: int) -> torch.Tensor:
     """What the first rounding leaves, in float32 as the kernel computes it: x - d * q
     (rounding_residual in cuda_ext/csrc/cpu/quant_gemm.cpp)."""
-    rows, k = x.shape
-    padded = torch.zeros(rows, cdiv(k, block) * block)
-    padded[:, :k] = x.float()
-    xb = padded.reshape(rows, -1, block)
-    amax = xb.abs().amax(dim=2, keepdim=True)
-    inverse = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
-    r = xb - (amax / 127) * torch.round(xb * inverse)
-    return r.reshape(rows, -1)[:, :k]
+    xb, d, q = rounded_blocks(x, block)
+    return (xb - d * q).reshape(x.shape[0], -1)[:, : x.shape[1]]
 
 
 def activation_bound(x: torch.Tensor, w: torch.Tensor, block: int) -> torch.Tensor:

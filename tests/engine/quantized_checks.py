@@ -22,6 +22,14 @@ def first_near_tie(out, tie: float) -> int:
     return len(out.token_ids)
 
 
+def mean_loglik(llm: LLM, text: str) -> float:
+    """The mean log-probability of `text`'s tokens after the first (prompt logprobs)."""
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    [out] = llm.generate([text], params, use_tqdm=False)
+    rows, ids = out.prompt_logprobs[1:], out.prompt_token_ids[1:]
+    return sum(row[i].logprob for row, i in zip(rows, ids, strict=True)) / len(ids)
+
+
 def token_logprobs(llm: LLM, sequences: list[list[int]]) -> list[list[float]]:
     """Each sequence's token log-probabilities after its first token (prompt logprobs)."""
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)

@@ -25,7 +25,7 @@ from tests.engine.gguf_files import (  # noqa: E402
     own_cache_sharing_built_kernels,
     write_gguf_and_twin,
 )
-from tests.engine.quantized_checks import assert_follows  # noqa: E402
+from tests.engine.quantized_checks import assert_follows, mean_loglik  # noqa: E402
 
 Q = gguf.GGMLQuantizationType
 PROMPTS = ["Hello there", "Once upon a time", "The little dog ran", "A cat sat on", "Why is"]
@@ -50,14 +50,6 @@ def model_file(tmp_path, qtype) -> str:
 
 def engine(path: str, quantization: str | None) -> LLM:
     return LLM(path, seed=0, kv_cache_memory=16 << 20, max_model_len=128, quantization=quantization)
-
-
-def mean_loglik(llm: LLM, text: str) -> float:
-    """The mean log-probability of `text`'s tokens after the first (prompt logprobs)."""
-    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
-    [out] = llm.generate([text], params, use_tqdm=False)
-    rows, ids = out.prompt_logprobs[1:], out.prompt_token_ids[1:]
-    return sum(row[i].logprob for row, i in zip(rows, ids, strict=True)) / len(ids)
 
 
 def assert_follows_dequantized(blocks: LLM, floats: LLM) -> None:

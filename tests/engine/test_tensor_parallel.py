@@ -39,30 +39,30 @@ def live_children() -> list[int]:
     return [pid for pid in children_of(os.getpid()) if alive(pid)]
 
 
-def _block_size(model_dir: str) -> int:
-    """BLOCK_SIZE, or what the engine raises it to (a linear-attention state per page)."""
-    args = EngineArgs(model=model_dir, skip_tokenizer_init=True, block_size=BLOCK_SIZE)
-    return args.build().cache.block_size
-
-
-def _num_blocks(model_dir: str, block_size: int) -> int:
-    """NUM_BLOCKS; for a hybrid KV layout, whose windowed groups free blocks as
-    sequences pass their windows (so 24 may never preempt, or may not hold one sequence
-    across several groups): what one 64-token sequence needs, the allocator's reserved
-    block and one more; with linear-attention groups, room for the beam search's two
-    sequences of up to 64 tokens, each recomputing in one chunk after a preemption."""
-    model = EngineArgs(model=model_dir, skip_tokenizer_init=True, max_model_len=64).build().model
+def _cache_size(model_dir: str) -> tuple[int, int]:
+    """(block size, blocks): BLOCK_SIZE, or what the engine raises it to (a linear-
+    attention state per page); NUM_BLOCKS, or for a hybrid KV layout, whose windowed
+    groups free blocks as sequences pass their windows (so 24 may never preempt, or may
+    not hold one sequence across several groups): what one 64-token sequence needs, the
+    allocator's reserved block and one more; with linear-attention groups, room for the
+    beam search's two sequences of up to 64 tokens, each recomputing in one chunk after
+    a preemption."""
+    args = EngineArgs(
+        model=model_dir, skip_tokenizer_init=True, block_size=BLOCK_SIZE, max_model_len=64
+    )
+    config = args.build()
+    block_size, model = config.cache.block_size, config.model
     layout = model.kv_cache_layout
     if not layout.is_hybrid:
-        return NUM_BLOCKS
+        return block_size, NUM_BLOCKS
     sequences = 2 if layout.recurrent_layers else 1
     one = layout.max_blocks_per_sequence(64, 64, block_size)
-    return sequences * one + reserved_blocks(model) + 1
+    return block_size, sequences * one + reserved_blocks(model) + 1
 
 
 def _run(model_dir: str, tp: int, prompts=PROMPTS, **kwargs) -> tuple[list, dict]:
-    block_size = _block_size(model_dir)
-    memory = kv_memory(model_dir, _num_blocks(model_dir, block_size), block_size, world_size=tp)
+    block_size, num_blocks = _cache_size(model_dir)
+    memory = kv_memory(model_dir, num_blocks, block_size, world_size=tp)
     with LLM(
         model_dir,
         tensor_parallel_size=tp,

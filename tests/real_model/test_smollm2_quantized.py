@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from engine import LLM, SamplingParams
-from tests.engine.quantized_checks import assert_follows
+from tests.engine.quantized_checks import assert_follows, mean_loglik
 from tests.real_model.test_smollm2_offline import CHATS
 
 pytestmark = [pytest.mark.real_model, pytest.mark.timeout(600)]
@@ -30,13 +30,6 @@ def engine(path: Path, quantization: str | None) -> LLM:
     )
 
 
-def mean_loglik(llm: LLM) -> float:
-    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
-    [out] = llm.generate([TEXT], params, use_tqdm=False)
-    rows, ids = out.prompt_logprobs[1:], out.prompt_token_ids[1:]
-    return sum(row[i].logprob for row, i in zip(rows, ids, strict=True)) / len(ids)
-
-
 def test_q4_1_blocks_follow_the_dequantized_model(smollm2_path: Path) -> None:
     blocks, floats = engine(smollm2_path, "gguf"), engine(smollm2_path, None)
     assert floats.config.model.quantization.value == "none"  # the default
@@ -46,5 +39,5 @@ def test_q4_1_blocks_follow_the_dequantized_model(smollm2_path: Path) -> None:
     theirs = floats.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in ours] == [o.outputs[0].token_ids for o in theirs]
     assert_follows(blocks, floats, prompts, 32, bound=0.05, mean_bound=0.01)
-    assert mean_loglik(blocks) == pytest.approx(mean_loglik(floats), rel=0.005)
+    assert mean_loglik(blocks, TEXT) == pytest.approx(mean_loglik(floats, TEXT), rel=0.005)
     assert blocks.stats().weights_bytes * 6 < floats.stats().weights_bytes

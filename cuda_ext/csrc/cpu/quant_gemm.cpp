@@ -720,25 +720,26 @@ void quantized_matmul_typed(const at::Tensor& out, const at::Tensor& x,
   const Rows<const X> xs(x);
   const int threads = at::get_num_threads();
   const uint8_t* weights = blocks.data_ptr<uint8_t>();
-  if (levels == 1) {
-#pragma omp parallel for num_threads(threads) if (M > 1 && M * k > kParallelBytes)
-    for (int64_t m = 0; m < M; ++m) prepare_row<T>(xs[m], k, num_blocks, act_data + m * act_stride);
-    tile_products<T, X>(weights, N, w_stride, act_data, act_stride, M, num_blocks, Rows<X>(out));
-    return;
-  }
-  const at::Tensor residual = at::empty({M, k}, x.options().dtype(at::kFloat));
+  const at::Tensor residual = at::empty({levels == 2 ? M : 0, k}, x.options().dtype(at::kFloat));
   const Rows<float> rs(residual);
 #pragma omp parallel for num_threads(threads) if (M > 1 && M * k > kParallelBytes)
   for (int64_t m = 0; m < M; ++m) {
     prepare_row<T>(xs[m], k, num_blocks, act_data + m * act_stride);
-    rounding_residual<T>(xs[m], k, rs[m]);
-    prepare_row<T>(static_cast<const float*>(rs[m]), k, num_blocks,
-                   act_data + (M + m) * act_stride);
+    if (levels == 2) {
+      rounding_residual<T>(xs[m], k, rs[m]);
+      prepare_row<T>(static_cast<const float*>(rs[m]), k, num_blocks,
+                     act_data + (M + m) * act_stride);
+    }
+  }
+  if (levels == 1) {
+    tile_products<T, X>(weights, N, w_stride, act_data, act_stride, M, num_blocks, Rows<X>(out));
+    return;
   }
   const at::Tensor sums = at::empty({2 * M, N}, x.options().dtype(at::kFloat));
   const Rows<float> s(sums);
   tile_products<T, float>(weights, N, w_stride, act_data, act_stride, 2 * M, num_blocks, s);
   const Rows<X> dst(out);
+#pragma omp parallel for num_threads(threads) if (M * N > kParallelBytes)
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t n = 0; n < N; ++n) dst[m][n] = static_cast<X>(s[m][n] + s[M + m][n]);
   }

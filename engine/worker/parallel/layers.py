@@ -147,7 +147,7 @@ class ColumnParallelLinear(nn.Module):
         dequantize the parts that did into the float weight."""
         quantized, self._quantized = self._quantized, None
         if not quantized:
-            self._quantize_loaded_weight()
+            _quantize_loaded_weight(self)
             return
         if len(quantized) == len(self.parts):
             self.packed = QuantizedWeight([quantized[i] for i in range(len(self.parts))])
@@ -160,9 +160,6 @@ class ColumnParallelLinear(nn.Module):
 
     def _param(self, name: str) -> nn.Parameter:
         return self.weight if name == "weight" else self.bias
-
-    def _quantize_loaded_weight(self) -> None:
-        _quantize_loaded_weight(self)
 
     def _out_dim(self, name: str) -> int:
         return 1 if name == "weight" and self.transposed else 0
