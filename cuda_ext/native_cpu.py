@@ -15,11 +15,11 @@ The first load on a machine compiles the kernels (about a minute, then cached; s
 and returns None:
 
     ops.paged_attention_decode(out, query, key_cache, value_cache, block_tables, seq_lens, scale,
-                               sliding_window=0, soft_cap=0.0, sinks=None)
+                               sliding_window=0, soft_cap=0.0, sinks=None, kv_format=0)
     ops.paged_attention_prefill(out, query, key_cache, value_cache, block_tables,
                                 query_start_loc, seq_lens, scale,
-                                sliding_window=0, soft_cap=0.0, sinks=None)
-    ops.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+                                sliding_window=0, soft_cap=0.0, sinks=None, kv_format=0)
+    ops.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, kv_format=0)
     ops.copy_blocks(key_caches, value_caches, block_mapping)
     ops.swap_blocks(src, dst, block_mapping)
     ops.rms_norm(out, x, weight, eps)
@@ -41,6 +41,15 @@ ops take any dtype their tensors share. The attention ops' optional features are
 `cuda_ext.reference.paged_attention_reference`'s: a sliding window W (0: none; the blocks
 wholly before a query's window are not read, so their block-table entries may be
 anything), a logit soft cap c (0: none), and per-head sink logits (float32 [num_heads]).
+
+8-bit caches (`cuda_ext.kv_quant`): `kv_format` 1, 2, 3 (a `KVRowCode`: int8,
+float8_e4m3fn, float8_e5m2; 0, the default, is the float cache above) makes key_cache
+and value_cache uint8 `[num_blocks, num_kv_heads, block_size, head_size + 4]`, each row
+head_size one-byte codes and its float32 scale. reshape_and_cache codes float32 or
+bfloat16 key/value rows into them (bit for bit `kv_quant.quantize_rows`); the attention
+ops read them in place (query and out float32 or bfloat16), matching the float kernels
+over the dequantized cache within float32 rounding. copy_blocks and swap_blocks move
+whole rows, so the scales go with their codes.
 The elementwise ops (rms_norm to rotary_embedding) take
 float32 or bfloat16 rows `[num_tokens, d]` (query/key `[num_tokens, heads, head_size]`)
 with unit last stride and rows that do not overlap. The math is `cuda_ext.reference`'s.
@@ -64,6 +73,7 @@ from types import ModuleType
 import torch
 
 from cuda_ext.build import load_cpu_ops
+from cuda_ext.kv_quant import SCALE_BYTES, KVRowCode
 from cuda_ext.quant_blocks import BLOCK_SHAPES, QuantType, row_bytes
 
 ATTENTION_DTYPES = (torch.float32, torch.bfloat16)
@@ -102,8 +112,8 @@ class NativeCpuOps:
         self,
         out: torch.Tensor,  # [num_seqs, num_heads, head_size]
         query: torch.Tensor,  # [num_seqs, num_heads, head_size], each sequence's last token
-        key_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_size]
-        value_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_size]
+        key_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_size (+ 4)]
+        value_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_size (+ 4)]
         block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32 or int64
         seq_lens: torch.Tensor,  # [num_seqs] int64, context lengths including the query
         scale: float,
@@ -111,24 +121,27 @@ class NativeCpuOps:
         sliding_window: int = 0,  # 0: none; W: keys at positions > seq_len - 1 - W
         soft_cap: float = 0.0,  # 0: none; c: logits -> c * tanh(logit / c)
         sinks: torch.Tensor | None = None,  # [num_heads] float32 sink logits
+        kv_format: int = 0,  # 0: float caches; a KVRowCode: 8-bit rows (+ 4: the scale)
     ) -> None:
         """One query token per sequence over its paged context (or window; GQA/MQA aware)."""
-        _check_caches(key_cache, value_cache, attention=True)
-        _check_rows("query", query, key_cache, is_query=True)
+        kv_format = _check_kv_format(kv_format)
+        _check_caches(key_cache, value_cache, kv_format, attention=True)
+        _check_rows("query", query, key_cache, kv_format, is_query=True)
         _check_like("out", out, query)
         _check_block_tables(block_tables, query.shape[0])
         _check_index("seq_lens", seq_lens, (query.shape[0],))
         features = _check_features(sliding_window, soft_cap, sinks, query.shape[1])
         self._ops.paged_attention_decode(
-            out, query, key_cache, value_cache, block_tables, seq_lens, float(scale), *features
-        )
+            out, query, key_cache, value_cache, block_tables, seq_lens, float(scale), *features,
+            kv_format=kv_format,
+        )  # fmt: skip
 
     def paged_attention_prefill(
         self,
         out: torch.Tensor,  # [num_tokens, num_heads, head_size]
         query: torch.Tensor,  # [num_tokens, num_heads, head_size], sequences back to back
-        key_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_size]
-        value_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_size]
+        key_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_size (+ 4)]
+        value_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_size (+ 4)]
         block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32 or int64
         query_start_loc: torch.Tensor,  # [num_seqs + 1] int64, cumulative query lengths
         seq_lens: torch.Tensor,  # [num_seqs] int64, context lengths including the query
@@ -137,6 +150,7 @@ class NativeCpuOps:
         sliding_window: int = 0,  # 0: none; W: a query at p sees keys p - W < j <= p
         soft_cap: float = 0.0,  # 0: none; c: logits -> c * tanh(logit / c)
         sinks: torch.Tensor | None = None,  # [num_heads] float32 sink logits
+        kv_format: int = 0,  # 0: float caches; a KVRowCode: 8-bit rows (+ 4: the scale)
     ) -> None:
         """Causal attention of each sequence's last q_len positions over its context.
 
@@ -144,8 +158,9 @@ class NativeCpuOps:
         positions <= that (and, with a window W, > that - W); the chunk's own K/V must
         already be in the cache.
         """
-        _check_caches(key_cache, value_cache, attention=True)
-        _check_rows("query", query, key_cache, is_query=True)
+        kv_format = _check_kv_format(kv_format)
+        _check_caches(key_cache, value_cache, kv_format, attention=True)
+        _check_rows("query", query, key_cache, kv_format, is_query=True)
         _check_like("out", out, query)
         _check_index("seq_lens", seq_lens, None)
         num_seqs = seq_lens.shape[0]
@@ -154,23 +169,29 @@ class NativeCpuOps:
         features = _check_features(sliding_window, soft_cap, sinks, query.shape[1])
         self._ops.paged_attention_prefill(
             out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
-            float(scale), *features,
+            float(scale), *features, kv_format=kv_format,
         )  # fmt: skip
 
     def reshape_and_cache(
         self,
         key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
         value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
-        key_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_size]
-        value_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_size]
+        key_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_size (+ 4)]
+        value_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_size (+ 4)]
         slot_mapping: torch.Tensor,  # [num_tokens] int64; < 0 is padding, skipped
+        *,
+        kv_format: int = 0,  # 0: float caches; a KVRowCode: 8-bit rows (+ 4: the scale)
     ) -> None:
-        """Writes each token's K and V rows into its slot."""
-        _check_caches(key_cache, value_cache, attention=False)
-        _check_rows("key", key, key_cache, is_query=False)
+        """Writes each token's K and V rows into its slot (kv_format 1..3: coded, as
+        `cuda_ext.kv_quant.quantize_rows`)."""
+        kv_format = _check_kv_format(kv_format)
+        _check_caches(key_cache, value_cache, kv_format, attention=False)
+        _check_rows("key", key, key_cache, kv_format, is_query=False)
         _check_like("value", value, key)
         _check_index("slot_mapping", slot_mapping, (key.shape[0],))
-        self._ops.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+        self._ops.reshape_and_cache(
+            key, value, key_cache, value_cache, slot_mapping, kv_format=kv_format
+        )
 
     def copy_blocks(
         self,
@@ -350,12 +371,25 @@ def _check_cpu(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name} must be on the CPU (native CPU kernels); got {t.device}")
 
 
-def _check_caches(key_cache: torch.Tensor, value_cache: torch.Tensor, *, attention: bool) -> None:
+def _check_kv_format(kv_format: int) -> int:
+    """0 (a float cache) or a KVRowCode's value, as the kernels take it."""
+    if isinstance(kv_format, bool) or not isinstance(kv_format, int) or not 0 <= kv_format <= 3:
+        codes = ", ".join(f"{code.value} ({code.name})" for code in KVRowCode)
+        raise ValueError(
+            f"kv_format must be 0 (a float cache) or a KVRowCode, {codes}; got {kv_format!r}"
+        )
+    return int(kv_format)
+
+
+def _check_caches(
+    key_cache: torch.Tensor, value_cache: torch.Tensor, kv_format: int, *, attention: bool
+) -> None:
+    row = "head_size + 4" if kv_format else "head_size"
     for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
         _check_cpu(name, cache)
         if cache.dim() != 4 or not cache.is_contiguous():
             raise ValueError(
-                f"{name} must be contiguous [num_blocks, num_kv_heads, block_size, head_size]; "
+                f"{name} must be contiguous [num_blocks, num_kv_heads, block_size, {row}]; "
                 f"got {_describe(cache)}"
             )
     if value_cache.shape != key_cache.shape or value_cache.dtype != key_cache.dtype:
@@ -363,17 +397,36 @@ def _check_caches(key_cache: torch.Tensor, value_cache: torch.Tensor, *, attenti
             f"value_cache must match key_cache ({_describe(key_cache)}); "
             f"got {_describe(value_cache)}"
         )
-    if attention and key_cache.dtype not in ATTENTION_DTYPES:
+    if kv_format and (key_cache.dtype != torch.uint8 or key_cache.shape[3] <= SCALE_BYTES):
         raise ValueError(
-            f"key_cache has dtype {key_cache.dtype}, not supported on CPU: use float32 or bfloat16"
+            f"key_cache must be uint8 [num_blocks, num_kv_heads, block_size, head_size + 4] "
+            f"for kv_format={kv_format} ({KVRowCode(kv_format).name} codes and a float32 scale "
+            f"per row); got {_describe(key_cache)}"
+        )
+    if not kv_format and attention and key_cache.dtype not in ATTENTION_DTYPES:
+        hint = " (8-bit caches take kv_format 1, 2 or 3)" if key_cache.dtype == torch.uint8 else ""
+        raise ValueError(
+            f"key_cache has dtype {key_cache.dtype}, not supported on CPU: use float32 or "
+            f"bfloat16{hint}"
         )
 
 
-def _check_rows(name: str, t: torch.Tensor, key_cache: torch.Tensor, *, is_query: bool) -> None:
-    """t: [num_tokens, heads, head_size] rows of the cache's dtype, unit last stride;
+def _check_rows(
+    name: str, t: torch.Tensor, key_cache: torch.Tensor, kv_format: int, *, is_query: bool
+) -> None:
+    """t: [num_tokens, heads, head_size] rows, unit last stride: of the cache's dtype
+    (kv_format 0), or float32 / bfloat16 with cache rows head_size + 4 bytes wide (1..3);
     heads is a multiple of the cache's KV heads for a query, equal to them for K/V."""
     _check_cpu(name, t)
     _, num_kv_heads, _, head_size = key_cache.shape
+    if kv_format:
+        if t.dim() == 3 and head_size != t.shape[2] + SCALE_BYTES:
+            raise ValueError(
+                f"key_cache rows must be {name}'s head_size + 4 = {t.shape[2] + SCALE_BYTES} "
+                f"bytes ({KVRowCode(kv_format).name} codes and a float32 scale); "
+                f"got {_describe(key_cache)}"
+            )
+        head_size -= SCALE_BYTES
     if is_query:
         shape_ok = t.dim() == 3 and num_kv_heads > 0 and t.shape[1] % num_kv_heads == 0
         expected = f"[num_tokens, num_heads (a multiple of {num_kv_heads}), {head_size}]"
@@ -382,7 +435,12 @@ def _check_rows(name: str, t: torch.Tensor, key_cache: torch.Tensor, *, is_query
         expected = f"[num_tokens, {num_kv_heads}, {head_size}]"
     if not shape_ok or t.shape[2] != head_size or t.stride(2) != 1:
         raise ValueError(f"{name} must be {expected} with unit last stride; got {_describe(t)}")
-    if t.dtype != key_cache.dtype:
+    if kv_format and t.dtype not in ATTENTION_DTYPES:
+        raise ValueError(
+            f"{name} must be float32 or bfloat16 over 8-bit caches (kv_format={kv_format}); "
+            f"got {t.dtype}"
+        )
+    if not kv_format and t.dtype != key_cache.dtype:
         raise ValueError(f"{name} must have the caches' dtype {key_cache.dtype}; got {t.dtype}")
 
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from cuda_ext.kv_quant import KVRowCode, dequantize_rows, quantize_rows
+
 
 def head_major(cache: torch.Tensor) -> torch.Tensor:
     """[num_blocks, block_size, num_kv_heads, head_size] -> a contiguous
@@ -36,8 +38,10 @@ def reshape_and_cache(
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
     value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
     slot_mapping: torch.Tensor,  # [num_tokens] int64
+    kv_code: KVRowCode | None = None,  # an 8-bit cache (uint8 rows of head_size + 4)
 ) -> None:
-    """Write each token's K/V into its slot. Slots < 0 are padding and are skipped."""
+    """Write each token's K/V into its slot. Slots < 0 are padding and are skipped. An
+    8-bit cache (`kv_code`) gets each row coded with its scale (cuda_ext/kv_quant.py)."""
     if key.shape != value.shape or key.dim() != 3:
         raise ValueError(f"key/value must be [T, kv_heads, head]; got {key.shape}, {value.shape}")
     if slot_mapping.shape[0] != key.shape[0]:
@@ -48,6 +52,8 @@ def reshape_and_cache(
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+    if kv_code is not None:
+        key, value = quantize_rows(key, kv_code), quantize_rows(value, kv_code)
     key_cache.view(-1, num_kv_heads, head_size).index_copy_(0, slot_mapping, key)
     value_cache.view(-1, num_kv_heads, head_size).index_copy_(0, slot_mapping, value)
 
@@ -56,12 +62,14 @@ def gather_context(
     cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_size]
     block_table: torch.Tensor,  # [num_blocks_of_seq] int64
     seq_len: int,
+    kv_code: KVRowCode | None = None,  # an 8-bit cache: rows decoded to float32
 ) -> torch.Tensor:  # [seq_len, num_kv_heads, head_size]
     """The first `seq_len` tokens of one sequence, read through its block table."""
     block_size = cache.shape[1]
     num_blocks = -(-seq_len // block_size)
     blocks = cache.index_select(0, block_table[:num_blocks])
-    return blocks.reshape(-1, cache.shape[2], cache.shape[3])[:seq_len]
+    rows = blocks.reshape(-1, cache.shape[2], cache.shape[3])[:seq_len]
+    return rows if kv_code is None else dequantize_rows(rows, kv_code)
 
 
 def paged_attention_reference(
@@ -76,6 +84,7 @@ def paged_attention_reference(
     sliding_window: int = 0,  # 0: none; W: a query at p sees keys p - W < j <= p
     soft_cap: float = 0.0,  # 0: none; c: scores -> c * tanh(scores / c) before the mask
     sinks: torch.Tensor | None = None,  # [num_heads] sink logits added to each denominator
+    kv_code: KVRowCode | None = None,  # 8-bit caches: [..., head_size + 4] uint8 rows
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_size]
     """Causal attention of each sequence's new tokens over its paged context.
 
@@ -83,7 +92,8 @@ def paged_attention_reference(
     position `seq_len - query_len + i` and sees keys at positions <= that (and, with a
     sliding window, > position - W: blocks wholly before the window are never read, so
     their table entries may be anything). Works for any mix of prefill chunks and
-    decodes, GQA/MQA and any block size. Math in float32.
+    decodes, GQA/MQA and any block size. Math in float32. 8-bit caches (`kv_code`) are
+    read as their decoded rows (cuda_ext/kv_quant.py).
     """
     num_heads, num_kv_heads = query.shape[1], key_cache.shape[2]
     block_size = key_cache.shape[1]
@@ -95,8 +105,8 @@ def paged_attention_reference(
         skip = first // block_size * block_size  # whole blocks before the window: unread
         table = block_tables[i][skip // block_size :]
         q = query[start : start + q_len].float()  # [q_len, H, D]
-        k = gather_context(key_cache, table, s_len - skip).float()  # [s_len - skip, KVH, D]
-        v = gather_context(value_cache, table, s_len - skip).float()
+        k = gather_context(key_cache, table, s_len - skip, kv_code).float()  # [L, KVH, D]
+        v = gather_context(value_cache, table, s_len - skip, kv_code).float()
         k = k.repeat_interleave(group, dim=1)  # [s_len - skip, H, D]
         v = v.repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale  # [H, q_len, s_len - skip]

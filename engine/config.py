@@ -73,6 +73,31 @@ class Quantization(StrEnum):
         return self in (Quantization.INT8, Quantization.Q4_0)
 
 
+class KVCacheDtype(StrEnum):
+    """What the KV cache stores (`--kv-cache-dtype`, vLLM's spelling; "fp8" means
+    fp8_e4m3). The 8-bit kinds keep one byte per value and a float32 scale per (token,
+    KV head) row (cuda_ext/kv_quant.py)."""
+
+    AUTO = "auto"  # the model's dtype
+    FP8_E4M3 = "fp8_e4m3"
+    FP8_E5M2 = "fp8_e5m2"
+    INT8 = "int8"
+
+    @classmethod
+    def parse(cls, value: str | KVCacheDtype) -> KVCacheDtype:
+        """The dtype a user's spelling names; ValueError listing the choices otherwise."""
+        spelled = "fp8_e4m3" if value == "fp8" else value
+        try:
+            return cls(spelled)
+        except ValueError:
+            choices = ["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"]
+            raise ValueError(f"kv_cache_dtype must be one of {choices}, got {value!r}") from None
+
+    @property
+    def is_8bit(self) -> bool:
+        return self is not KVCacheDtype.AUTO
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """What the model code and loader need: the checkpoint, its HF config, dtype, length."""
@@ -169,8 +194,10 @@ class CacheConfig:
     enable_prefix_caching: bool = True  # reuse cached full blocks across requests
     swap_space: float = 0.0  # GiB of CPU memory for blocks of swapped-out sequences
     preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE  # SWAP needs swap_space
+    cache_dtype: KVCacheDtype = KVCacheDtype.AUTO  # auto: the model's dtype
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "cache_dtype", KVCacheDtype.parse(self.cache_dtype))
         if not 0.0 <= self.swap_space <= 1024.0:
             raise ValueError(f"swap_space must be in [0, 1024] GiB, got {self.swap_space}")
         if self.preemption_mode not in tuple(PreemptionMode):

@@ -11,8 +11,10 @@ from engine.config import (
     CacheConfig,
     DeviceConfig,
     EngineConfig,
+    KVCacheDtype,
     ParallelConfig,
     SchedulerConfig,
+    linear_attention_layers,
 )
 
 logger = logging.getLogger(__name__)
@@ -42,6 +44,7 @@ class EngineArgs:
     chat_template: str | None = None  # a file or the Jinja text itself
     enable_prefix_caching: bool = True
     swap_space: float = 0.0  # GiB
+    kv_cache_dtype: str = "auto"  # auto | fp8 | fp8_e4m3 | fp8_e5m2 | int8
     preemption_mode: str = "recompute"
     tensor_parallel_size: int = 1  # ranks sharing the model (one worker process each)
     distributed_address: str | None = None  # HOST:PORT of rank 0's torch.distributed store
@@ -78,6 +81,7 @@ class EngineArgs:
                 self.enable_prefix_caching,
                 self.swap_space,
                 self.preemption_mode,
+                self._cache_dtype(model_config),
             ),
             scheduler=scheduler,
             device=DeviceConfig(
@@ -91,6 +95,17 @@ class EngineArgs:
             max_tokens_per_request=self.max_tokens_per_request,
             grammar_cache_size=self.grammar_cache_size,
         )
+
+    def _cache_dtype(self, model_config) -> KVCacheDtype:
+        """`kv_cache_dtype`, refused for models whose pages hold linear-attention states
+        (those are float32 recurrences, not rows of K/V)."""
+        dtype = KVCacheDtype.parse(self.kv_cache_dtype)
+        if dtype.is_8bit and linear_attention_layers(model_config.hf_config):
+            raise ValueError(
+                f"kv_cache_dtype={self.kv_cache_dtype!r} cannot hold the linear-attention "
+                f"states of {model_config.architecture}; use kv_cache_dtype='auto'"
+            )
+        return dtype
 
     def _block_size(self, model_config, world_size: int) -> int:
         """`block_size`, raised where a linear-attention layer's state needs bigger pages

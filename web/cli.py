@@ -78,6 +78,14 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "kernels multiply them (CPU); none (the default): floats; int8, q4_0: a float "
         "checkpoint's linear weights quantized at load (8- or 4-bit blocks of 32)",
     )
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"],
+        help="what the KV cache stores: auto (the model's dtype) or 8 bits per value with a "
+        "scale per token and head (fp8 = fp8_e4m3): about 3.8x the tokens of a float32 "
+        "cache (native CPU kernels or --attention-backend reference)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--swap-space", type=float, default=0.0, help="GiB of CPU swap space")
     p.add_argument(
@@ -379,6 +387,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         "seed": args.seed,
         "enable_prefix_caching": args.enable_prefix_caching,
         "swap_space": args.swap_space,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "preemption_mode": args.preemption_mode,
         "attention_backend": args.attention_backend,
         "compile_model": args.compile_model,

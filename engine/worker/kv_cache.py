@@ -6,7 +6,8 @@ import logging
 
 import torch
 
-from engine.config import CacheConfig, ModelConfig
+from cuda_ext.kv_quant import KVRowCode, row_width
+from engine.config import CacheConfig, KVCacheDtype, ModelConfig
 from engine.worker.huge_pages import zeros_on_huge_pages
 from engine.worker.parallel.layers import kv_heads_per_rank
 
@@ -27,12 +28,43 @@ def cache_tensors_per_layer_set(model: ModelConfig) -> int:
     return layout.layers_per_group if layout.is_hybrid else model.num_layers
 
 
-def block_bytes(model: ModelConfig, block_size: int, world_size: int = 1) -> int:
+def row_code(cache_dtype: KVCacheDtype) -> KVRowCode | None:
+    """How an 8-bit cache codes its rows; None for a cache in the model's dtype."""
+    return {
+        KVCacheDtype.INT8: KVRowCode.INT8,
+        KVCacheDtype.FP8_E4M3: KVRowCode.FP8_E4M3,
+        KVCacheDtype.FP8_E5M2: KVRowCode.FP8_E5M2,
+    }.get(cache_dtype)
+
+
+def cache_storage(model: ModelConfig, cache_dtype: KVCacheDtype) -> tuple[torch.dtype, int]:
+    """The cache tensors' dtype and the elements of one (token, KV head) row: the model's
+    dtype and head_size, or uint8 and head_size + 4 (codes, then the row's float32 scale)."""
+    if row_code(cache_dtype) is None:
+        return model.dtype, model.head_size
+    return torch.uint8, row_width(model.head_size)
+
+
+def cache_dtype_name(model: ModelConfig, cache_dtype: KVCacheDtype) -> str:
+    """What the cache stores, as logged and reported: "float32", "int8", "fp8_e4m3", ..."""
+    if cache_dtype is KVCacheDtype.AUTO:
+        return str(model.dtype).removeprefix("torch.")
+    return cache_dtype.value
+
+
+def block_bytes(
+    model: ModelConfig,
+    block_size: int,
+    world_size: int = 1,
+    cache_dtype: KVCacheDtype = KVCacheDtype.AUTO,
+) -> int:
     """Bytes of one block (a page: its slots in every cache tensor), keys and values, on
-    one of `world_size` tensor-parallel ranks (each caches its own key/value heads)."""
+    one of `world_size` tensor-parallel ranks (each caches its own key/value heads), in
+    `cache_dtype` (an 8-bit row also holds its scale)."""
     heads = kv_heads_per_rank(model.num_kv_heads, world_size)
-    per_token = 2 * cache_tensors_per_layer_set(model) * heads * model.head_size
-    return per_token * block_size * model.dtype.itemsize
+    dtype, width = cache_storage(model, cache_dtype)
+    per_token = 2 * cache_tensors_per_layer_set(model) * heads * width
+    return per_token * block_size * dtype.itemsize
 
 
 def reserved_blocks(model: ModelConfig) -> int:
@@ -50,7 +82,7 @@ def num_blocks_for(
     """How many blocks fit in `budget_bytes` (one rank's of `world_size`); raises when
     one full sequence, computed in chunks of at most `max_chunk` tokens (the step's
     token budget; None: in one), does not fit."""
-    per_block = block_bytes(model, cache.block_size, world_size)
+    per_block = block_bytes(model, cache.block_size, world_size, cache.cache_dtype)
     num_blocks = max(0, budget_bytes // per_block - reserved_blocks(model))
     needed = model.kv_cache_layout.max_blocks_per_sequence(
         model.max_model_len, max_chunk or model.max_model_len, cache.block_size
@@ -71,7 +103,7 @@ def num_blocks_for(
         num_blocks,
         cache.block_size,
         num_blocks * per_block / 1024**2,
-        str(model.dtype).removeprefix("torch."),
+        cache_dtype_name(model, cache.cache_dtype),
         concurrency,
         model.max_model_len,
     )
@@ -85,21 +117,28 @@ def cuda_budget_bytes(cache: CacheConfig, peak_bytes: int, device: torch.device)
 
 
 def allocate_kv_cache(
-    model: ModelConfig, shape: tuple[int, ...], device: str, pinned: bool = False
+    model: ModelConfig,
+    shape: tuple[int, ...],
+    device: str,
+    pinned: bool = False,
+    dtype: torch.dtype | None = None,
 ) -> KVCache:
     """Per layer, zeroed K and V caches of the attention backend's `shape` (the blocks
-    the scheduler hands out plus `reserved_blocks`); on the CPU, on transparent huge
+    the scheduler hands out plus `reserved_blocks`) in `dtype` (None: the model's; uint8
+    for an 8-bit cache, `cache_storage`); on the CPU, on transparent huge
     pages where the system allows (engine/worker/huge_pages.py), or in pinned memory
     (`pinned`: the swap space of a CUDA device, which the copies need). With a hybrid layout
     the layers of different groups share tensors: layer `groups[g].layers[j]` gets
     tensor pair j (`KVCacheLayout.place`)."""
 
+    dtype = dtype or model.dtype
+
     def zeros() -> torch.Tensor:
         if pinned:
-            return torch.zeros(shape, dtype=model.dtype, pin_memory=True)
+            return torch.zeros(shape, dtype=dtype, pin_memory=True)
         if str(device) == "cpu":
-            return zeros_on_huge_pages(shape, model.dtype)
-        return torch.zeros(shape, dtype=model.dtype, device=device)
+            return zeros_on_huge_pages(shape, dtype)
+        return torch.zeros(shape, dtype=dtype, device=device)
 
     pairs = [(zeros(), zeros()) for _ in range(cache_tensors_per_layer_set(model))]
     layout = model.kv_cache_layout

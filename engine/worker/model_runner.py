@@ -18,10 +18,12 @@ from engine.worker.kv_cache import (
     KVCache,
     allocate_kv_cache,
     block_bytes,
+    cache_storage,
     cuda_budget_bytes,
     distinct_tensors,
     num_blocks_for,
     reserved_blocks,
+    row_code,
 )
 from engine.worker.logprobs import TokenLogprobs, compute_token_logprobs, to_dicts
 from engine.worker.model_loader import load_model
@@ -82,6 +84,7 @@ class ModelRunner:
                 model_config.dtype,
                 model_config.attention_features,
                 cache_config.block_size,
+                row_code(cache_config.cache_dtype),
             )
         except ValueError as exc:  # name the model: its layers may need what is missing
             raise ValueError(f"{model_config.model} ({model_config.architecture}): {exc}") from None
@@ -144,7 +147,8 @@ class ModelRunner:
         return self.group.min_int(local)
 
     def _block_bytes(self) -> int:
-        return block_bytes(self.model_config, self.cache_config.block_size, self.group.world_size)
+        c = self.cache_config
+        return block_bytes(self.model_config, c.block_size, self.group.world_size, c.cache_dtype)
 
     def _default_cpu_budget(self) -> int:
         """2 GiB, or less when max_num_seqs full-length sequences need less."""
@@ -159,21 +163,22 @@ class ModelRunner:
     def initialize_cache(self, num_blocks: int, num_cpu_blocks: int = 0) -> None:
         """Caches for the `num_blocks` (and `num_cpu_blocks`) the scheduler hands out,
         plus the pages its allocator reserves."""
-        m, reserved = self.model_config, reserved_blocks(self.model_config)
-        self.kv_cache = allocate_kv_cache(m, self._cache_shape(num_blocks + reserved), self.device)
+        self.kv_cache = self._allocate(num_blocks, self.device)
         on_cuda = str(self.device).startswith("cuda")
-        self.swap_cache = (
-            allocate_kv_cache(m, self._cache_shape(num_cpu_blocks + reserved), "cpu", on_cuda)
-            if num_cpu_blocks
-            else []
-        )
+        self.swap_cache = self._allocate(num_cpu_blocks, "cpu", on_cuda) if num_cpu_blocks else []
+
+    def _allocate(self, num_blocks: int, device: str, pinned: bool = False) -> KVCache:
+        """Caches of `num_blocks` blocks (and the allocator's reserved pages) on `device`."""
+        m = self.model_config
+        dtype, _ = cache_storage(m, self.cache_config.cache_dtype)
+        shape = self._cache_shape(num_blocks + reserved_blocks(m))
+        return allocate_kv_cache(m, shape, device, pinned, dtype)
 
     def _cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         m = self.model_config
         heads = kv_heads_per_rank(m.num_kv_heads, self.group.world_size)  # this rank's
-        return self.backend.kv_cache_shape(
-            num_blocks, self.cache_config.block_size, heads, m.head_size
-        )
+        _, width = cache_storage(m, self.cache_config.cache_dtype)  # an 8-bit row: + scale
+        return self.backend.kv_cache_shape(num_blocks, self.cache_config.block_size, heads, width)
 
     @torch.inference_mode()
     def _profile_peak(self) -> int:
@@ -190,10 +195,7 @@ class ModelRunner:
             layout.num_groups,
         )
         num_blocks = sum(len(s.block_table) for s in plan.scheduled)
-        saved, self.kv_cache = (
-            self.kv_cache,
-            allocate_kv_cache(self.model_config, self._cache_shape(num_blocks), self.device),
-        )
+        saved, self.kv_cache = self.kv_cache, self._allocate(num_blocks, self.device)
         try:
             self.execute(plan, sample=False)
         finally:

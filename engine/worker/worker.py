@@ -278,7 +278,8 @@ def build_worker(
     (`config`: `args.build()`, when the caller has built it already). Under tensor
     parallelism this process is rank `rank`: it joins the group first (every rank must
     call this), loads its slices, and the ranks agree on the block count."""
-    from engine.worker.model_runner import ModelRunner  # torch: only a real worker
+    from engine.worker.kv_cache import cache_dtype_name  # torch: only a real worker
+    from engine.worker.model_runner import ModelRunner
     from engine.worker.parallel.group import join_group
 
     config = config or args.build()
@@ -306,7 +307,7 @@ def build_worker(
         attention_backend_reason=runner.backend_reason,
         weights_bytes=runner.weights_bytes(),
         kv_cache_bytes=runner.kv_cache_bytes(),
-        kv_cache_dtype=str(config.model.dtype).removeprefix("torch."),
+        kv_cache_dtype=cache_dtype_name(config.model, config.cache.cache_dtype),
         quantization=config.model.quantization.value,
     )
     return Worker(runner, worker_id, grammars), ready

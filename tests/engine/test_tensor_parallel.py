@@ -62,7 +62,8 @@ def _cache_size(model_dir: str) -> tuple[int, int]:
 
 def _run(model_dir: str, tp: int, prompts=PROMPTS, **kwargs) -> tuple[list, dict]:
     block_size, num_blocks = _cache_size(model_dir)
-    memory = kv_memory(model_dir, num_blocks, block_size, world_size=tp)
+    dtype = kwargs.get("kv_cache_dtype", "auto")
+    memory = kv_memory(model_dir, num_blocks, block_size, world_size=tp, kv_cache_dtype=dtype)
     with LLM(
         model_dir,
         tensor_parallel_size=tp,
@@ -117,6 +118,13 @@ def test_two_ranks_give_what_one_device_gives(checkpoint):
 def test_two_ranks_swap_as_one_device_does(tmp_path):
     save_hf_model("llama", tmp_path)
     _assert_same_as_one_device(str(tmp_path), swap_space=0.01, preemption_mode="swap")
+
+
+@pytest.mark.timeout(240)
+def test_two_ranks_with_an_int8_cache_give_what_one_device_gives(tmp_path):
+    """Each rank codes its own heads' rows (a scale per token and head): the same codes."""
+    save_hf_model("qwen3", tmp_path)
+    _assert_same_as_one_device(str(tmp_path), kv_cache_dtype="int8")
 
 
 @pytest.mark.shared

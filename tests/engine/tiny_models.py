@@ -238,15 +238,23 @@ def hf_beams(model, prompt, width, length_penalty, early_stopping, max_new, eos=
     return sequences, scores
 
 
-def kv_memory(model_dir: str, num_blocks: int, block_size: int, world_size: int = 1) -> int:
+def kv_memory(
+    model_dir: str,
+    num_blocks: int,
+    block_size: int,
+    world_size: int = 1,
+    kv_cache_dtype: str = "auto",
+) -> int:
     """The kv_cache_memory that holds exactly `num_blocks` blocks of this checkpoint on
-    each of `world_size` tensor-parallel ranks (read from its config.json; no weights
-    are loaded)."""
+    each of `world_size` tensor-parallel ranks in `kv_cache_dtype` (read from its
+    config.json; no weights are loaded)."""
+    from engine.config import KVCacheDtype
     from engine.engine_args import EngineArgs
     from engine.worker.kv_cache import block_bytes
 
     model = EngineArgs(model=str(model_dir), skip_tokenizer_init=True).build().model
-    return block_bytes(model, block_size, world_size) * num_blocks
+    dtype = KVCacheDtype.parse(kv_cache_dtype)
+    return block_bytes(model, block_size, world_size, dtype) * num_blocks
 
 
 # Engine settings the protocol tests share: small blocks so tables grow, a short context.

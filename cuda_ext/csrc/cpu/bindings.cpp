@@ -11,15 +11,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention_decode", &pagedserve::paged_attention_decode, nogil, py::arg("out"),
         py::arg("query"), py::arg("key_cache"), py::arg("value_cache"),
         py::arg("block_tables"), py::arg("seq_lens"), py::arg("scale"),
-        py::arg("sliding_window") = 0, py::arg("soft_cap") = 0.0, py::arg("sinks") = py::none());
+        py::arg("sliding_window") = 0, py::arg("soft_cap") = 0.0, py::arg("sinks") = py::none(),
+        py::arg("kv_format") = 0);
   m.def("paged_attention_prefill", &pagedserve::paged_attention_prefill, nogil, py::arg("out"),
         py::arg("query"), py::arg("key_cache"), py::arg("value_cache"),
         py::arg("block_tables"), py::arg("query_start_loc"), py::arg("seq_lens"),
         py::arg("scale"), py::arg("sliding_window") = 0, py::arg("soft_cap") = 0.0,
-        py::arg("sinks") = py::none());
+        py::arg("sinks") = py::none(), py::arg("kv_format") = 0);
   m.def("reshape_and_cache", &pagedserve::reshape_and_cache, nogil, py::arg("key"),
         py::arg("value"), py::arg("key_cache"), py::arg("value_cache"),
-        py::arg("slot_mapping"));
+        py::arg("slot_mapping"), py::arg("kv_format") = 0);
   m.def("copy_blocks", &pagedserve::copy_blocks, nogil, py::arg("key_caches"),
         py::arg("value_caches"), py::arg("block_mapping"));
   m.def("swap_blocks", &pagedserve::swap_blocks, nogil, py::arg("src"), py::arg("dst"),

@@ -79,15 +79,17 @@ inline void dispatch_dtype(at::ScalarType dtype, const char* op, F&& f) {
 
 // Calls f(std::integral_constant<int, HEAD>) with HEAD the head size where a
 // specialization exists, else 0 (the generic path, head size known at run time).
-template <typename F>
+// kEvery false: only 64 and 128 are specialized (for kernels instantiated many times
+// over, where each specialization costs build time).
+template <bool kEvery = true, typename F>
 inline void dispatch_head_size(int64_t head_size, F&& f) {
-  switch (head_size) {
-    case 64: f(std::integral_constant<int, 64>{}); break;
-    case 80: f(std::integral_constant<int, 80>{}); break;
-    case 96: f(std::integral_constant<int, 96>{}); break;
-    case 128: f(std::integral_constant<int, 128>{}); break;
-    default: f(std::integral_constant<int, 0>{}); break;
+  if (head_size == 64) return f(std::integral_constant<int, 64>{});
+  if (head_size == 128) return f(std::integral_constant<int, 128>{});
+  if constexpr (kEvery) {
+    if (head_size == 80) return f(std::integral_constant<int, 80>{});
+    if (head_size == 96) return f(std::integral_constant<int, 96>{});
   }
+  f(std::integral_constant<int, 0>{});
 }
 
 // Calls f(std::bool_constant<flag>{}): a run-time flag made a template argument, so the
@@ -165,8 +167,12 @@ inline void for_each_block(const BlockTableRow& table, int64_t block_size, int64
 
 // Asks for `rows` rows of `bytes` bytes each, `stride` elements apart, to be brought
 // into cache ahead of use (kLocality 3: into L1, 2: into L2). Only a hint: never faults.
+// Always inlined, as must be every function whose only effect is a prefetch: GCC 12
+// takes such a function for const and drops the calls to it (the attention kernels had
+// no prefetch instruction left until theirs were inlined).
 template <int kLocality, typename T>
-inline void prefetch_rows(const T* first, int64_t rows, int64_t stride, int64_t bytes) {
+[[gnu::always_inline]] inline void prefetch_rows(const T* first, int64_t rows, int64_t stride,
+                                                int64_t bytes) {
   for (int64_t r = 0; r < rows; ++r) {
     const char* p = reinterpret_cast<const char*>(first + r * stride);
     for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, kLocality);

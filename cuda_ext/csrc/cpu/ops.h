@@ -10,16 +10,19 @@
 namespace pagedserve {
 
 // out, query: [num_seqs, num_heads, head_size]; caches: head-major, [num_blocks,
-// num_kv_heads, block_size, head_size]; block_tables: [num_seqs, max_blocks] int32/int64;
-// seq_lens: [num_seqs] int64, context lengths including the query token. Both attention
-// ops: sliding_window 0 (none) or W (a query at p sees keys p - W < j <= p; blocks wholly
-// before are not read, their table entries may be anything); soft_cap 0 (none) or c
-// (logits -> c * tanh(logit / c)); sinks none or float32 [num_heads] sink logits.
+// num_kv_heads, block_size, row], a row by kv_format (cuda_ext/kv_quant.py): 0, head_size
+// values of the query's dtype; 1 (int8), 2 (float8_e4m3fn), 3 (float8_e5m2), uint8 rows of
+// head_size codes and a float32 scale (head_size + 4 bytes). block_tables: [num_seqs,
+// max_blocks] int32/int64; seq_lens: [num_seqs] int64, context lengths including the
+// query token. Both attention ops: sliding_window 0 (none) or W (a query at p sees keys
+// p - W < j <= p; blocks wholly before are not read, their table entries may be
+// anything); soft_cap 0 (none) or c (logits -> c * tanh(logit / c)); sinks none or
+// float32 [num_heads] sink logits.
 void paged_attention_decode(const at::Tensor& out, const at::Tensor& query,
                             const at::Tensor& key_cache, const at::Tensor& value_cache,
                             const at::Tensor& block_tables, const at::Tensor& seq_lens,
                             double scale, int64_t sliding_window, double soft_cap,
-                            const std::optional<at::Tensor>& sinks);
+                            const std::optional<at::Tensor>& sinks, int64_t kv_format);
 
 // out, query: [num_tokens, num_heads, head_size]; query_start_loc: [num_seqs + 1] int64,
 // cumulative query lengths; seq_lens: [num_seqs] int64, context lengths including the
@@ -28,15 +31,18 @@ void paged_attention_prefill(const at::Tensor& out, const at::Tensor& query,
                              const at::Tensor& key_cache, const at::Tensor& value_cache,
                              const at::Tensor& block_tables, const at::Tensor& query_start_loc,
                              const at::Tensor& seq_lens, double scale, int64_t sliding_window,
-                             double soft_cap, const std::optional<at::Tensor>& sinks);
+                             double soft_cap, const std::optional<at::Tensor>& sinks,
+                             int64_t kv_format);
 
-// key, value: [num_tokens, num_kv_heads, head_size] (unit stride in the last dim);
-// slot_mapping: [num_tokens] int64, < 0 for padding.
+// key, value: [num_tokens, num_kv_heads, head_size] (unit stride in the last dim), the
+// caches' dtype (kv_format 0) or float32 / bfloat16 coded into 8-bit rows (1..3, as
+// cuda_ext.kv_quant.quantize_rows); slot_mapping: [num_tokens] int64, < 0 for padding.
 void reshape_and_cache(const at::Tensor& key, const at::Tensor& value,
                        const at::Tensor& key_cache, const at::Tensor& value_cache,
-                       const at::Tensor& slot_mapping);
+                       const at::Tensor& slot_mapping, int64_t kv_format);
 
-// Every layer's caches, blocks along dim 0; block_mapping: [num_pairs, 2] int64 (src, dst).
+// Every layer's caches, blocks along dim 0 (any dtype: byte copies, an 8-bit row's scale
+// moving with its codes); block_mapping: [num_pairs, 2] int64 (src, dst).
 void copy_blocks(const std::vector<at::Tensor>& key_caches,
                  const std::vector<at::Tensor>& value_caches, const at::Tensor& block_mapping);
 

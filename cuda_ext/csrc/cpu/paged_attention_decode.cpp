@@ -3,7 +3,8 @@
 // read), GQA-aware. Parallel over (sequence, KV head); when those tasks are few next to
 // the threads and the attended spans are long, each span is also split into partitions
 // (of at least kMinPartition tokens) computed in parallel, each giving (max, sum,
-// unnormalized output), merged afterwards (with the sinks, if any).
+// unnormalized output), merged afterwards (with the sinks, if any). The caches' rows are
+// read through their codec (kv_rows.h): float rows, or 8-bit codes and a scale.
 #include "attention_tile.h"  // first: it picks the vector ISA
 #include "ops.h"
 
@@ -21,14 +22,14 @@ int64_t num_partitions(int64_t tasks, int64_t max_span, int threads) {
   return std::min(cdiv(max_span, kMinPartition), cdiv(kItemsPerThread * threads, tasks));
 }
 
-template <typename T, int HEAD, bool kCapped>
+template <typename T, typename Rows, int HEAD, bool kCapped>
 void decode_whole(const PagedAttentionArgs<T>& a, const at::Tensor& block_tables,
                   const int64_t* seq_lens, int64_t num_seqs, int threads) {
   const int64_t tasks = num_seqs * a.num_kv_heads;
 #pragma omp parallel num_threads(threads)
   {
-    TileScratch scratch(a.group, a.head_size);
-    TileAttention<T, HEAD, false, kCapped> tile(a, scratch);
+    TileScratch scratch(a.group, a.head_size, Rows::kScaled);
+    TileAttention<T, Rows, HEAD, false, kCapped> tile(a, scratch);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < tasks; ++task) {
       const int64_t seq = task / a.num_kv_heads, kv_head = task % a.num_kv_heads;
@@ -60,7 +61,7 @@ struct Partials {
   }
 };
 
-template <typename T, int HEAD, bool kCapped>
+template <typename T, typename Rows, int HEAD, bool kCapped>
 void decode_partitioned(const PagedAttentionArgs<T>& a, const at::Tensor& block_tables,
                         const int64_t* seq_lens, int64_t num_seqs, int64_t max_span,
                         int64_t partitions, int threads) {
@@ -70,8 +71,8 @@ void decode_partitioned(const PagedAttentionArgs<T>& a, const at::Tensor& block_
   const int64_t items = tasks * partials.partitions;
 #pragma omp parallel num_threads(threads)
   {
-    TileScratch scratch(a.group, a.head_size);
-    TileAttention<T, HEAD, false, kCapped> tile(a, scratch);
+    TileScratch scratch(a.group, a.head_size, Rows::kScaled);
+    TileAttention<T, Rows, HEAD, false, kCapped> tile(a, scratch);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < items; ++item) {
       const int64_t task = item / partials.partitions, part = item % partials.partitions;
@@ -122,24 +123,12 @@ void decode_partitioned(const PagedAttentionArgs<T>& a, const at::Tensor& block_
 
 void check_args(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                 const at::Tensor& value_cache, const at::Tensor& block_tables,
-                const at::Tensor& seq_lens) {
+                const at::Tensor& seq_lens, int64_t kv_format) {
   // Structural guards for callers that bypass cuda_ext.native_cpu (which explains them).
   TORCH_CHECK_VALUE(query.dim() == 3 && out.sizes() == query.sizes() &&
                         query.stride(2) == 1 && out.stride(2) == 1,
                     "paged_attention_decode: query/out must be [num_seqs, num_heads, head_size]");
-  TORCH_CHECK_VALUE(key_cache.dim() == 4 && key_cache.is_contiguous() &&
-                        value_cache.sizes() == key_cache.sizes() && value_cache.is_contiguous(),
-                    "paged_attention_decode: caches must be contiguous and alike");
-  TORCH_CHECK_VALUE(out.scalar_type() == query.scalar_type() &&
-                        key_cache.scalar_type() == query.scalar_type() &&
-                        value_cache.scalar_type() == query.scalar_type(),
-                    "paged_attention_decode: out, query and caches must share a dtype");
-  TORCH_CHECK_VALUE(key_cache.size(3) == query.size(2) && key_cache.size(1) > 0 &&
-                        query.size(1) % key_cache.size(1) == 0,
-                    "paged_attention_decode: head sizes or head counts disagree");
-  TORCH_CHECK_VALUE(key_cache.size(3) <= kMaxHeadSize, "paged_attention_decode: head_size ",
-                    key_cache.size(3), " is over the native CPU kernels' limit of ",
-                    kMaxHeadSize);
+  check_caches("paged_attention_decode", out, query, key_cache, value_cache, kv_format);
   TORCH_CHECK_VALUE(block_tables.dim() == 2 && block_tables.size(0) == query.size(0) &&
                         block_tables.stride(1) == 1 &&
                         (block_tables.scalar_type() == at::kInt ||
@@ -156,8 +145,8 @@ void paged_attention_decode(const at::Tensor& out, const at::Tensor& query,
                             const at::Tensor& key_cache, const at::Tensor& value_cache,
                             const at::Tensor& block_tables, const at::Tensor& seq_lens,
                             double scale, int64_t sliding_window, double soft_cap,
-                            const std::optional<at::Tensor>& sinks) {
-  check_args(out, query, key_cache, value_cache, block_tables, seq_lens);
+                            const std::optional<at::Tensor>& sinks, int64_t kv_format) {
+  check_args(out, query, key_cache, value_cache, block_tables, seq_lens, kv_format);
   check_features("paged_attention_decode", query, sliding_window, soft_cap, sinks);
   const int64_t num_seqs = query.size(0);
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
@@ -177,16 +166,19 @@ void paged_attention_decode(const at::Tensor& out, const at::Tensor& query,
     using T = decltype(tag);
     const PagedAttentionArgs<T> args(out, query, key_cache, value_cache, scale, sliding_window,
                                      soft_cap, sinks);
-    dispatch_head_size(args.head_size, [&](auto head) {
-      dispatch_flag(soft_cap > 0, [&](auto capped) {
-        constexpr int HEAD = decltype(head)::value;
-        constexpr bool kCapped = decltype(capped)::value;
-        if (partitions > 1) {
-          decode_partitioned<T, HEAD, kCapped>(args, block_tables, lens, num_seqs, max_span,
-                                               partitions, threads);
-        } else {
-          decode_whole<T, HEAD, kCapped>(args, block_tables, lens, num_seqs, threads);
-        }
+    dispatch_kv_rows<T>(kv_format, [&](auto rows) {
+      using Rows = decltype(rows);
+      dispatch_tile_head_size<decltype(rows)>(args.head_size, [&](auto head) {
+        dispatch_flag(soft_cap > 0, [&](auto capped) {
+          constexpr int HEAD = decltype(head)::value;
+          constexpr bool kCapped = decltype(capped)::value;
+          if (partitions > 1) {
+            decode_partitioned<T, Rows, HEAD, kCapped>(args, block_tables, lens, num_seqs,
+                                                       max_span, partitions, threads);
+          } else {
+            decode_whole<T, Rows, HEAD, kCapped>(args, block_tables, lens, num_seqs, threads);
+          }
+        });
       });
     });
   });

@@ -3,7 +3,9 @@
 // place). Parallel over (sequence, KV head, query tile); a tile is up to kTileRows query
 // rows (tokens x the group's heads), so each K/V row loaded serves the whole tile. With
 // a sliding window a tile starts at its first row's first visible key (no block before
-// it is read) and masks each row to its own window (a kWindowed TileAttention).
+// it is read) and masks each row to its own window (a kWindowed TileAttention). The
+// caches' rows are read through their codec (kv_rows.h): float rows, or 8-bit codes and
+// a scale.
 #include "attention_tile.h"  // first: it picks the vector ISA
 #include "ops.h"
 
@@ -30,15 +32,15 @@ std::vector<PrefillTile> make_tiles(const int64_t* query_start_loc, int64_t num_
   return tiles;
 }
 
-template <typename T, int HEAD, bool kWindowed, bool kCapped>
+template <typename T, typename Rows, int HEAD, bool kWindowed, bool kCapped>
 void prefill(const PagedAttentionArgs<T>& a, const at::Tensor& block_tables,
              const int64_t* query_start_loc, const int64_t* seq_lens,
              const std::vector<PrefillTile>& tiles, int64_t tile_tokens, int threads) {
   const int64_t items = static_cast<int64_t>(tiles.size()) * a.num_kv_heads;
 #pragma omp parallel num_threads(threads)
   {
-    TileScratch scratch(tile_tokens * a.group, a.head_size);
-    TileAttention<T, HEAD, kWindowed, kCapped> tile(a, scratch);
+    TileScratch scratch(tile_tokens * a.group, a.head_size, Rows::kScaled);
+    TileAttention<T, Rows, HEAD, kWindowed, kCapped> tile(a, scratch);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < items; ++item) {
       const PrefillTile& t = tiles[item / a.num_kv_heads];
@@ -61,24 +63,13 @@ void prefill(const PagedAttentionArgs<T>& a, const at::Tensor& block_tables,
 
 void check_args(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                 const at::Tensor& value_cache, const at::Tensor& block_tables,
-                const at::Tensor& query_start_loc, const at::Tensor& seq_lens) {
+                const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
+                int64_t kv_format) {
   // Structural guards for callers that bypass cuda_ext.native_cpu (which explains them).
   TORCH_CHECK_VALUE(query.dim() == 3 && out.sizes() == query.sizes() &&
                         query.stride(2) == 1 && out.stride(2) == 1,
                     "paged_attention_prefill: query/out must be [num_tokens, num_heads, head_size]");
-  TORCH_CHECK_VALUE(key_cache.dim() == 4 && key_cache.is_contiguous() &&
-                        value_cache.sizes() == key_cache.sizes() && value_cache.is_contiguous(),
-                    "paged_attention_prefill: caches must be contiguous and alike");
-  TORCH_CHECK_VALUE(out.scalar_type() == query.scalar_type() &&
-                        key_cache.scalar_type() == query.scalar_type() &&
-                        value_cache.scalar_type() == query.scalar_type(),
-                    "paged_attention_prefill: out, query and caches must share a dtype");
-  TORCH_CHECK_VALUE(key_cache.size(3) == query.size(2) && key_cache.size(1) > 0 &&
-                        query.size(1) % key_cache.size(1) == 0,
-                    "paged_attention_prefill: head sizes or head counts disagree");
-  TORCH_CHECK_VALUE(key_cache.size(3) <= kMaxHeadSize, "paged_attention_prefill: head_size ",
-                    key_cache.size(3), " is over the native CPU kernels' limit of ",
-                    kMaxHeadSize);
+  check_caches("paged_attention_prefill", out, query, key_cache, value_cache, kv_format);
   const int64_t num_seqs = seq_lens.size(0);
   TORCH_CHECK_VALUE(block_tables.dim() == 2 && block_tables.size(0) == num_seqs &&
                         block_tables.stride(1) == 1 &&
@@ -116,8 +107,10 @@ void paged_attention_prefill(const at::Tensor& out, const at::Tensor& query,
                              const at::Tensor& key_cache, const at::Tensor& value_cache,
                              const at::Tensor& block_tables, const at::Tensor& query_start_loc,
                              const at::Tensor& seq_lens, double scale, int64_t sliding_window,
-                             double soft_cap, const std::optional<at::Tensor>& sinks) {
-  check_args(out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens);
+                             double soft_cap, const std::optional<at::Tensor>& sinks,
+                             int64_t kv_format) {
+  check_args(out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
+             kv_format);
   check_features("paged_attention_prefill", query, sliding_window, soft_cap, sinks);
   const int64_t num_seqs = seq_lens.size(0);
   const int64_t* starts = query_start_loc.data_ptr<int64_t>();
@@ -138,11 +131,14 @@ void paged_attention_prefill(const at::Tensor& out, const at::Tensor& query,
     using T = decltype(tag);
     const PagedAttentionArgs<T> args(out, query, key_cache, value_cache, scale, sliding_window,
                                      soft_cap, sinks);
-    dispatch_head_size(args.head_size, [&](auto head) {
-      dispatch_flag(sliding_window > 0, [&](auto windowed) {
-        dispatch_flag(soft_cap > 0, [&](auto capped) {
-          prefill<T, decltype(head)::value, decltype(windowed)::value, decltype(capped)::value>(
-              args, block_tables, starts, lens, tiles, tile_tokens, threads);
+    dispatch_kv_rows<T>(kv_format, [&](auto rows) {
+      dispatch_tile_head_size<decltype(rows)>(args.head_size, [&](auto head) {
+        dispatch_flag(sliding_window > 0, [&](auto windowed) {
+          dispatch_flag(soft_cap > 0, [&](auto capped) {
+            prefill<T, decltype(rows), decltype(head)::value, decltype(windowed)::value,
+                    decltype(capped)::value>(args, block_tables, starts, lens, tiles,
+                                             tile_tokens, threads);
+          });
         });
       });
     });

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from cuda_ext.kv_quant import KVRowCode
 from cuda_ext.reference import (
     copy_blocks,
     paged_attention_reference,
@@ -22,13 +23,19 @@ class AttentionBackend:
     reads it. `forward` takes the flattened batch and the layer's `AttentionSpec` (scale,
     sliding window, soft cap, sinks) and returns `[num_tokens, num_heads, head_size]`.
     The default layout is the house layout `[num_blocks, block_size, num_kv_heads,
-    head_size]`. A backend lists the optional spec features it cannot do in
-    `unsupported_features`; models are refused at start-up rather than attended wrongly.
+    head_size]`. With `kv_code` the cache is in 8 bits: uint8 rows of head_size codes and
+    a float32 scale (cuda_ext/kv_quant.py; `kv_cache_shape` is then given the row's
+    width, head_size + 4); `write` codes rows, `attend` reads them. A backend lists the
+    optional spec features it cannot do in `unsupported_features`; models are refused at
+    start-up rather than attended wrongly.
     """
 
     name = "base"
     block_dim = 0  # the dimension of kv_cache_shape that indexes blocks
     unsupported_features: frozenset[str] = frozenset()
+
+    def __init__(self, kv_code: KVRowCode | None = None) -> None:
+        self.kv_code = kv_code
 
     def check_spec(self, spec: AttentionSpec) -> None:
         """ValueError naming each feature of `spec` this backend cannot do."""
@@ -60,7 +67,7 @@ class AttentionBackend:
         return self.attend(query, key_cache, value_cache, metadata, spec, sinks)
 
     def write(self, key, value, key_cache, value_cache, slot_mapping) -> None:
-        reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+        reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, self.kv_code)
 
     def copy_blocks(
         self,
@@ -115,4 +122,5 @@ class ReferenceBackend(AttentionBackend):
             sliding_window=spec.sliding_window or 0,
             soft_cap=spec.logit_soft_cap or 0.0,
             sinks=sinks,
+            kv_code=self.kv_code,
         )

@@ -9,12 +9,16 @@ decode rows (query length 1, first in the batch) in one `paged_attention_decode`
 the prefill chunks in one `paged_attention_prefill` call; no gathering, no per-sequence
 Python loop. Both kernel sets also do the spec's sliding window (reading no block wholly
 before it), soft cap and sinks. Copy-on-write copies every layer's blocks in one call.
+The CPU kernels also keep the cache in 8 bits (`kv_code`: each row coded as it is
+written, and decoded with its scale into registers or a tile's scratch as it is read);
+the CUDA kernels read float caches only (the selector refuses them an 8-bit cache).
 """
 
 from __future__ import annotations
 
 import torch
 
+from cuda_ext.kv_quant import KVRowCode
 from engine.worker.attention.backend import AttentionBackend
 from engine.worker.attention.metadata import AttentionMetadata
 from engine.worker.attention.spec import AttentionSpec
@@ -27,8 +31,10 @@ class NativeCpuBackend(AttentionBackend):
     block_dim = 0
     index_dtype = torch.int64  # of block tables, lengths and query offsets
 
-    def __init__(self, ops) -> None:
+    def __init__(self, ops, kv_code: KVRowCode | None = None) -> None:
+        super().__init__(kv_code)
         self.ops = ops
+        self.kv_format = int(kv_code or 0)  # the kernels' code: 0 a float cache
 
     @staticmethod
     def kv_cache_shape(
@@ -37,7 +43,9 @@ class NativeCpuBackend(AttentionBackend):
         return (num_blocks, num_kv_heads, block_size, head_size)
 
     def write(self, key, value, key_cache, value_cache, slot_mapping) -> None:
-        self.ops.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+        self.ops.reshape_and_cache(
+            key, value, key_cache, value_cache, slot_mapping, kv_format=self.kv_format
+        )
 
     def attend(self, query, key_cache, value_cache, metadata: AttentionMetadata, spec, sinks=None):
         self.check_spec(spec)
@@ -61,7 +69,15 @@ class NativeCpuBackend(AttentionBackend):
     def _decode(self, out, query, key_cache, value_cache, tables, seq_lens, spec, sinks, metadata):
         features = _features(spec, sinks)
         self.ops.paged_attention_decode(
-            out, query, key_cache, value_cache, tables, seq_lens, spec.scale, **features
+            out,
+            query,
+            key_cache,
+            value_cache,
+            tables,
+            seq_lens,
+            spec.scale,
+            **features,
+            kv_format=self.kv_format,
         )
 
     def _prefill(
@@ -69,7 +85,16 @@ class NativeCpuBackend(AttentionBackend):
     ):
         features = _features(spec, sinks)
         self.ops.paged_attention_prefill(
-            out, query, key_cache, value_cache, tables, starts, seq_lens, spec.scale, **features
+            out,
+            query,
+            key_cache,
+            value_cache,
+            tables,
+            starts,
+            seq_lens,
+            spec.scale,
+            **features,
+            kv_format=self.kv_format,
         )
 
     def copy_blocks(self, kv_cache, src, dst) -> None:
@@ -95,6 +120,9 @@ class NativeCudaBackend(NativeCpuBackend):
     name = "native-cuda"
     index_dtype = torch.int32
     kv_cache_shape = staticmethod(AttentionBackend.kv_cache_shape)  # the house layout
+
+    def write(self, key, value, key_cache, value_cache, slot_mapping) -> None:
+        self.ops.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
 
     def _decode(self, out, query, key_cache, value_cache, tables, seq_lens, spec, sinks, metadata):
         max_len = max(metadata.seq_lens_cpu[: metadata.num_decodes])  # host-side: no sync

@@ -12,7 +12,8 @@ attended one sequence at a time, causal with their offset. A sliding window is a
 and blocks wholly before every row's window are not gathered; layers with soft-capped
 logits or sinks take an explicit softmax (`_attention`). Gathers go into a reused
 workspace: fresh multi-MB buffers every layer would cost more in page faults than the
-copy itself.
+copy itself. An 8-bit cache (`kv_code`) is gathered as coded rows and decoded to the
+query's dtype before SDPA reads it.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from cuda_ext.kv_quant import KVRowCode, dequantize_rows, quantize_rows
 from engine.kv.block_count import cdiv
 from engine.worker.attention.backend import AttentionBackend
 from engine.worker.attention.metadata import AttentionMetadata
@@ -51,7 +53,8 @@ class SdpaBackend(AttentionBackend):
     name = "sdpa"
     block_dim = 1
 
-    def __init__(self) -> None:
+    def __init__(self, kv_code: KVRowCode | None = None) -> None:
+        super().__init__(kv_code)
         self.workspace = Workspace()
 
     @staticmethod
@@ -59,7 +62,9 @@ class SdpaBackend(AttentionBackend):
         return (num_kv_heads, num_blocks, block_size, head_size)
 
     def write(self, key, value, key_cache, value_cache, slot_mapping) -> None:
-        kvh, _, _, head_size = key_cache.shape
+        kvh, _, _, head_size = key_cache.shape  # an 8-bit cache: the coded row's width
+        if self.kv_code is not None:
+            key, value = quantize_rows(key, self.kv_code), quantize_rows(value, self.kv_code)
         # [T, KVH, D] -> [KVH, T, D] into [KVH, num_blocks * block_size, D] at the slots.
         key_cache.view(kvh, -1, head_size).index_copy_(1, slot_mapping, key.transpose(0, 1))
         value_cache.view(kvh, -1, head_size).index_copy_(1, slot_mapping, value.transpose(0, 1))
@@ -89,12 +94,15 @@ class SdpaBackend(AttentionBackend):
         return out
 
     def _gather(self, name, cache, tables, like) -> torch.Tensor:
-        """`tables` [rows, nblocks] -> contexts [KVH, rows, nblocks * block_size, D]."""
-        kvh, _, block_size, head_size = cache.shape
+        """`tables` [rows, nblocks] -> contexts [KVH, rows, nblocks * block_size, D] in
+        `like`'s dtype (an 8-bit cache's rows gathered, then decoded)."""
+        kvh, _, block_size, width = cache.shape
         rows, nblocks = tables.shape
-        buf = self.workspace.get(name, (kvh, rows * nblocks, block_size, head_size), like)
+        buf = self.workspace.get(name, (kvh, rows * nblocks, block_size, width), cache)
         torch.index_select(cache, 1, tables.reshape(-1), out=buf)
-        return buf.view(kvh, rows, nblocks * block_size, head_size)
+        if self.kv_code is not None:
+            buf = dequantize_rows(buf, self.kv_code).to(like.dtype)
+        return buf.view(kvh, rows, nblocks * block_size, buf.shape[-1])
 
     def _decode(self, query, key_cache, value_cache, metadata, rows, spec, sinks):
         num_heads, head_size = query.shape[1], query.shape[2]

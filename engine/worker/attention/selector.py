@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cuda_ext.kv_quant import KVRowCode
 from engine.worker.attention.backend import AttentionBackend, ReferenceBackend
 from engine.worker.attention.native import NativeCpuBackend, NativeCudaBackend
 from engine.worker.attention.sdpa import SdpaBackend
@@ -29,16 +30,18 @@ def select_backend(
     dtype: torch.dtype = torch.float32,
     features: frozenset[str] = frozenset(),
     block_size: int | None = None,
+    kv_code: KVRowCode | None = None,
 ) -> BackendChoice:
     """'auto': the native kernels where they load and do every attention feature the
-    model uses (`features`: sliding window, soft cap, sinks), else torch's SDPA.
+    model uses (`features`: sliding window, soft cap, sinks) and the cache's dtype
+    (`kv_code`: an 8-bit cache, which the CUDA kernels cannot read), else torch's SDPA.
     'native' insists on the kernels (an error with the loader's reason if they cannot
-    load, or naming the feature or the block size they lack); 'sdpa' and 'reference'
-    are the torch backends."""
+    load, or naming the feature, the block size or the cache dtype they lack); 'sdpa'
+    and 'reference' are the torch backends (both read 8-bit caches)."""
     if name not in NAMES:
         raise ValueError(f"attention_backend must be one of {list(NAMES)}, got {name!r}")
     if name in ("auto", "native"):
-        choice = _native(device, dtype, block_size)
+        choice = _native(device, dtype, block_size, kv_code)
         lacking = sorted(features & choice.backend.unsupported_features) if choice.backend else []
         if lacking:
             choice = BackendChoice(None, f"the native kernels cannot do {' or '.join(lacking)}")
@@ -46,13 +49,21 @@ def select_backend(
             return _chosen(choice)
         if name == "native":
             raise ValueError(f"attention_backend='native' cannot run: {choice.reason}")
-        return _chosen(BackendChoice(SdpaBackend(), f"auto: {choice.reason}; using torch SDPA"))
-    backend = SdpaBackend() if name == "sdpa" else ReferenceBackend()
+        reason = f"auto: {choice.reason}; using torch SDPA"
+        return _chosen(BackendChoice(SdpaBackend(kv_code), reason))
+    backend = SdpaBackend(kv_code) if name == "sdpa" else ReferenceBackend(kv_code)
     return _chosen(BackendChoice(backend, f"attention_backend={name!r} was asked for"))
 
 
-def _native(device: str, dtype: torch.dtype, block_size: int | None) -> BackendChoice:
+def _native(
+    device: str, dtype: torch.dtype, block_size: int | None, kv_code: KVRowCode | None
+) -> BackendChoice:
     if str(device).startswith("cuda"):
+        if kv_code is not None:
+            wanted = kv_code.name.lower()
+            return BackendChoice(
+                None, f"the CUDA kernels read float caches, not kv_cache_dtype={wanted!r}"
+            )
         return _native_cuda(block_size)
     if not str(device).startswith("cpu"):
         return BackendChoice(None, f"no native kernels for device {device!r}")
@@ -66,7 +77,7 @@ def _native(device: str, dtype: torch.dtype, block_size: int | None) -> BackendC
     _, reason = NativeCpuOps.available()
     if ops is None:
         return BackendChoice(None, reason)
-    return BackendChoice(NativeCpuBackend(ops), reason)
+    return BackendChoice(NativeCpuBackend(ops, kv_code), reason)
 
 
 def _native_cuda(block_size: int | None) -> BackendChoice:
