@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import itertools
 import random
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import pytest
@@ -16,6 +14,13 @@ import torch
 
 from cuda_ext import reference
 from cuda_ext.kv_quant import KVRowCode, dequantize_rows, quantize_rows, row_width
+from tests.cuda_ext.attention_cases import (
+    UNUSED_BLOCK,
+    Features,
+    cdiv,
+    random_query,
+    torch_threads,
+)
 from tests.cuda_ext.native_ops import native_cpu_ops_or_skip
 
 pytestmark = pytest.mark.timeout(120)
@@ -27,12 +32,7 @@ DTYPES = (torch.float32, torch.bfloat16)
 HEAD_SIZES = (64, 128, 44)  # 44: the generic path, with a tail under AVX-512 and AVX2
 BLOCK_SIZES = (8, 16, 32)
 HEADS = ((2, 2), (9, 3), (8, 2))  # (num_heads, num_kv_heads): GQA 1, 3 and 4
-UNUSED_BLOCK = 10**9  # in block-table columns past a context: the kernels must not read them
 NAN_SCALE = torch.tensor([float("nan")]).view(torch.uint8)  # a scale no written row has
-
-
-def cdiv(a: int, b: int) -> int:
-    return (a + b - 1) // b
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
@@ -40,17 +40,6 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
         torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4)
     else:  # both round float32 math to bfloat16 once; they may land one step apart
         torch.testing.assert_close(actual.float(), expected.float(), rtol=1.6e-2, atol=1.6e-2)
-
-
-@contextmanager
-def torch_threads(n: int) -> Iterator[None]:
-    """n torch (OpenMP) threads inside the block."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
 
 
 def random_rows(shape: tuple[int, ...], rng: torch.Generator) -> torch.Tensor:
@@ -118,26 +107,6 @@ class QuantizedContexts:
 
     def seq_lens_tensor(self) -> torch.Tensor:
         return torch.tensor(self.seq_lens, dtype=torch.int64)
-
-
-@dataclass(frozen=True)
-class Features:
-    """The attention ops' optional features, as a test case names them."""
-
-    sliding_window: int = 0
-    soft_cap: float = 0.0
-    sinks: bool = False
-
-    def arguments(self, num_heads: int, rng: torch.Generator) -> dict:
-        """The keyword arguments the ops and the reference take; sink logits from rng."""
-        sinks = torch.randn(num_heads, generator=rng) * 2 if self.sinks else None
-        return dict(sliding_window=self.sliding_window, soft_cap=self.soft_cap, sinks=sinks)
-
-
-def random_query(num_tokens, num_heads, head_size, dtype, rng):
-    # Varied magnitudes make some softmaxes peaked: the running max must be right.
-    magnitude = torch.empty(num_tokens, num_heads, 1).uniform_(0.3, 4.0, generator=rng)
-    return (torch.randn(num_tokens, num_heads, head_size, generator=rng) * magnitude).to(dtype)
 
 
 @dataclass(frozen=True)

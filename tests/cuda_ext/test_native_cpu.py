@@ -9,9 +9,6 @@ import random
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -20,6 +17,14 @@ import torch
 from cuda_ext import build, reference
 from cuda_ext.build import load_cpu_ops
 from cuda_ext.native_cpu import NativeCpuOps
+from tests.cuda_ext.attention_cases import (
+    NO_FEATURES,
+    UNUSED_BLOCK,
+    Features,
+    cdiv,
+    random_query,
+    torch_threads,
+)
 from tests.cuda_ext.native_ops import native_cpu_ops_or_skip
 
 pytestmark = pytest.mark.timeout(300)
@@ -30,11 +35,6 @@ DTYPES = (torch.float32, torch.bfloat16)
 HEAD_SIZES = (64, 80, 96, 128, 40, 72)  # the last two take the generic path
 BLOCK_SIZES = (1, 8, 16, 32)
 HEADS = ((4, 4), (8, 4), (8, 2), (4, 1))  # (num_heads, num_kv_heads): GQA 1, 2, 4 and MQA
-UNUSED_BLOCK = 10**9  # in block-table columns past a context: the kernels must not read them
-
-
-def cdiv(a: int, b: int) -> int:
-    return (a + b - 1) // b
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
@@ -99,28 +99,8 @@ class PagedContexts:
         return torch.tensor(self.seq_lens, dtype=torch.int64)
 
 
-@dataclass(frozen=True)
-class Features:
-    """The attention ops' optional features, as a test case names them."""
-
-    sliding_window: int = 0
-    soft_cap: float = 0.0
-    sinks: bool = False
-
-    def arguments(self, num_heads: int, rng: torch.Generator) -> dict:
-        """The keyword arguments the ops and the reference take; sink logits from rng."""
-        sinks = torch.randn(num_heads, generator=rng) * 2 if self.sinks else None
-        return dict(sliding_window=self.sliding_window, soft_cap=self.soft_cap, sinks=sinks)
-
-
-def random_query(num_tokens, num_heads, head_size, dtype, rng):
-    # Varied magnitudes make some softmaxes peaked: the running max must be right.
-    magnitude = torch.empty(num_tokens, num_heads, 1).uniform_(0.3, 4.0, generator=rng)
-    return (torch.randn(num_tokens, num_heads, head_size, generator=rng) * magnitude).to(dtype)
-
-
 def run_decode(
-    seq_lens, dtype, head_size, block_size, heads, seed, index=torch.int32, features=Features()
+    seq_lens, dtype, head_size, block_size, heads, seed, index=torch.int32, features=NO_FEATURES
 ):
     num_heads, num_kv_heads = heads
     rng = torch.Generator().manual_seed(seed)
@@ -133,17 +113,6 @@ def run_decode(
         out, query, *ctx.native_caches(), ctx.block_tables, ctx.seq_lens_tensor(), scale, **extra
     )
     assert_close(out, ctx.reference(query, [1] * len(seq_lens), scale, extra))
-
-
-@contextmanager
-def torch_threads(n: int) -> Iterator[None]:
-    """n torch (OpenMP) threads inside the block; the session runs on 1."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
 
 
 # -- decode ---------------------------------------------------------------------------
@@ -209,7 +178,7 @@ PREFILL_CASES = [
 
 
 def run_prefill(
-    prefixes, query_lens, dtype, head_size, block_size, heads, seed, features=Features()
+    prefixes, query_lens, dtype, head_size, block_size, heads, seed, features=NO_FEATURES
 ):
     num_heads, num_kv_heads = heads
     rng = torch.Generator().manual_seed(seed)
