@@ -18,6 +18,8 @@ Systems (each in its own process, the same thread count everywhere):
                        SmolLM2 only
   pagedserve_served_q4_1  the shipped GGUF computed in its Q4_1 blocks (`--quantization
                        gguf`): llama-server's Q4_1 peer
+  pagedserve_served_q4_1_kv8  the same with `--kv-cache-dtype int8`: the same token
+                       slots in 8-bit rows (a float32 scale per token and head)
   llama_server_npN     llama.cpp's llama-server with N slots (--llama-parallel, 8 and 32),
                        every request at once to /completion, the same HTTP client
   llama_server_q4_1_npN  llama-server on the GGUF as shipped (Q4_1: 4-bit weights, its
@@ -67,6 +69,8 @@ MODEL_KEYS = ("rand58m", "smollm2")
 WORKLOAD_KEYS = ("synthetic", "sharegpt")
 OURS = ("pagedserve_offline", "pagedserve_served", "pagedserve_served_gguf")
 OURS_QUANTIZED = "pagedserve_served_q4_1"  # ratios against llama-server on the same file
+OURS_QUANTIZED_KV8 = "pagedserve_served_q4_1_kv8"  # and with an 8-bit KV cache
+OURS_BLOCKS = (OURS_QUANTIZED, OURS_QUANTIZED_KV8)
 VLLM = ("vllm_offline", "vllm_served")
 QUANTIZED = "llama_server_q4_1"  # not the same weights: reported beside, not in "best"
 PROMPT_IDS = {
@@ -94,6 +98,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             "pagedserve_served",
             "pagedserve_served_gguf",
             "pagedserve_served_q4_1",
+            "pagedserve_served_q4_1_kv8",
             "llama_server",
             "llama_server_q4_1",
             "hf_cb",
@@ -151,7 +156,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         (
             "--systems",
             args.systems,
-            ("llama_server", QUANTIZED, "hf_cb", *OURS, OURS_QUANTIZED, *VLLM),
+            ("llama_server", QUANTIZED, "hf_cb", *OURS, *OURS_BLOCKS, *VLLM),
         ),
     ):
         if unknown := sorted(set(given) - set(known)):
@@ -266,14 +271,18 @@ def run_hf_cb(args, case: Case) -> dict:
 
 
 def run_pagedserve_served(
-    args, case: Case, model: Path | None = None, quantization: str = "none"
+    args,
+    case: Case,
+    model: Path | None = None,
+    quantization: str = "none",
+    kv_cache_dtype: str = "auto",
 ) -> dict:
     n = len(case.workload.prompts)
     server_args = ["--model", str(model or case.checkpoint.hf_dir), "--dtype", args.dtype]
-    server_args += ["--quantization", quantization]
+    server_args += ["--quantization", quantization, "--kv-cache-dtype", kv_cache_dtype]
     server_args += ["--max-num-seqs", str(args.max_num_seqs)]
     server_args += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
-    server_args += ["--kv-cache-memory", str(case.kv_slots * case.kv_bytes_per_token)]
+    server_args += ["--kv-cache-memory", str(case.kv_slots * kv_token_bytes(case, kv_cache_dtype))]
     server_args += ["--block-size", str(BLOCK_SIZE), "--max-queued-requests", str(max(256, n))]
     bodies = [
         {"prompt": p, "max_tokens": m, "temperature": 0, "ignore_eos": True}
@@ -303,6 +312,16 @@ def run_pagedserve_served(
         "client": "POST /v1/completions (token-id prompt, non-streaming), all at t=0, "
         "one thread and connection per request",
     }
+
+
+def kv_token_bytes(case: Case, kv_cache_dtype: str) -> int:
+    """One token's K and V bytes in every layer: the float dtype's, or (8-bit) one byte
+    per value and a 4-byte scale per head."""
+    if kv_cache_dtype == "auto":
+        return case.kv_bytes_per_token
+    shape = case.checkpoint.config
+    head_size = shape["hidden_size"] // shape["num_attention_heads"]
+    return 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * (head_size + 4)
 
 
 def run_llama_server(args, case: Case, parallel: int, gguf: Path | None = None) -> dict:
@@ -439,6 +458,9 @@ def systems_to_run(args, case: Case) -> dict[str, Callable[[argparse.Namespace, 
         elif name == OURS_QUANTIZED:
             if shipped:
                 table[name] = lambda a, c: run_pagedserve_served(a, c, shipped, "gguf")
+        elif name == OURS_QUANTIZED_KV8:
+            if shipped:
+                table[name] = lambda a, c: run_pagedserve_served(a, c, shipped, "gguf", "int8")
         else:
             table[name] = {
                 "pagedserve_offline": run_pagedserve_offline,
@@ -525,18 +547,25 @@ def ratios(results: dict[str, dict]) -> dict[str, float]:
         for name, values in best.items():
             if values:
                 out[f"{ours}_over_{name}"] = round(tps[ours] / max(values), 3)
-    if OURS_QUANTIZED in tps:  # the same Q4_1 file: against llama-server's quantized kernels
-        quantized = {k: v for k, v in every.items() if k.startswith(QUANTIZED)}
-        if quantized:
-            fastest = max(quantized, key=quantized.get)
-            out[f"{OURS_QUANTIZED}_over_{QUANTIZED}_best"] = round(
-                tps[OURS_QUANTIZED] / quantized[fastest], 3
-            )
-            rss = results[OURS_QUANTIZED]["peak_rss_mib"] / results[fastest]["peak_rss_mib"]
-            out[f"{OURS_QUANTIZED}_peak_rss_over_{QUANTIZED}_best"] = round(rss, 3)
-        for ours in ("pagedserve_served_gguf", "pagedserve_served"):
-            if ours in tps:
-                out[f"{OURS_QUANTIZED}_over_{ours}"] = round(tps[OURS_QUANTIZED] / tps[ours], 3)
+    for blocks in OURS_BLOCKS:
+        if blocks in tps:  # the same Q4_1 file: against llama-server's quantized kernels
+            out.update(_blocks_ratios(blocks, tps, every, results))
+    return out
+
+
+def _blocks_ratios(blocks: str, tps: dict, every: dict, results: dict) -> dict:
+    """`blocks` (ours on the Q4_1 file) over llama-server's fastest run on it (tok/s and
+    peak RSS) and over our float paths."""
+    out = {}
+    quantized = {k: v for k, v in every.items() if k.startswith(QUANTIZED)}
+    if quantized:
+        fastest = max(quantized, key=quantized.get)
+        out[f"{blocks}_over_{QUANTIZED}_best"] = round(tps[blocks] / quantized[fastest], 3)
+        rss = results[blocks]["peak_rss_mib"] / results[fastest]["peak_rss_mib"]
+        out[f"{blocks}_peak_rss_over_{QUANTIZED}_best"] = round(rss, 3)
+    for ours in ("pagedserve_served_gguf", "pagedserve_served"):
+        if ours in tps:
+            out[f"{blocks}_over_{ours}"] = round(tps[blocks] / tps[ours], 3)
     return out
 
 
@@ -638,12 +667,13 @@ def plot(report: dict, path: Path) -> None:
 def _short(system: str) -> str:
     short = system.replace("pagedserve_", "ours\n").replace("llama_server_", "llama.cpp\n")
     short = short.replace("vllm_", "vLLM\n")
+    short = short.replace("served_q4_1_kv8", "served\nQ4_1 blocks\nint8 KV")
     short = short.replace("served_q4_1", "served\nQ4_1 blocks")
     return short.replace("q4_1_", "Q4_1\n").replace("served_gguf", "served\nGGUF")
 
 
 def _color(system: str) -> str:
-    if system in OURS or system == OURS_QUANTIZED:
+    if system in OURS or system in OURS_BLOCKS:
         return "tab:green"
     if system in VLLM:
         return "tab:red"
