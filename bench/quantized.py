@@ -181,10 +181,15 @@ def perplexity_text(args) -> str:
     return "\n\n".join(texts)[: args.perplexity_chars]
 
 
-def llama_perplexity(args, gguf: Path, text_file: Path) -> dict:
+# llama-perplexity's settings beside its defaults: a float32 KV cache and attention
+# without flash attention (whose CPU kernel computes in float16) are its most exact.
+LLAMA_EXACT = ("-ctk", "f32", "-ctv", "f32", "-fa", "off")
+
+
+def llama_perplexity(args, gguf: Path, text_file: Path, extra: tuple[str, ...] = ()) -> dict:
     binary = args.lcpp_dir / "build" / "bin" / "llama-perplexity"
     cmd = [str(binary), "-m", str(gguf), "-f", str(text_file), "-c", str(CHUNK)]
-    cmd += ["-b", str(CHUNK), "-t", str(args.threads), "--chunks", str(args.chunks)]
+    cmd += ["-b", str(CHUNK), "-t", str(args.threads), "--chunks", str(args.chunks), *extra]
     t = time.perf_counter()
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
     found = re.search(r"Final estimate: PPL = ([0-9.]+)", done.stdout + done.stderr)
@@ -232,12 +237,15 @@ def part_perplexity(args) -> dict:
         f.write(text)
     out = {"model": gguf.name, "text_chars": len(text), "chunk": CHUNK}
     out["llama_perplexity"] = llama_perplexity(args, gguf, Path(f.name))
+    out["llama_perplexity_exact"] = llama_perplexity(args, gguf, Path(f.name), LLAMA_EXACT)
     for quantization in ("gguf", "none"):
         log(f"perplexity: ours, quantization={quantization} ...")
         out[f"pagedserve_{quantization}"] = our_perplexity(gguf, text, args.chunks, quantization)
-    theirs = out["llama_perplexity"]["ppl"]
     for q in ("gguf", "none"):
-        out[f"pagedserve_{q}_over_llama"] = round(out[f"pagedserve_{q}"]["ppl"] / theirs, 4)
+        ours = out[f"pagedserve_{q}"]["ppl"]
+        out[f"pagedserve_{q}_over_llama"] = round(ours / out["llama_perplexity"]["ppl"], 4)
+        exact = out["llama_perplexity_exact"]["ppl"]
+        out[f"pagedserve_{q}_over_llama_exact"] = round(ours / exact, 4)
     return out
 
 
@@ -267,8 +275,9 @@ def plot(report: dict, path: Path) -> None:
         ax.set_title(f"8B-shaped Q4_K_M: {label}")
         ax.legend()
     ppl = report.get("perplexity", {})
-    names = [n for n in ("llama_perplexity", "pagedserve_gguf", "pagedserve_none") if n in ppl]
-    colors = ["tab:orange", "tab:green", "tab:olive"][: len(names)]
+    systems = ("llama_perplexity", "llama_perplexity_exact", "pagedserve_gguf", "pagedserve_none")
+    names = [n for n in systems if n in ppl]
+    colors = ["tab:orange" if n.startswith("llama") else "tab:green" for n in names]
     axes[2].bar(names, [ppl[n]["ppl"] for n in names], color=colors)
     axes[2].set_title("SmolLM2 Q4_1: perplexity (512-token chunks)")
     axes[2].set_ylim(min((ppl[n]["ppl"] for n in names), default=1) * 0.95, None)
