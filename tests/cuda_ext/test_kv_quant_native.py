@@ -15,10 +15,10 @@ import torch
 from cuda_ext import reference
 from cuda_ext.kv_quant import KVRowCode, dequantize_rows, quantize_rows, row_width
 from tests.cuda_ext.attention_cases import (
-    UNUSED_BLOCK,
     Features,
-    cdiv,
+    PagedCaches,
     random_query,
+    shuffled_block_tables,
     torch_threads,
 )
 from tests.cuda_ext.native_ops import native_cpu_ops_or_skip
@@ -51,7 +51,7 @@ def random_rows(shape: tuple[int, ...], rng: torch.Generator) -> torch.Tensor:
     return rows.masked_fill(zero, 0.0)
 
 
-class QuantizedContexts:
+class QuantizedContexts(PagedCaches):
     """Random K/V for sequences of the given lengths, coded into 8-bit rows and paged into
     shuffled blocks.
 
@@ -65,18 +65,7 @@ class QuantizedContexts:
 
     def __init__(self, seq_lens, block_size, num_kv_heads, head_size, code, rng, *, index):
         self.seq_lens, self.code = list(seq_lens), code
-        tables, next_block = [], 0
-        for length in self.seq_lens:
-            need = cdiv(length, block_size)
-            prefix = tables[0][: min(need, len(tables[0])) // 2] if tables else []
-            tables.append(prefix + list(range(next_block, next_block + need - len(prefix))))
-            next_block += need - len(prefix)
-        num_blocks = next_block + 3
-        perm = torch.randperm(num_blocks, generator=rng).tolist()
-        width = max((len(t) for t in tables), default=0) + 2
-        self.block_tables = torch.full((len(tables), width), UNUSED_BLOCK, dtype=index)
-        for i, table in enumerate(tables):
-            self.block_tables[i, : len(table)] = torch.tensor([perm[b] for b in table])
+        self.block_tables, num_blocks = shuffled_block_tables(self.seq_lens, block_size, rng, index)
         shape = (num_blocks, block_size, num_kv_heads, row_width(head_size))
         self.key_cache, self.value_cache = torch.zeros(shape, dtype=torch.uint8), None
         self.key_cache[..., head_size:] = NAN_SCALE
@@ -90,23 +79,12 @@ class QuantizedContexts:
                 rows = random_rows((len(fresh), num_kv_heads, head_size), rng)
                 cache.view(-1, num_kv_heads, shape[-1])[fresh] = quantize_rows(rows, code)
 
-    def slots(self, seq: int, length: int) -> torch.Tensor:
-        block_size = self.key_cache.shape[1]
-        pos = torch.arange(length)
-        return self.block_tables[seq].long()[pos // block_size] * block_size + pos % block_size
-
-    def native_caches(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return reference.head_major(self.key_cache), reference.head_major(self.value_cache)
-
     def reference(self, query, query_lens, scale, features=None):
         key, value = (dequantize_rows(c, self.code) for c in (self.key_cache, self.value_cache))
         return reference.paged_attention_reference(
             query, key, value, self.block_tables.long(), query_lens, self.seq_lens, scale,
             **(features or {}),
         )  # fmt: skip
-
-    def seq_lens_tensor(self) -> torch.Tensor:
-        return torch.tensor(self.seq_lens, dtype=torch.int64)
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,9 @@ from tests.cuda_ext.attention_cases import (
     NO_FEATURES,
     UNUSED_BLOCK,
     Features,
-    cdiv,
+    PagedCaches,
     random_query,
+    shuffled_block_tables,
     torch_threads,
 )
 from tests.cuda_ext.native_ops import native_cpu_ops_or_skip
@@ -44,7 +45,7 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
         torch.testing.assert_close(actual.float(), expected.float(), rtol=1.6e-2, atol=1.6e-2)
 
 
-class PagedContexts:
+class PagedContexts(PagedCaches):
     """Random K/V for sequences of the given lengths, paged into shuffled blocks.
 
     Later sequences share their first blocks with sequence 0 (a common prefix), block
@@ -57,18 +58,7 @@ class PagedContexts:
     def __init__(self, seq_lens, block_size, num_kv_heads, head_size, dtype, rng, *, index):
         self.seq_lens = list(seq_lens)
         shape = (block_size, num_kv_heads, head_size)
-        tables, next_block = [], 0
-        for length in self.seq_lens:
-            need = cdiv(length, block_size)
-            prefix = tables[0][: min(need, len(tables[0])) // 2] if tables else []
-            tables.append(prefix + list(range(next_block, next_block + need - len(prefix))))
-            next_block += need - len(prefix)
-        num_blocks = next_block + 3
-        perm = torch.randperm(num_blocks, generator=rng).tolist()
-        width = max((len(t) for t in tables), default=0) + 2
-        self.block_tables = torch.full((len(tables), width), UNUSED_BLOCK, dtype=index)
-        for i, table in enumerate(tables):
-            self.block_tables[i, : len(table)] = torch.tensor([perm[b] for b in table])
+        self.block_tables, num_blocks = shuffled_block_tables(self.seq_lens, block_size, rng, index)
         self.key_cache = torch.full((num_blocks, *shape), float("nan"), dtype=dtype)
         self.value_cache = torch.full((num_blocks, *shape), float("nan"), dtype=dtype)
         for i, length in enumerate(self.seq_lens):
@@ -81,22 +71,11 @@ class PagedContexts:
             flat_k[slots[fresh]] = torch.randn(kv_shape, generator=rng).to(dtype)
             flat_v[slots[fresh]] = torch.randn(kv_shape, generator=rng).to(dtype)
 
-    def slots(self, seq: int, length: int) -> torch.Tensor:
-        block_size = self.key_cache.shape[1]
-        pos = torch.arange(length)
-        return self.block_tables[seq].long()[pos // block_size] * block_size + pos % block_size
-
-    def native_caches(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return reference.head_major(self.key_cache), reference.head_major(self.value_cache)
-
     def reference(self, query, query_lens, scale, features=None):
         return reference.paged_attention_reference(
             query, self.key_cache, self.value_cache, self.block_tables.long(), query_lens,
             self.seq_lens, scale, **(features or {}),
         )  # fmt: skip
-
-    def seq_lens_tensor(self) -> torch.Tensor:
-        return torch.tensor(self.seq_lens, dtype=torch.int64)
 
 
 def run_decode(
