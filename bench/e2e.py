@@ -282,7 +282,8 @@ def run_pagedserve_served(
     server_args += ["--quantization", quantization, "--kv-cache-dtype", kv_cache_dtype]
     server_args += ["--max-num-seqs", str(args.max_num_seqs)]
     server_args += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
-    server_args += ["--kv-cache-memory", str(case.kv_slots * kv_token_bytes(case, kv_cache_dtype))]
+    token_bytes = kv_bytes_per_token(args.dtype, case.checkpoint.config, kv_cache_dtype)
+    server_args += ["--kv-cache-memory", str(case.kv_slots * token_bytes)]
     server_args += ["--block-size", str(BLOCK_SIZE), "--max-queued-requests", str(max(256, n))]
     bodies = [
         {"prompt": p, "max_tokens": m, "temperature": 0, "ignore_eos": True}
@@ -312,16 +313,6 @@ def run_pagedserve_served(
         "client": "POST /v1/completions (token-id prompt, non-streaming), all at t=0, "
         "one thread and connection per request",
     }
-
-
-def kv_token_bytes(case: Case, kv_cache_dtype: str) -> int:
-    """One token's K and V bytes in every layer: the float dtype's, or (8-bit) one byte
-    per value and a 4-byte scale per head."""
-    if kv_cache_dtype == "auto":
-        return case.kv_bytes_per_token
-    shape = case.checkpoint.config
-    head_size = shape["hidden_size"] // shape["num_attention_heads"]
-    return 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * (head_size + 4)
 
 
 def run_llama_server(args, case: Case, parallel: int, gguf: Path | None = None) -> dict:

@@ -59,11 +59,15 @@ def current_rss_mib() -> float | None:
     return None
 
 
-def kv_bytes_per_token(dtype: str, shape: dict | None = None) -> int:
+def kv_bytes_per_token(dtype: str, shape: dict | None = None, kv_cache_dtype: str = "auto") -> int:
+    """One token's K and V bytes in every layer: rows of `dtype`, or with an 8-bit
+    `kv_cache_dtype` one byte per value and a 4-byte scale per row."""
     shape = shape or MODEL_SHAPE
     head_dim = shape["hidden_size"] // shape["num_attention_heads"]
-    per = 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * head_dim
-    return per * (4 if dtype == "float32" else 2)
+    rows = 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"]
+    if kv_cache_dtype != "auto":
+        return rows * (head_dim + 4)
+    return rows * head_dim * (4 if dtype == "float32" else 2)
 
 
 def default_kv_cache_memory(input_lens, output_lens, max_num_seqs: int, dtype: str) -> int:

@@ -29,12 +29,9 @@ def cache_tensors_per_layer_set(model: ModelConfig) -> int:
 
 
 def row_code(cache_dtype: KVCacheDtype) -> KVRowCode | None:
-    """How an 8-bit cache codes its rows; None for a cache in the model's dtype."""
-    return {
-        KVCacheDtype.INT8: KVRowCode.INT8,
-        KVCacheDtype.FP8_E4M3: KVRowCode.FP8_E4M3,
-        KVCacheDtype.FP8_E5M2: KVRowCode.FP8_E5M2,
-    }.get(cache_dtype)
+    """How an 8-bit cache codes its rows (the code of the same name); None for a cache
+    in the model's dtype."""
+    return KVRowCode[cache_dtype.name] if cache_dtype.is_8bit else None
 
 
 def cache_storage(model: ModelConfig, cache_dtype: KVCacheDtype) -> tuple[torch.dtype, int]:
