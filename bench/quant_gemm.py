@@ -2,6 +2,13 @@
 
     python bench/quant_gemm.py --out bench/results/quant_gemm.json
     python bench/quant_gemm.py --types Q4_0 Q8_0 --rows 1 --repeats 30
+    python bench/quant_gemm.py --methods --shapes "smollm2 gate/up 3072x576" ... \
+        --rows 1 8 16 32 64 256 2048 --out bench/results/quant_gemm_methods.json
+
+`--methods` times every `cuda_ext.quant_gemm.Method` (integer dot products with
+activations rounded once or twice; weights decoded into float panels for oneDNN's or
+torch's GEMM) beside oneDNN over the float32 weight prepacked, per row count, and names
+the method `pick_method` would choose: the figures behind its thresholds.
 
 Shapes: Llama-3-8B's linear layers, [N, K] = [out, in]: 4096 x 4096 (attention's q/o),
 14336 x 4096 (gate, up), 4096 x 14336 (down). For each type and row count M:
@@ -36,12 +43,15 @@ import torch.nn.functional as F  # noqa: E402
 from report import invocation, write_report  # noqa: E402
 from timing import median_seconds  # noqa: E402
 
+from cuda_ext.packed_gemm import PackedWeight, packed_gemm_support  # noqa: E402
 from cuda_ext.quant_gemm import (  # noqa: E402
     BLOCK_SHAPES,
     QUANTIZABLE,
+    Method,
     QuantType,
     cdiv,
     dequantize,
+    pick_method,
     quantize,
     quantized_matmul,
     reference_quantized_matmul,
@@ -52,7 +62,11 @@ SHAPES = {  # name -> [N, K] = [out, in]
     "q/o 4096x4096": (4096, 4096),
     "gate/up 14336x4096": (14336, 4096),
     "down 4096x14336": (4096, 14336),
+    "smollm2 gate/up 3072x576": (3072, 576),
+    "smollm2 down 576x1536": (576, 1536),
+    "smollm2 lm_head 49152x576": (49152, 576),
 }
+DEFAULT_SHAPES = list(SHAPES)[:3]
 SCALE_OFFSETS = {  # bytes of each block's fp16 scales (d, and dmin / m)
     QuantType.Q4_0: (0,), QuantType.Q5_0: (0,), QuantType.Q8_0: (0,),
     QuantType.Q4_1: (0, 2), QuantType.Q5_1: (0, 2), QuantType.Q4_K: (0, 2),
@@ -92,7 +106,10 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--types", nargs="+", default=[t.name for t in QuantType],
                    choices=[t.name for t in QuantType])  # fmt: skip
-    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--shapes", nargs="+", default=DEFAULT_SHAPES, choices=list(SHAPES))
+    p.add_argument("--methods", action="store_true",
+                   help="time every quant_gemm.Method (and the automatic pick) against "
+                        "oneDNN over the prepacked float32 weight, per row count")  # fmt: skip
     p.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--threads", type=int, default=2)
@@ -107,6 +124,8 @@ def main(argv=None) -> int:
         return 2
     span = args.span_mib << 20
     gen = torch.Generator().manual_seed(0)
+    if args.methods:
+        return compare_methods(args, types, span, gen)
     results = []
     for shape in args.shapes:
         n, k = SHAPES[shape]
@@ -142,6 +161,81 @@ def main(argv=None) -> int:
               "threads": args.threads, "span_mib": args.span_mib, "results": results}  # fmt: skip
     write_report(report, args.out, lambda png: plot(report, png))
     return 0
+
+
+def compare_methods(args, types: list[QuantType], span: int, gen) -> int:
+    """Each Method's ms per shape, type and row count, beside oneDNN over the float32
+    weight prepacked (what `--quantization none` runs) and `pick_method`'s choice."""
+    onednn = packed_gemm_support(torch.float32) is None
+    methods = [m for m in Method if onednn or m != Method.ONEDNN_PANELS]
+    results = []
+    for shape in args.shapes:
+        n, k = SHAPES[shape]
+        weight = torch.randn(n, k, generator=gen) * 0.02
+        for qtype in types:
+            blocks = weight_blocks(weight, qtype, gen)
+            for rows, ms in time_methods(blocks, qtype, k, methods, args, span, gen).items():
+                pick = pick_method(rows, k, onednn).name
+                results.append({"shape": shape, "n": n, "k": k, "type": qtype.name,
+                                "rows": rows, "ms": ms, "pick": pick})  # fmt: skip
+                cells = "  ".join(f"{name} {t}" for name, t in ms.items())
+                print(f"[quant_gemm] {shape} {qtype.name} M={rows}: {cells}; pick {pick}",
+                      file=sys.stderr)  # fmt: skip
+    from e2e import machine_info
+
+    report = {"command": invocation(__file__), "machine": machine_info(), "onednn": onednn,
+              "threads": args.threads, "span_mib": args.span_mib, "methods": results}  # fmt: skip
+    write_report(report, args.out, lambda png: plot_methods(report, png))
+    return 0
+
+
+def time_methods(blocks, qtype: QuantType, k: int, methods, args, span: int, gen) -> dict:
+    """rows -> {method name or "float32_prepacked": ms}, each call on another copy."""
+    n = blocks.shape[0]
+    weights = copies(blocks, span)
+    floats = dequantize(blocks, qtype, k)
+    packed = itertools.cycle(
+        [PackedWeight(floats) for _ in range(max(1, math.ceil(span / (4 * n * k))))]
+    )
+    times = {}
+    for rows in args.rows:
+        x = torch.randn(rows, k, generator=gen)
+        times[rows] = {
+            m.name: median_ms(
+                lambda x=x, m=m: quantized_matmul(x, next(weights), qtype, k, levels=m),
+                args.repeats,
+            )
+            for m in methods
+        }
+        times[rows]["float32_prepacked"] = median_ms(
+            lambda x=x: next(packed)(x, None), args.repeats
+        )
+    return times
+
+
+def plot_methods(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = list(dict.fromkeys((r["shape"], r["type"]) for r in report["methods"]))
+    fig, axes = plt.subplots(1, len(cases), figsize=(4.2 * len(cases), 4), squeeze=False)
+    for ax, (shape, qtype) in zip(axes[0], cases, strict=True):
+        rows = [r for r in report["methods"] if r["shape"] == shape and r["type"] == qtype]
+        ms = [r["rows"] for r in rows]
+        for name in rows[0]["ms"]:
+            style = ":" if name == "float32_prepacked" else "-"
+            ax.plot(ms, [r["ms"][name] / r["rows"] for r in rows], style, marker="o", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("activation rows")
+        ax.set_ylabel("ms per row")
+        ax.set_title(f"{shape} {qtype}", fontsize=8)
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def time_quantized(

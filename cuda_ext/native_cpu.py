@@ -55,8 +55,9 @@ float32 or bfloat16 rows `[num_tokens, d]` (query/key `[num_tokens, heads, head_
 with unit last stride and rows that do not overlap. The math is `cuda_ext.reference`'s.
 quantized_matmul takes x `[M, k]` float32 or bfloat16 (unit last stride), W as uint8
 blocks `[N, row_bytes]` in ggml's layout of a `cuda_ext.quant_gemm.QuantType`, and writes
-out `[M, N]` in x's dtype; it quantizes x per block, so it matches the float product
-within the activation's rounding (`cuda_ext.quant_gemm`, which also holds its reference).
+out `[M, N]` in x's dtype; by its `levels` it quantizes x per block (it matches the float
+product within the activation's rounding) or decodes W into float panels (it matches it
+within float sums' rounding); `cuda_ext.quant_gemm` holds the reference.
 
 A bad argument raises ValueError naming it and what was expected. Data-dependent errors
 (a block id outside the cache, a slot past its end, a context longer than its block
@@ -323,10 +324,14 @@ class NativeCpuOps:
         k: int,
         levels: int = 2,
     ) -> None:
-        """out = x @ W.T with W [N, k] kept quantized (see cuda_ext.quant_gemm); `levels`:
-        activations rounded to int8 once (1, llama.cpp's scheme) or twice (2)."""
-        if levels not in (1, 2):
-            raise ValueError(f"levels must be 1 or 2; got {levels!r}")
+        """out = x @ W.T with W [N, k] kept quantized (see cuda_ext.quant_gemm); `levels`
+        a `cuda_ext.quant_gemm.Method`: activations rounded to int8 once (1, llama.cpp's
+        scheme) or twice (2), or not at all (W decoded into float panels multiplied by
+        torch's mm, 0, or by oneDNN, -1, where torch has it)."""
+        if levels not in (-1, 0, 1, 2):
+            raise ValueError(f"levels must be -1, 0, 1 or 2 (a quant_gemm.Method); got {levels!r}")
+        if levels == -1 and not torch.backends.mkldnn.is_available():
+            raise ValueError("levels=-1 (oneDNN panels) needs torch built with oneDNN (mkldnn)")
         if qtype not in BLOCK_SHAPES:
             names = ", ".join(f"{t.name} ({t.value})" for t in QuantType)
             raise ValueError(f"qtype must be a ggml type id of {names}; got {qtype!r}")

@@ -13,6 +13,10 @@ with `levels=1` (llama.cpp's scheme). The default, `levels=2`, rounds what that 
 as a second int8 row (the weights decoded once for both) and sums the two products: the
 bound is then that of the residual, about 2^-7 of the first, for twice the integer work.
 One level changed the default model's answers; two keep them (docs/quantization.md).
+The panel methods (`Method`) round nothing: each thread decodes a panel of W's rows
+into float32 in cache and multiplies x by it with a float GEMM (oneDNN's, or torch's
+mm), faster once many rows share each decoded weight; `pick_method` chooses per call
+for a loaded layer.
 
     y = quantized_matmul(x, blocks, QuantType.Q4_0, k)  # x [M, k] -> y [M, N], x's dtype
 
@@ -25,16 +29,27 @@ every other function ignores its elements past k (GGUF files never have such row
 
 from __future__ import annotations
 
+import enum
 import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 
+from cuda_ext.packed_gemm import packed_gemm_support
 from cuda_ext.quant_blocks import BLOCK_SHAPES, QUANTIZABLE, QuantType, cdiv, row_bytes
 
 if TYPE_CHECKING:
     from cuda_ext.native_cpu import NativeCpuOps
+
+
+class Method(enum.IntEnum):
+    """How the native `quantized_matmul` computes (its `levels` argument)."""
+
+    ONEDNN_PANELS = -1  # W decoded into float32 panels, oneDNN's GEMM on each
+    MM_PANELS = 0  # W decoded into float32 panels, torch's mm (MKL) on each
+    ROUNDED_ONCE = 1  # integer dot products, activations rounded to int8 once
+    ROUNDED_TWICE = 2  # integer dot products, activations rounded twice
 
 
 def supported_natively(qtype: QuantType) -> bool:
@@ -47,10 +62,10 @@ def quantized_matmul(
     blocks: torch.Tensor,  # [N, row_bytes(qtype, k)] uint8, contiguous
     qtype: QuantType,
     k: int,
-    levels: int = 2,
+    levels: int = Method.ROUNDED_TWICE,
 ) -> torch.Tensor:  # [M, N], x's dtype
-    """x @ W.T for the quantized weight W [N, k]; the native kernel where it loads, its
-    activations rounded to int8 `levels` times (see the module docstring)."""
+    """x @ W.T for the quantized weight W [N, k]; the native kernel where it loads, by
+    `levels` (a `Method`: activations rounded to int8 once or twice, or float panels)."""
     ops = _native_ops()
     if ops is None:
         return reference_quantized_matmul(x, blocks, qtype, k)
@@ -59,18 +74,48 @@ def quantized_matmul(
     return out
 
 
+def pick_method(rows: int, k: int, onednn: bool) -> Method:
+    """The method for a layer's product of `rows` activation rows of width k: integer
+    dot products where reading the weight is the cost (few rows), float panels (no
+    rounding) where the arithmetic is. Measured on 2 AVX-512 cores, weights from DRAM
+    (`python bench/quant_gemm.py --methods`, bench/results/quant_gemm_methods_*.json),
+    integer kernel / oneDNN panels in ms:
+    - k = 576 (SmolLM2's 3072 x 576, Q4_1): 0.21 / 0.23 at 8 rows, 0.42 / 0.29 at 16,
+      1.65 / 0.61 at 64, 76.0 / 16.1 at 2,048 (oneDNN over the prepacked float32
+      weight: 0.20, 0.25, 0.58, 14.1);
+    - k = 1536 (576 x 1536): 0.088 / 0.111 at 8, 0.159 / 0.136 at 16;
+    - k = 4096 (4096 x 4096, Q4_K): 2.22 / 3.01 at 16 rows, 4.24 / 4.13 at 32, 8.46 /
+      6.04 at 64; k = 14336 (Q4_K): 7.33 / 10.3 at 16, 14.8 / 16.4 at 32, 30.2 / 23.2
+      at 64.
+    MKL panels stand in where torch has no oneDNN: half its speed on this AMD CPU (MKL
+    takes its AVX2 path), so they pay from more rows: at k = 576 from about 16 (0.40 /
+    0.42 ms), at k = 4096 not yet at 512 (83.6 against the integer kernel's 78.6).
+    """
+    wide = k >= PANEL_WIDE_K
+    if onednn:
+        panels, min_rows = Method.ONEDNN_PANELS, (32 if wide else 16)
+    else:
+        panels, min_rows = Method.MM_PANELS, (1024 if wide else 24)
+    return panels if rows >= min_rows else Method.ROUNDED_TWICE
+
+
+PANEL_WIDE_K = 2048  # from this width the integer kernel keeps more rows (above)
+
+
 def matmul_kernel() -> Callable[[torch.Tensor, torch.Tensor, QuantType, int], torch.Tensor]:
     """`quantized_matmul` for a caller that built its arguments right once (a loaded
     layer): the native kernel without the wrapper's Python checks, about 3.6 us a call
-    (the kernel still checks shapes and types), or the reference where it cannot load."""
+    (the kernel still checks shapes and types), its method picked by `pick_method`;
+    or the reference where the kernels cannot load."""
     ops = _native_ops()
     if ops is None:
         return reference_quantized_matmul
     kernel = ops.unchecked.quantized_matmul
+    onednn = packed_gemm_support(torch.float32) is None
 
     def run(x: torch.Tensor, blocks: torch.Tensor, qtype: QuantType, k: int) -> torch.Tensor:
         out = torch.empty(x.shape[0], blocks.shape[0], dtype=x.dtype)  # [M, N]
-        kernel(out, x, blocks, int(qtype), k, 2)
+        kernel(out, x, blocks, int(qtype), k, int(pick_method(x.shape[0], k, onednn)))
         return out
 
     return run

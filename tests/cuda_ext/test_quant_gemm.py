@@ -26,9 +26,11 @@ from cuda_ext.native_cpu import NativeCpuOps
 from cuda_ext.quant_gemm import (
     BLOCK_SHAPES,
     QUANTIZABLE,
+    Method,
     QuantType,
     cdiv,
     dequantize,
+    pick_method,
     quantize,
     quantized_matmul,
     reference_quantized_matmul,
@@ -408,3 +410,96 @@ def test_one_level_rounds_activations_once(qtype, m):
     two = quantized_matmul(x, blocks, qtype, k, levels=2)
     exact = x.double() @ w.double().T
     assert (two.double() - exact).abs().max() < (one.double() - exact).abs().max() / 20
+
+
+# ---------------------------------------------------------------- float panels
+
+PANELS = [Method.MM_PANELS] + (
+    [Method.ONEDNN_PANELS] if torch.backends.mkldnn.is_available() else []
+)
+
+
+@needs_native
+@pytest.mark.parametrize("method", PANELS, ids=lambda m: m.name)
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_panels_decode_every_value_exactly(qtype, method):
+    """x = I: each output is one weight value times 1, so out = W.T as the panels decode
+    it, against the reference dequantizer: equal up to a fused multiply-add's last bit
+    (d * q + m rounded once instead of twice). k = 300 ends in a partial block."""
+    k = 300
+    blocks = random_blocks(70, k, qtype, torch.Generator().manual_seed(int(qtype)))
+    w = dequantize(blocks, qtype, k)  # [70, k]
+    got = quantized_matmul(torch.eye(k), blocks, qtype, k, levels=method)  # [k, 70]
+    torch.testing.assert_close(got, w.T, rtol=2.0**-23, atol=2.0**-24 * w.abs().max().item())
+
+
+@needs_native
+@pytest.mark.parametrize("method", PANELS, ids=lambda m: m.name)
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 33, 256), (64, 256, 576), (17, 1000, 4096)])
+def test_panels_equal_the_float_product(qtype, method, dtype, m, n, k):
+    """No activation rounding: the float product within float32 sums (bfloat16 outputs:
+    their one rounding). 1000 x 4096 spans several panels per thread, the last shorter."""
+    gen = torch.Generator().manual_seed(m + n + k + int(qtype))
+    blocks = random_blocks(n, k, qtype, gen)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    w = dequantize(blocks, qtype, k)
+    got = quantized_matmul(x, blocks, qtype, k, levels=method)
+    exact = x.double() @ w.double().T
+    scale = x.double().abs() @ w.double().abs().T  # sum |x| |w|: the sums' error scale
+    rtol = BF16_RTOL if dtype == torch.bfloat16 else FLOAT_SUM_RTOL
+    assert got.dtype == dtype
+    assert ((got.double() - exact).abs() <= rtol * (exact.abs() + scale / 100) + 1e-6 * scale).all()
+
+
+@needs_native
+@pytest.mark.parametrize("method", PANELS, ids=lambda m: m.name)
+def test_panels_write_strided_rows_and_take_strided_activations(method):
+    gen = torch.Generator().manual_seed(8)
+    blocks = random_blocks(33, 256, QuantType.Q4_K, gen)
+    x = torch.randn(40, 300, generator=gen)[:, 10:266]  # rows 300 apart
+    out = torch.full((40, 40), float("nan"))[:, :33]
+    OPS.quantized_matmul(out, x, blocks, QuantType.Q4_K, 256, method)
+    expected = quantized_matmul(x.contiguous(), blocks, QuantType.Q4_K, 256, levels=method)
+    assert torch.equal(out, expected)
+    assert torch.isnan(out.as_strided((40, 7), (40, 1), 33)).all()  # the columns beside
+
+
+@needs_native
+def test_panels_in_inference_mode_and_on_one_thread():
+    """torch's inference mode is per thread: the panels' GEMMs run on OpenMP threads
+    that must take the caller's (an inference tensor written in place otherwise fails)."""
+    gen = torch.Generator().manual_seed(9)
+    blocks = random_blocks(300, 128, QuantType.Q8_0, gen)
+    x = torch.randn(48, 128, generator=gen)
+    expected = quantized_matmul(x, blocks, QuantType.Q8_0, 128, levels=PANELS[-1])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        with torch.inference_mode():
+            got = quantized_matmul(x, blocks, QuantType.Q8_0, 128, levels=PANELS[-1])
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(got, expected)
+
+
+def test_pick_method_integer_for_few_rows_panels_for_many():
+    assert pick_method(1, 576, onednn=True) == Method.ROUNDED_TWICE
+    assert pick_method(15, 576, onednn=True) == Method.ROUNDED_TWICE
+    assert pick_method(16, 576, onednn=True) == Method.ONEDNN_PANELS
+    assert pick_method(31, 4096, onednn=True) == Method.ROUNDED_TWICE
+    assert pick_method(32, 4096, onednn=True) == Method.ONEDNN_PANELS
+    assert pick_method(23, 576, onednn=False) == Method.ROUNDED_TWICE
+    assert pick_method(24, 576, onednn=False) == Method.MM_PANELS
+    assert pick_method(1023, 4096, onednn=False) == Method.ROUNDED_TWICE
+    assert pick_method(2048, 14336, onednn=False) == Method.MM_PANELS
+
+
+@needs_native
+def test_native_refuses_an_unknown_method():
+    blocks = random_blocks(4, 64, QuantType.Q4_0, torch.Generator().manual_seed(5))
+    with pytest.raises(ValueError, match="levels must be -1, 0, 1 or 2"):
+        OPS.quantized_matmul(torch.empty(2, 4), torch.randn(2, 64), blocks, QuantType.Q4_0, 64, 3)
+    with pytest.raises(ValueError, match="levels must be -1, 0, 1 or 2"):
+        OPS.unchecked.quantized_matmul(torch.empty(2, 4), torch.randn(2, 64), blocks, 2, 64, -2)

@@ -73,9 +73,11 @@ void rotary_embedding(const at::Tensor& positions, const at::Tensor& query,
 // out: [M, N] = x @ W.T, x: [M, k] float32 or bfloat16 (unit last stride; out likewise,
 // x's dtype), W kept quantized: blocks [N, ceil(k / block) * block_bytes] uint8,
 // contiguous, in ggml's layout of qtype (a ggml type id: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
-// Q4_K, Q5_K, Q6_K; see quant_blocks.h). Activations are quantized per block (int8):
-// `levels` 1 rounds each block once (llama.cpp's scheme), 2 also rounds what that left
-// (a second int8 row, about 16-bit activations, twice the integer work).
+// Q4_K, Q5_K, Q6_K; see quant_blocks.h). `levels` 1 and 2 quantize activations per
+// block (int8): 1 rounds each block once (llama.cpp's scheme), 2 also rounds what that
+// left (a second int8 row, about 16-bit activations, twice the integer work). -1 and 0
+// round nothing: W decoded into float32 panels, multiplied by oneDNN's linear (-1; the
+// caller checks torch has oneDNN) or torch's mm (0).
 void quantized_matmul(const at::Tensor& out, const at::Tensor& x, const at::Tensor& blocks,
                       int64_t qtype, int64_t k, int64_t levels);
 

@@ -1,8 +1,13 @@
 // out = x @ W.T with W kept in GGUF's quantized blocks (quant_blocks.h), never
-// dequantized to a float matrix (llama.cpp's CPU approach). Each call quantizes every
-// activation row once, per block as W's type asks (int8 blocks of 32 with a float32 scale
-// for the 32-element types, of 256 for the k-quants), then computes integer dot products
-// of weight values with activation values, scaled per block into float32 sums.
+// dequantized to a float matrix. Two ways:
+// - integer dot products (llama.cpp's CPU approach; few activation rows, where reading W
+//   is the cost): each call quantizes every activation row, per block as W's type asks
+//   (int8 blocks of 32 with a float32 scale for the 32-element types, of 256 for the
+//   k-quants), then computes integer dot products of weight values with activation
+//   values, scaled per block into float32 sums;
+// - float panels (many rows, where the arithmetic is the cost): each thread decodes a
+//   panel of W's rows into float32 in its cache and multiplies x by it with a float GEMM
+//   (oneDNN's or torch's mm); nothing is rounded but the GEMM's float sums.
 //
 // Vector paths (picked by what -march=native enables; the scalar path always compiles
 // and also takes a row's last blocks that do not fill a vector step):
@@ -27,13 +32,20 @@
 // decode row by row: holding 4 rows' decoded half super-blocks (4 vectors each) and their
 // integer sums per activation row would need more than the 32 vector registers.
 #include "quant_blocks.h"  // first: it picks the vector ISA (through common.h)
+#include "dequantize_rows.h"
 #include "elementwise.h"
 #include "ops.h"
 
+#include <ATen/ThreadLocalState.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
 
 #include <cstring>
+#include <exception>
 #include <vector>
+
+#include <omp.h>
 
 #if defined(CPU_CAPABILITY_AVX512) && defined(__F16C__)
 #define QG_AVX512 1
@@ -705,12 +717,85 @@ void tile_products(const uint8_t* weights, int64_t N, int64_t w_stride, const ui
   }
 }
 
-// out = x @ W.T. levels 1: each activation block rounded to int8 once (llama.cpp's
+// ---------------------------------------------------------------- float panels
+
+// The most bytes of float32 values per panel (at least 32 rows): a thread's panel stays
+// in its cache while the GEMM reads it.
+constexpr int64_t kPanelBytes = 2 << 20;
+
+// Who multiplies a decoded panel: torch's mm (MKL), or oneDNN's linear (twice MKL's
+// speed where MKL takes its AVX2 path, as on AMD CPUs; the caller knows torch has it).
+enum class PanelGemm { kMm, kOneDnn };
+
+// x [M, k] @ panel.T -> [M, rows] through torch's mkldnn linear op, which takes a plain
+// row-major weight (inside an OpenMP region, oneDNN runs on the calling thread alone).
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& panel) {
+  static const auto linear =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                            c10::string_view, c10::List<std::optional<at::Scalar>>,
+                            std::optional<c10::string_view>)>();
+  return linear.call(x, panel, std::nullopt, "none", c10::List<std::optional<at::Scalar>>(),
+                     std::nullopt);
+}
+
+// out = x @ W.T with no activation rounding: each thread decodes a panel of W's rows
+// into float32 (dequantize_rows.h) and multiplies x by it into the panel's columns of
+// out, the decoding and the GEMM on the same thread. Panels are balanced over the
+// threads: N / threads rows each, cut into as few panels as kPanelBytes allows.
+template <QType T, typename X>
+void panel_matmul_typed(const at::Tensor& out, const at::Tensor& x, const at::Tensor& blocks,
+                        int64_t k, PanelGemm gemm) {
+  const int64_t N = blocks.size(0), w_stride = blocks.size(1);
+  const int64_t max_rows = std::max<int64_t>(32, kPanelBytes / (4 * k));
+  const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), cdiv(N, 16)));
+  const int64_t panels_each = cdiv(N, threads * max_rows);
+  const int64_t panel_rows = cdiv(cdiv(N, threads * panels_each), 16) * 16;
+  const at::Tensor xf = x.to(at::kFloat).contiguous();  // [M, k]
+  const at::Tensor outf = out.scalar_type() == at::kFloat
+                              ? out
+                              : at::empty(out.sizes(), out.options().dtype(at::kFloat));
+  const at::Tensor panels = at::empty({threads, panel_rows, k}, x.options().dtype(at::kFloat));
+  const uint8_t* weights = blocks.data_ptr<uint8_t>();
+  const at::ThreadLocalState caller;  // inference mode, grad mode: torch's are per thread
+  std::exception_ptr failure;         // the first error of any thread, rethrown after
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t n0 = 0; n0 < N; n0 += panel_rows) {
+    try {
+      const at::ThreadLocalStateGuard as_caller(caller);
+      const int64_t rows = std::min(panel_rows, N - n0);
+      const at::Tensor panel = panels[omp_get_thread_num()].narrow(0, 0, rows);  // [rows, k]
+      const Rows<float> dst(panel);
+      for (int64_t r = 0; r < rows; ++r) {
+        dequantize_row<T>(weights + (n0 + r) * w_stride, k, dst[r]);
+      }
+      at::Tensor cols = outf.narrow(1, n0, rows);  // [M, rows]
+      if (gemm == PanelGemm::kOneDnn) {
+        cols.copy_(onednn_linear(xf, panel));
+      } else {
+        at::mm_out(cols, xf, panel.t());
+      }
+    } catch (...) {
+#pragma omp critical(panel_failure)
+      if (!failure) failure = std::current_exception();
+    }
+  }
+  if (failure) std::rethrow_exception(failure);
+  if (!outf.is_same(out)) out.copy_(outf);
+}
+
+// out = x @ W.T. levels -1 / 0: panel_matmul_typed (no rounding) with oneDNN / torch's
+// mm. levels 1: each activation block rounded to int8 once (llama.cpp's
 // scheme); 2: its rounding error rounded again as a second activation row, the two
 // rows' products summed in float32 (the weights decoded once for both).
 template <QType T, typename X>
 void quantized_matmul_typed(const at::Tensor& out, const at::Tensor& x,
                             const at::Tensor& blocks, int64_t k, int64_t levels) {
+  if (levels <= 0) {
+    panel_matmul_typed<T, X>(out, x, blocks, k, levels == 0 ? PanelGemm::kMm : PanelGemm::kOneDnn);
+    return;
+  }
   const int64_t M = x.size(0), N = blocks.size(0);
   const int64_t num_blocks = cdiv(k, block_elements(T));
   const int64_t w_stride = blocks.size(1);
@@ -753,7 +838,7 @@ void quantized_matmul(const at::Tensor& out, const at::Tensor& x, const at::Tens
   // Structural guards for callers that bypass cuda_ext.native_cpu (which explains them).
   TORCH_CHECK_VALUE(k > 0 && x.dim() == 2 && is_rows(x, x.size(0), k),
                     "quantized_matmul: x must be [M, k] with unit last stride, k > 0");
-  TORCH_CHECK_VALUE(levels == 1 || levels == 2, "quantized_matmul: levels must be 1 or 2");
+  TORCH_CHECK_VALUE(levels >= -1 && levels <= 2, "quantized_matmul: levels must be -1, 0, 1 or 2");
   quant::dispatch_qtype(qtype, [&](auto tag) {
     constexpr quant::QType T = decltype(tag)::value;
     const int64_t bytes = cdiv(k, quant::block_elements(T)) * quant::block_bytes(T);
