@@ -111,7 +111,7 @@ def matmul_kernel() -> Callable[[torch.Tensor, torch.Tensor, QuantType, int], to
     if ops is None:
         return reference_quantized_matmul
     kernel = ops.unchecked.quantized_matmul
-    onednn = packed_gemm_support(torch.float32) is None
+    onednn = _onednn_float32()
 
     def run(x: torch.Tensor, blocks: torch.Tensor, qtype: QuantType, k: int) -> torch.Tensor:
         out = torch.empty(x.shape[0], blocks.shape[0], dtype=x.dtype)  # [M, N]
@@ -129,6 +129,12 @@ def reference_quantized_matmul(
     if x.dim() != 2 or x.shape[1] != k:
         raise ValueError(f"x must be [M, {k}]; got {list(x.shape)}")
     return (x.float() @ dequantize(blocks, qtype, k).T).to(x.dtype)
+
+
+@functools.cache
+def _onednn_float32() -> bool:
+    """Whether torch's oneDNN multiplies float32 here (probed once per process)."""
+    return packed_gemm_support(torch.float32) is None
 
 
 @functools.cache

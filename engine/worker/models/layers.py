@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
 
@@ -170,19 +171,37 @@ class RotaryEmbedding(nn.Module):
     ) -> None:
         super().__init__()
         self.rotary_dim = int(head_size * float(params.get("partial_rotary_factor") or 1.0))
+        self.max_positions, self.params = max_positions, params
+        # The tables are built on first need (`share_rotary_tables` builds each distinct
+        # one once for a whole model: built per layer, then shared, their copies' heap
+        # stayed resident, 365 MiB for SmolLM2's 30 layers).
+        self.register_buffer("cos", torch.empty(0), persistent=False)  # [rows, rotary_dim]
+        self.register_buffer("sin", torch.empty(0), persistent=False)
+        self.ops = ops if self.rotary_dim == head_size else TORCH_LAYER_OPS
+
+    @property
+    def recipe(self) -> str:
+        """What the tables depend on: layers with one recipe have equal tables."""
+        return json.dumps(
+            [self.rotary_dim, self.max_positions, self.params], sort_keys=True, default=str
+        )
+
+    def build_tables(self) -> tuple[torch.Tensor, torch.Tensor]:  # cos, sin [rows, rotary_dim]
         cos, sin = [], []
-        for inv, scale in _frequencies(self.rotary_dim, max_positions, params):
-            freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv)
+        device = self.cos.device
+        for inv, scale in _frequencies(self.rotary_dim, self.max_positions, self.params):
+            positions = torch.arange(self.max_positions, dtype=torch.float32, device=device)
+            freqs = torch.outer(positions, inv.to(device))
             emb = torch.cat([freqs, freqs], dim=-1)  # [max_positions, rotary_dim]
             cos.append(emb.cos() * scale)  # transformers' attention scaling (1.0: exact)
             sin.append(emb.sin() * scale)
-        self.register_buffer("cos", torch.cat(cos), persistent=False)  # [rows, rotary_dim]
-        self.register_buffer("sin", torch.cat(sin), persistent=False)
-        self.ops = ops if self.rotary_dim == head_size else TORCH_LAYER_OPS
+        return torch.cat(cos), torch.cat(sin)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:  # q [T, H, D], k [T, KVH, D]
+        if self.cos.numel() == 0:  # a model built without share_rotary_tables
+            self.cos, self.sin = self.build_tables()
         d = self.rotary_dim
         if d == q.shape[-1]:
             return self.ops.rotary(positions, q, k, self.cos, self.sin)
@@ -191,21 +210,15 @@ class RotaryEmbedding(nn.Module):
 
 
 def share_rotary_tables(model: nn.Module) -> None:
-    """Layers whose rotary tables are equal share one pair, so a model holds each distinct
-    table once (an 8B Llama's 8k positions: 8 MiB per layer, 256 MiB over 32 layers)."""
-    kept: list[RotaryEmbedding] = []
+    """Builds each distinct rotary table of the model once and gives it to every layer
+    of that recipe (an 8B Llama's 8k positions: 8 MiB per layer, 256 MiB over 32 layers
+    if each kept its own)."""
+    built: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for module in model.modules():
-        if not isinstance(module, RotaryEmbedding):
-            continue
-        same = next((k for k in kept if _same_table(k, module)), None)
-        if same is None:
-            kept.append(module)
-        else:
-            module.cos, module.sin = same.cos, same.sin
-
-
-def _same_table(a: RotaryEmbedding, b: RotaryEmbedding) -> bool:
-    return a.cos.shape == b.cos.shape and torch.equal(a.cos, b.cos) and torch.equal(a.sin, b.sin)
+        if isinstance(module, RotaryEmbedding):
+            if module.recipe not in built:
+                built[module.recipe] = module.build_tables()
+            module.cos, module.sin = built[module.recipe]
 
 
 def rotary_table_rows(
