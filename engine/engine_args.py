@@ -34,7 +34,7 @@ class EngineArgs:
     kv_cache_memory: int | None = None
     gpu_memory_utilization: float = 0.9
     load_format: str = "auto"
-    quantization: str | None = None  # gguf | none | int8 | q4_0; None: none (floats)
+    quantization: str | None = None  # gguf | none | int8 | q4_0; None: gguf for a GGUF on CPU
     seed: int = 0
     device: str | None = None
     attention_backend: str = "auto"

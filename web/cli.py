@@ -74,9 +74,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "--quantization",
         default=None,
         choices=["gguf", "none", "int8", "q4_0"],
-        help="gguf: a GGUF checkpoint's matrices stay in their quantized blocks and native "
-        "kernels multiply them (CPU); none (the default): floats; int8, q4_0: a float "
-        "checkpoint's linear weights quantized at load (8- or 4-bit blocks of 32)",
+        help="gguf (the default for a .gguf on a CPU): a GGUF checkpoint's matrices stay in "
+        "their quantized blocks and native kernels multiply them; none (the default "
+        "otherwise): floats; int8, q4_0: a float checkpoint's linear weights quantized at "
+        "load (8- or 4-bit blocks of 32)",
     )
     p.add_argument(
         "--kv-cache-dtype",

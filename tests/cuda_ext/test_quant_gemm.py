@@ -318,12 +318,17 @@ def test_native_writes_strided_rows():
 
 
 @needs_native
+@pytest.mark.parametrize("method", list(Method), ids=lambda m: m.name)
 @pytest.mark.parametrize("qtype", [QuantType.Q4_0, QuantType.Q6_K], ids=lambda t: t.name)
-def test_native_empty_shapes(qtype):
+def test_native_empty_shapes(qtype, method):
+    if method == Method.ONEDNN_PANELS and not torch.backends.mkldnn.is_available():
+        pytest.skip("torch was built without oneDNN")
     no_rows = torch.zeros(0, row_bytes(qtype, 256), dtype=torch.uint8)
-    assert quantized_matmul(torch.randn(3, 256), no_rows, qtype, 256).shape == (3, 0)
+    got = quantized_matmul(torch.randn(3, 256), no_rows, qtype, 256, levels=method)
+    assert got.shape == (3, 0)
     blocks = random_blocks(5, 256, qtype, torch.Generator().manual_seed(0))
-    assert quantized_matmul(torch.randn(0, 256), blocks, qtype, 256).shape == (0, 5)
+    got = quantized_matmul(torch.randn(0, 256), blocks, qtype, 256, levels=method)
+    assert got.shape == (0, 5)
 
 
 @needs_native

@@ -63,8 +63,8 @@ def assert_follows_dequantized(blocks: LLM, floats: LLM) -> None:
 @pytest.mark.timeout(240)
 def test_q8_0_blocks_follow_the_dequantized_path(tmp_path) -> None:
     path = model_file(tmp_path, Q.Q8_0)
-    blocks, floats = engine(path, "gguf"), engine(path, None)
-    assert floats.config.model.quantization is Quantization.NONE  # the default
+    blocks, floats = engine(path, None), engine(path, "none")
+    assert blocks.config.model.quantization is Quantization.GGUF  # the default for a GGUF
     assert_follows_dequantized(blocks, floats)
     ours, theirs = blocks.stats(), floats.stats()
     assert (ours.quantization, theirs.quantization) == ("gguf", "none")
@@ -81,7 +81,8 @@ def test_four_and_five_bit_blocks_follow_the_dequantized_path(tmp_path, qtype) -
 
 
 def test_the_method_device_and_checkpoint_are_checked_by_name() -> None:
-    assert resolve_quantization(None, "m.gguf", True, "cpu") is Quantization.NONE  # floats
+    assert resolve_quantization(None, "m.gguf", True, "cpu") is Quantization.GGUF  # its blocks
+    assert resolve_quantization(None, "m.gguf", True, "cuda") is Quantization.NONE  # floats
     assert resolve_quantization("gguf", "m.gguf", True, "cpu") is Quantization.GGUF
     assert resolve_quantization(None, "dir", False, "cpu") is Quantization.NONE
     with pytest.raises(

@@ -1,6 +1,7 @@
-"""The default model computed in its Q4_1 blocks (`quantization='gguf'`) against the
-same blocks dequantized at load (the default): activations rounded to
-int8 twice (the rounding error rounded again) keep the chat answers token for token,
+"""The default model computed in its Q4_1 blocks (`quantization='gguf'`, the default for
+a GGUF on a CPU) against the same blocks dequantized at load ('none'): activations rounded
+to int8 twice (the rounding error rounded again) for few rows, float panels for many,
+keep the chat answers token for token,
 every token's log-probability within 0.05 (measured: 0.001), and the weights in a sixth
 of the bytes. Rounded once, as llama.cpp does, this file answers "What is the capital of
 France?" with "L'Étoile, la Marseillaise, ..." (in llama-server too)."""
@@ -31,8 +32,8 @@ def engine(path: Path, quantization: str | None) -> LLM:
 
 
 def test_q4_1_blocks_follow_the_dequantized_model(smollm2_path: Path) -> None:
-    blocks, floats = engine(smollm2_path, "gguf"), engine(smollm2_path, None)
-    assert floats.config.model.quantization.value == "none"  # the default
+    blocks, floats = engine(smollm2_path, None), engine(smollm2_path, "none")
+    assert blocks.config.model.quantization.value == "gguf"  # the default
     prompts = [floats.get_tokenizer().apply_chat_template(chat) for chat in CHATS]
     params = SamplingParams(temperature=0, max_tokens=32)
     ours = blocks.generate(prompts, params, use_tqdm=False)

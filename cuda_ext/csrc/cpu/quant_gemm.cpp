@@ -744,10 +744,11 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& panel) {
 // into float32 (dequantize_rows.h) and multiplies x by it into the panel's columns of
 // out, the decoding and the GEMM on the same thread. Panels are balanced over the
 // threads: N / threads rows each, cut into as few panels as kPanelBytes allows.
-template <QType T, typename X>
+template <QType T>
 void panel_matmul_typed(const at::Tensor& out, const at::Tensor& x, const at::Tensor& blocks,
                         int64_t k, PanelGemm gemm) {
   const int64_t N = blocks.size(0), w_stride = blocks.size(1);
+  if (N == 0 || x.size(0) == 0) return;  // out has no elements
   const int64_t max_rows = std::max<int64_t>(32, kPanelBytes / (4 * k));
   const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), cdiv(N, 16)));
   const int64_t panels_each = cdiv(N, threads * max_rows);
@@ -793,7 +794,8 @@ template <QType T, typename X>
 void quantized_matmul_typed(const at::Tensor& out, const at::Tensor& x,
                             const at::Tensor& blocks, int64_t k, int64_t levels) {
   if (levels <= 0) {
-    panel_matmul_typed<T, X>(out, x, blocks, k, levels == 0 ? PanelGemm::kMm : PanelGemm::kOneDnn);
+    const PanelGemm gemm = levels == 0 ? PanelGemm::kMm : PanelGemm::kOneDnn;
+    panel_matmul_typed<T>(out, x, blocks, k, gemm);
     return;
   }
   const int64_t M = x.size(0), N = blocks.size(0);
@@ -838,7 +840,8 @@ void quantized_matmul(const at::Tensor& out, const at::Tensor& x, const at::Tens
   // Structural guards for callers that bypass cuda_ext.native_cpu (which explains them).
   TORCH_CHECK_VALUE(k > 0 && x.dim() == 2 && is_rows(x, x.size(0), k),
                     "quantized_matmul: x must be [M, k] with unit last stride, k > 0");
-  TORCH_CHECK_VALUE(levels >= -1 && levels <= 2, "quantized_matmul: levels must be -1, 0, 1 or 2");
+  TORCH_CHECK_VALUE(levels >= -1 && levels <= 2,
+                    "quantized_matmul: levels must be -1, 0, 1 or 2");
   quant::dispatch_qtype(qtype, [&](auto tag) {
     constexpr quant::QType T = decltype(tag)::value;
     const int64_t bytes = cdiv(k, quant::block_elements(T)) * quant::block_bytes(T);
