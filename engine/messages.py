@@ -537,6 +537,7 @@ class BlockOpKind(StrEnum):
     SWAP_OUT = "swap_out"
     SWAP_IN = "swap_in"
     SLIDE = "slide"
+    TRIM = "trim"
 
 
 @dataclass(frozen=True)

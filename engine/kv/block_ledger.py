@@ -15,6 +15,7 @@ from engine.kv.block_ops import (
     SLIDE,
     SWAP_IN,
     SWAP_OUT,
+    TRIM,
 )
 from engine.kv.block_tables import BlockCopy
 from engine.kv.hybrid_kv_cache_manager import HybridKVCacheManager
@@ -65,6 +66,13 @@ class BlockLedger(KVCacheManager):
         freed = super().slide(seq_id, num_computed)
         if freed:
             self._ops.append(BlockOp(SLIDE, seq_id, num_computed))
+        return freed
+
+    def trim(self, seq_id: str, num_tokens: int) -> int:
+        before = (len(self.block_table(seq_id)), len(self._hashes.get(seq_id, ())))
+        freed = super().trim(seq_id, num_tokens)
+        if before != (len(self.block_table(seq_id)), len(self._hashes.get(seq_id, ()))):
+            self._ops.append(BlockOp(TRIM, seq_id, num_tokens))
         return freed
 
     def free(self, seq_id: str) -> None:

@@ -18,6 +18,7 @@ into a table, and the scheduler compares the lists.
 | `swap_out` | `seq_id`'s table moves to CPU swap blocks                  | the CPU blocks   |
 | `swap_in`  | `seq_id`'s swapped table moves back to device blocks       | the device blocks|
 | `slide` | `seq_id`'s windowed groups free what queries from `num` on cannot see | none |
+| `trim`  | `seq_id`'s table shrinks to what `num` tokens need (rejected drafts) | none |
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ GROW, FREE, FORK, COW, MATCH, CACHE, RESET = (
     BlockOpKind.RESET,
 )
 SWAP_OUT, SWAP_IN, SLIDE = BlockOpKind.SWAP_OUT, BlockOpKind.SWAP_IN, BlockOpKind.SLIDE
+TRIM = BlockOpKind.TRIM
 
 
 class BlockOpError(RuntimeError):
@@ -54,6 +56,11 @@ def _grow(kv: KVCacheManager, op: BlockOp) -> list[int]:
 def _slide(kv: KVCacheManager, op: BlockOp) -> list[int]:
     if not kv.slide(op.seq_id, op.num):
         raise BlockOpError(f"{op.seq_id!r} has nothing to slide out at {op.num} tokens")
+    return []
+
+
+def _trim(kv: KVCacheManager, op: BlockOp) -> list[int]:
+    kv.trim(op.seq_id, op.num)
     return []
 
 
@@ -113,6 +120,7 @@ _APPLY: dict[str, Callable[[KVCacheManager, BlockOp], list[int]]] = {
     SWAP_OUT: _swap_out,
     SWAP_IN: _swap_in,
     SLIDE: _slide,
+    TRIM: _trim,
 }
 
 

@@ -29,6 +29,8 @@ class BlockTables(Protocol):
     - `copy_on_write(seq_id, start)`: the (src, dst) copies that give `seq_id` private
       blocks for positions >= `start` before a step writes them (None: blocks ran out,
       nothing changed).
+    - `trim(seq_id, num_tokens)`: the table shrinks to what its first `num_tokens`
+      tokens need (the slots of rejected draft tokens); the blocks freed.
     - `free(seq_id)`: the table (or its swapped-out copy) is dropped.
     - `swap_out` / `swap_in`: the table moves to CPU swap blocks and back, with the
       copies to make (None: no room, nothing changed).
@@ -91,6 +93,8 @@ class BlockTables(Protocol):
     def fork(self, parent_id: str, child_id: str, num_tokens: int = 0) -> list[int]: ...
 
     def copy_on_write(self, seq_id: str, start: int) -> list[BlockCopy] | None: ...
+
+    def trim(self, seq_id: str, num_tokens: int) -> int: ...
 
     def free(self, seq_id: str) -> None: ...
 

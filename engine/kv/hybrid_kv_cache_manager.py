@@ -185,6 +185,9 @@ class HybridKVCacheManager(KVCacheManager):
             table[e] = dst
         return copies
 
+    def _release(self, entries: list[int]) -> None:
+        self.pool.free(_live(reversed(entries)))
+
     def free(self, seq_id: str) -> None:
         table = self._tables.pop(seq_id, None)
         self._hashes.pop(seq_id, None)

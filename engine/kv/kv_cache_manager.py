@@ -32,6 +32,8 @@ class KVCacheManager:
     - `copy_on_write(seq_id, start)`: before a step writes positions >= `start`, every
       shared block it would write is replaced by a private copy; the (src, dst) pairs are
       for the worker to copy, all of a step in one batched operation.
+    - `trim(seq_id, num_tokens)`: the table shrinks back to `num_tokens` tokens (draft
+      tokens' slots released once verification rejected them).
     - `free(seq_id)`: one owner fewer for each block of the table.
     - `swap_out(seq_id)` / `swap_in(seq_id)`: the table moves to CPU swap blocks and
       back (preemption by swapping), with the block copies to make.
@@ -162,6 +164,28 @@ class KVCacheManager:
             table[i] = dst
             copies.append((src, dst))
         return copies
+
+    def trim(self, seq_id: str, num_tokens: int) -> int:
+        """The table keeps only the blocks its first `num_tokens` tokens need; the rest
+        (slots a step reserved for draft tokens that verification rejected) go back to
+        the pool, tail first, and no prefix hash outlives the full blocks kept. Returns
+        the blocks freed."""
+        table = self._tables.get(seq_id)
+        if not table:
+            return 0
+        keep = self.entries_for(num_tokens)
+        freed = table[keep:]
+        if freed:
+            self._release(freed)
+            del table[keep:]
+        hashes = self._hashes.get(seq_id)
+        if hashes:
+            del hashes[num_tokens // self.block_size * self.num_groups :]
+        return len(freed)
+
+    def _release(self, entries: list[int]) -> None:
+        """Table entries back to the pool, tail first."""
+        self.pool.free(reversed(entries))
 
     def free(self, seq_id: str) -> None:
         """Drops the table (or the swapped-out one). Its tail blocks go first, so under

@@ -153,8 +153,8 @@ def test_a_prefix_hit_is_cut_where_the_window_group_lost_its_blocks():
 
 
 def random_walk(seed: int, layout: KVCacheLayout) -> None:
-    """Random grows (chunks and decodes), slides, forks, copies, swaps and frees; the
-    invariants hold after every operation."""
+    """Random grows (chunks and decodes), slides, trims, forks, copies, swaps and frees;
+    the invariants hold after every operation."""
     rng = random.Random(seed)
     bs = 4
     kv = HybridKVCacheManager(60, bs, layout=layout, enable_prefix_caching=True, num_cpu_blocks=30)
@@ -183,6 +183,9 @@ def random_walk(seed: int, layout: KVCacheLayout) -> None:
             computed[seq] = done
             kv.slide(seq, done)
             kv.grow(seq, done + rng.choice([1, 1, 1, 7]))
+        elif op < 0.55:  # drafts rejected: back to between the computed and held tokens
+            held = len(kv.group_tables(seq)[0]) * bs
+            kv.trim(seq, rng.randint(computed[seq], held))
         elif op < 0.6:
             child = f"c{step}"
             kv.fork(seq, child)

@@ -203,6 +203,16 @@ class ContiguousKVCacheManager:
         del self._forks[seq_id]
         return list(zip(fork.sources, table[: len(fork.sources)], strict=True))
 
+    def trim(self, seq_id: str, num_tokens: int) -> int:
+        """The table shows only the blocks of its first `num_tokens` tokens; the region
+        (reserved for the whole sequence) keeps the rest, so no block is freed."""
+        region = self._regions.get(seq_id)
+        if region is None or num_tokens >= region.num_tokens:
+            return 0
+        region.num_tokens = num_tokens
+        del region.table[self.blocks_for(num_tokens) :]
+        return 0
+
     def free(self, seq_id: str) -> None:
         """Returns the region to the buddy allocator and drops the table."""
         self._forks.pop(seq_id, None)
