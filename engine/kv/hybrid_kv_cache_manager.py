@@ -192,7 +192,7 @@ class HybridKVCacheManager(KVCacheManager):
         table = self._tables.pop(seq_id, None)
         self._hashes.pop(seq_id, None)
         if table:
-            self.pool.free(_live(reversed(table)))
+            self._release(table)
         swapped = self._swapped.pop(seq_id, None)
         if swapped:
             self.cpu_pool.free(_live(swapped))

@@ -194,7 +194,7 @@ class KVCacheManager:
         table = self._tables.pop(seq_id, None)
         self._hashes.pop(seq_id, None)
         if table:
-            self.pool.free(reversed(table))
+            self._release(table)
         swapped = self._swapped.pop(seq_id, None)
         if swapped:
             self.cpu_pool.free(swapped)

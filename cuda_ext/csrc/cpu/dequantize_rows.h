@@ -94,25 +94,14 @@ inline void dequantize_block32(const uint8_t* b, float* out, int n) {
   scale_run(q, d, m, out, n);
 }
 
-// One k-quant super-block's integer values, with a scale and offset per 16 elements:
-// value e = scale[e / 16] * q[e] + offset[e / 16].
+// One k-quant super-block's integer values (decode_super_values), with a scale and
+// offset per 16 elements: value e = scale[e / 16] * q[e] + offset[e / 16].
 template <QType T>
 inline void decode_super(const uint8_t* b, int32_t* q, float* scale, float* offset) {
+  decode_super_values<T>(b, q);
   if constexpr (T == QType::Q6_K) {
-    const uint8_t* ql = b;
-    const uint8_t* qh = b + 128;
     const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
     const float d = fp16(b + 208);
-    for (int h = 0; h < 2; ++h) {
-      for (int s = 0; s < 4; ++s) {
-        for (int l = 0; l < 32; ++l) {
-          const int byte = ql[64 * h + 32 * (s & 1) + l];
-          const int low = s < 2 ? byte & 0x0F : byte >> 4;
-          const int high = (qh[32 * h + l] >> (2 * s)) & 3;
-          q[128 * h + 32 * s + l] = (low | high << 4) - 32;
-        }
-      }
-    }
     for (int j = 0; j < 16; ++j) {
       scale[j] = d * static_cast<float>(sc[j]);
       offset[j] = 0.f;
@@ -121,19 +110,9 @@ inline void decode_super(const uint8_t* b, int32_t* q, float* scale, float* offs
     uint8_t sc[8], mins[8];
     k_scales_mins(b + 4, sc, mins);
     const float d = fp16(b), dmin = fp16(b + 2);
-    const uint8_t* qh = b + 16;
-    const uint8_t* qs = b + (T == QType::Q5_K ? 48 : 16);
-    for (int j = 0; j < 8; ++j) {
-      const uint8_t* group = qs + 32 * (j / 2);
-      for (int l = 0; l < 32; ++l) {
-        int v = j % 2 ? group[l] >> 4 : group[l] & 0x0F;
-        if constexpr (T == QType::Q5_K) v |= ((qh[l] >> j) & 1) << 4;
-        q[32 * j + l] = v;
-      }
-      for (int half = 0; half < 2; ++half) {
-        scale[2 * j + half] = d * static_cast<float>(sc[j]);
-        offset[2 * j + half] = -(dmin * static_cast<float>(mins[j]));
-      }
+    for (int j = 0; j < 16; ++j) {  // sub-block j / 2 of 32 elements
+      scale[j] = d * static_cast<float>(sc[j / 2]);
+      offset[j] = -(dmin * static_cast<float>(mins[j / 2]));
     }
   }
 }

@@ -159,41 +159,54 @@ inline void k_scales_mins(const uint8_t* s, uint8_t* sc, uint8_t* mins) {
   std::memcpy(mins, words + 2, 8);
 }
 
-// One k-quant super-block dotted with its activation block.
+// A k-quant super-block's 256 integer values in element order: Q6_K's with its zero
+// point 32 subtracted, Q4_K's and Q5_K's unsigned (their mins apply per sub-block).
 template <QType T>
-inline float dot_super(const uint8_t* b, const ActSuper& a) {
+inline void decode_super_values(const uint8_t* b, int32_t* q) {
   if constexpr (T == QType::Q6_K) {
     const uint8_t* ql = b;
     const uint8_t* qh = b + 128;
+    for (int e = 0; e < 256; ++e) {
+      const int h = e / 128, s = e % 128 / 32, l = e % 32;
+      const int byte = ql[64 * h + 32 * (s & 1) + l];
+      const int low = s < 2 ? byte & 0x0F : byte >> 4;
+      const int high = (qh[32 * h + l] >> (2 * s)) & 3;
+      q[e] = (low | high << 4) - 32;
+    }
+  } else {
+    const uint8_t* qh = b + 16;
+    const uint8_t* qs = b + (T == QType::Q5_K ? 48 : 16);
+    for (int e = 0; e < 256; ++e) {
+      const int j = e / 32, l = e % 32;
+      const int byte = qs[32 * (j / 2) + l];
+      int v = j % 2 ? byte >> 4 : byte & 0x0F;
+      if constexpr (T == QType::Q5_K) v |= ((qh[l] >> j) & 1) << 4;
+      q[e] = v;
+    }
+  }
+}
+
+// One k-quant super-block dotted with its activation block.
+template <QType T>
+inline float dot_super(const uint8_t* b, const ActSuper& a) {
+  int32_t q[256];
+  decode_super_values<T>(b, q);
+  if constexpr (T == QType::Q6_K) {
     const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
     int32_t sum = 0;
     for (int j = 0; j < 16; ++j) {
       int32_t part = 0;
-      for (int e = 16 * j; e < 16 * j + 16; ++e) {
-        const int h = e / 128, s = e % 128 / 32, l = e % 32;
-        const int byte = ql[64 * h + 32 * (s & 1) + l];
-        const int low = s < 2 ? byte & 0x0F : byte >> 4;
-        const int high = (qh[32 * h + l] >> (2 * s)) & 3;
-        part += ((low | high << 4) - 32) * a.q[e];
-      }
+      for (int e = 16 * j; e < 16 * j + 16; ++e) part += q[e] * a.q[e];
       sum += sc[j] * part;
     }
     return fp16(b + 208) * a.d * static_cast<float>(sum);
   } else {
     uint8_t sc[8], mins[8];
     k_scales_mins(b + 4, sc, mins);
-    const uint8_t* qh = b + 16;
-    const uint8_t* qs = b + (T == QType::Q5_K ? 48 : 16);
     int32_t sum = 0, sum_min = 0;
     for (int j = 0; j < 8; ++j) {
       int32_t part = 0;
-      for (int l = 0; l < 32; ++l) {
-        const int e = 32 * j + l;
-        const int byte = qs[32 * (j / 2) + l];
-        int q = j % 2 ? byte >> 4 : byte & 0x0F;
-        if constexpr (T == QType::Q5_K) q |= ((qh[l] >> j) & 1) << 4;
-        part += q * a.q[super_position(T, e)];
-      }
+      for (int e = 32 * j; e < 32 * j + 32; ++e) part += q[e] * a.q[super_position(T, e)];
       sum += sc[j] * part;
       sum_min += mins[j] * a.sums[j];
     }

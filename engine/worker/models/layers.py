@@ -189,8 +189,8 @@ class RotaryEmbedding(nn.Module):
     def build_tables(self) -> tuple[torch.Tensor, torch.Tensor]:  # cos, sin [rows, rotary_dim]
         cos, sin = [], []
         device = self.cos.device
+        positions = torch.arange(self.max_positions, dtype=torch.float32, device=device)
         for inv, scale in _frequencies(self.rotary_dim, self.max_positions, self.params):
-            positions = torch.arange(self.max_positions, dtype=torch.float32, device=device)
             freqs = torch.outer(positions, inv.to(device))
             emb = torch.cat([freqs, freqs], dim=-1)  # [max_positions, rotary_dim]
             cos.append(emb.cos() * scale)  # transformers' attention scaling (1.0: exact)
@@ -216,9 +216,10 @@ def share_rotary_tables(model: nn.Module) -> None:
     built: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
-            if module.recipe not in built:
-                built[module.recipe] = module.build_tables()
-            module.cos, module.sin = built[module.recipe]
+            recipe = module.recipe
+            if recipe not in built:
+                built[recipe] = module.build_tables()
+            module.cos, module.sin = built[recipe]
 
 
 def rotary_table_rows(
