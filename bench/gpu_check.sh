@@ -11,7 +11,8 @@
 # checks; the transformers the tests pin, for the model families' references) go in .whl/
 # at the repository root; they are installed to /tmp/site first. QUICK=1 times fewer kernel
 # points and skips the engine throughput stage; CHECKS_ONLY=1 stops after the checks
-# (build, tests, engine, families), before any timing.
+# (build, tests, engine, families), runs compute-sanitizer and skips the timings; SKIP_KERNELS=1
+# leaves out the kernel timings.
 set -u
 ASSETS=${1:?usage: gpu_check.sh ASSETS_DIR}
 OUT=${OUT:-/tmp/gpu_check}
@@ -26,6 +27,27 @@ report() {
   echo "$1 rc $2" >>"$SUMMARY"
   grep -a '^\[gpu_' "$3" | cut -c1-500 >>"$SUMMARY"
   [ "$2" = 0 ] || tail -c 2500 "$3" >>"$SUMMARY"
+}
+
+# compute-sanitizer over a sample of the kernel tests: memcheck on every 25th (each kernel,
+# dtype and shape family appears), racecheck on every 100th; allocations uncached so an
+# out-of-bounds access leaves its own buffer. Runs last: it is the slowest stage.
+sanitize() {  # TOOL EVERY
+  awk -v n="$2" 'NR % n == 1' "$LOGS/ids.txt" >"$LOGS/$1.ids"
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${SANITIZE_LIMIT:-150}" compute-sanitizer \
+    --tool "$1" --error-exitcode 9 --print-limit 20 python3 -m pytest -q -p no:cacheprovider \
+    --timeout 600 $(cat "$LOGS/$1.ids") >"$LOGS/$1.log" 2>&1
+  echo "[gpu_sanitize] $1: rc $? over $(wc -l <"$LOGS/$1.ids") tests:" \
+    "$(grep -aE 'ERROR SUMMARY|passed|failed' "$LOGS/$1.log" | tail -2 | tr '\n' ' ')" >>"$SUMMARY"
+  tail -c 1500 "$LOGS/$1.log" >"$OUT/$1_tail.log"
+}
+sanitizer() {
+  stage "compute-sanitizer: memcheck and racecheck over samples of the kernel tests"
+  python3 -m pytest -m gpu tests/cuda_ext/test_native_cuda.py \
+    tests/cuda_ext/test_native_cuda_features.py --collect-only -q -p no:cacheprovider \
+    2>/dev/null | grep '::' >"$LOGS/ids.txt"
+  sanitize memcheck 25
+  sanitize racecheck 100
 }
 
 stage env
@@ -68,7 +90,8 @@ wait $tests
 echo "gpu tests rc $?" >>"$SUMMARY"
 tail -n 25 "$OUT/pytest.log" >>"$SUMMARY"
 
-[ "${CHECKS_ONLY:-0}" = 1 ] && { stage done; cat "$SUMMARY"; exit 0; }
+[ "${CHECKS_ONLY:-0}" = 1 ] && { sanitizer; stage done; cat "$SUMMARY"; exit 0; }
+[ "${SKIP_KERNELS:-0}" = 1 ] || {
 stage "kernel timings: GQA 32/8 heads, a sliding window, then MHA 32/32"
 if [ "${QUICK:-0}" = 1 ]; then points="--batch 1 32 256 --context 1024 16384"; else points=""; fi
 timeout 90 python3 bench/gpu_kernels.py $points --out "$OUT/gpu_kernels.json" >/dev/null \
@@ -83,11 +106,16 @@ report "kernels window" $? "$LOGS/kernels_window.log"
   report "kernels MHA" $? "$LOGS/kernels_mha.log"
 }
 
-[ "${QUICK:-0}" = 1 ] && { stage done; cat "$SUMMARY"; exit 0; }
+}
+[ "${QUICK:-0}" = 1 ] && { sanitizer; stage done; cat "$SUMMARY"; exit 0; }
 stage "engine throughput"
 timeout 120 python3 bench/gpu_e2e.py --stories "$ASSETS/stories260K" \
   --reference "$ASSETS/stories260K_greedy.json" --parts throughput \
   --out "$OUT/gpu_e2e_throughput.json" >/dev/null 2>"$LOGS/throughput.log"
 report throughput $? "$LOGS/throughput.log"
+stage "GPU idle time at batch 64, in step and one step ahead"
+timeout 120 python3 bench/gpu_idle.py --out "$OUT/gpu_idle.json" >/dev/null 2>"$LOGS/idle.log"
+report idle $? "$LOGS/idle.log"
+sanitizer
 stage done
 cat "$SUMMARY"
