@@ -12,6 +12,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
 from engine.kv.kv_cache_groups import KVCacheLayout
+from engine.speculative_config import SpeculativeConfig
 
 if TYPE_CHECKING:
     import torch
@@ -317,6 +318,8 @@ class EngineConfig:
     max_tokens_per_request: int | None = None
     # compiled structured-output grammars kept per process (an LRU cache by constraint)
     grammar_cache_size: int = 128
+    # draft tokens proposed and verified per step (None: no speculative decoding)
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         size = self.grammar_cache_size

@@ -3,6 +3,7 @@ once by `build()` into the frozen `EngineConfig` (engine/config.py)."""
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 
@@ -16,6 +17,7 @@ from engine.config import (
     SchedulerConfig,
     linear_attention_layers,
 )
+from engine.speculative_config import SpeculativeConfig, SpeculativeMethod
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +54,8 @@ class EngineArgs:
     parse_special_tokens_in_content: bool = False  # chat content may spell control tokens
     max_tokens_per_request: int | None = None  # max_tokens x sequences, per request
     grammar_cache_size: int = 128  # compiled structured-output grammars kept (LRU)
+    # {"method": "ngram", "num_speculative_tokens": k, ...} (or its JSON text); None: off
+    speculative_config: dict | str | None = None
 
     def build(self) -> EngineConfig:
         import torch  # here, not at import: the server's CLI imports this module first
@@ -94,7 +98,32 @@ class EngineArgs:
             parse_special_tokens_in_content=self.parse_special_tokens_in_content,
             max_tokens_per_request=self.max_tokens_per_request,
             grammar_cache_size=self.grammar_cache_size,
+            speculative=self._speculative(model_config),
         )
+
+    def _speculative(self, model_config) -> SpeculativeConfig | None:
+        """`speculative_config`, parsed; refused for what cannot verify drafts here."""
+        given = self.speculative_config
+        if given is None:
+            return None
+        if isinstance(given, str):
+            try:
+                given = json.loads(given)
+            except ValueError as exc:
+                raise ValueError(f"speculative_config is not valid JSON: {exc}") from None
+        spec = SpeculativeConfig.parse(given)
+        if spec.method is SpeculativeMethod.DRAFT_MODEL:
+            raise ValueError(
+                "speculative_config: method 'draft_model' is not implemented yet; "
+                "use method 'ngram'"
+            )
+        if linear_attention_layers(model_config.hf_config):
+            raise ValueError(
+                f"speculative_config: {model_config.architecture}'s linear-attention layers "
+                "keep one recurrent state per sequence, which rejected drafts would corrupt; "
+                "speculative decoding is not supported for this model"
+            )
+        return spec
 
     def _cache_dtype(self, model_config) -> KVCacheDtype:
         """`kv_cache_dtype`, refused for models whose pages hold linear-attention states

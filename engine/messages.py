@@ -398,18 +398,25 @@ class TokenDeltas:
     ranked: tuple[RankedSequence, ...] = ()
 
     def deltas(self) -> Iterator[TokenDelta]:
+        """One delta per token, in order: a request that got several tokens this step
+        (accepted drafts) gets several deltas, each with its own logprob row; its
+        prompt logprobs go with the first, its finish with the last."""
         finished = {f.request_id: f for f in self.finished}
         logprobs = {lp.request_id: lp.rows for lp in self.logprobs}
         prompt = {lp.request_id: lp.rows for lp in self.prompt_logprobs}
-        for request_id, token in zip(self.request_ids, self.token_ids, strict=True):
-            f = finished.get(request_id)
+        last = {request_id: i for i, request_id in enumerate(self.request_ids)}
+        seen: dict[str, int] = {}
+        for i, (request_id, token) in enumerate(zip(self.request_ids, self.token_ids, strict=True)):
+            n = seen[request_id] = seen.get(request_id, -1) + 1
+            f = finished.get(request_id) if last[request_id] == i else None
+            rows = logprobs.get(request_id)
             yield TokenDelta(
                 request_id=request_id,
                 token_ids=(token,),
                 finish_reason=None if f is None else f.finish_reason,
                 stop_reason=None if f is None else f.stop_reason,
-                logprobs=logprobs.get(request_id),
-                prompt_logprobs=prompt.get(request_id),
+                logprobs=None if rows is None else rows[n : n + 1],
+                prompt_logprobs=prompt.get(request_id) if n == 0 else None,
             )
 
 
@@ -426,14 +433,27 @@ class AddRequest:
     arrival_time: float
 
 
+@dataclass(frozen=True)
+class DraftCount:
+    """One sequence's speculation in one step: `num_drafts` draft tokens verified,
+    `num_accepted` of them accepted (a leading run)."""
+
+    request_id: str
+    num_drafts: int
+    num_accepted: int
+
+
 @dataclass(frozen=True, kw_only=True)
 class StepResult:
     """What step `step_id` did on worker `worker_id`, column-wise: request
-    `sampled_ids[i]` sampled `sampled_token_ids[i]`. `logprobs` holds a one-row entry
-    per sampled request that asked for logprobs, `prompt_logprobs` the prompt rows
-    scored; `error` is set if the step failed; `busy_seconds` is how long it executed.
-    `failed`: the sequences the worker could not run (it has forgotten them; the
-    scheduler ends their requests with the error)."""
+    `sampled_ids[i]` sampled `sampled_token_ids[i]`. A sequence that verified draft
+    tokens appears once per token it produced, in adjacent columns and in order: the
+    drafts accepted, then the token sampled after them. `logprobs` holds an entry per
+    sampled request that asked for logprobs, one row per token it produced;
+    `prompt_logprobs` the prompt rows scored; `error` is set if the step failed;
+    `busy_seconds` is how long it executed. `failed`: the sequences the worker could not
+    run (it has forgotten them; the scheduler ends their requests with the error).
+    `drafts`: what each sequence that verified drafts proposed and accepted."""
 
     step_id: int
     worker_id: int
@@ -444,6 +464,7 @@ class StepResult:
     error: str | None
     busy_seconds: float
     failed: tuple[RequestFailed, ...] = ()
+    drafts: tuple[DraftCount, ...] = ()
 
     @classmethod
     def empty(cls, step_id: int, worker_id: int) -> StepResult:
@@ -458,17 +479,30 @@ class StepResult:
         tokens: dict[str, int],
         logprobs: tuple[RequestLogprobs, ...],
         prompt_logprobs: tuple[RequestLogprobs, ...],
+        accepted: dict[str, list[int]] | None = None,
+        drafts: tuple[DraftCount, ...] = (),
     ) -> StepResult:
-        """A step that ran: each sampling request's token, and the logprob rows asked for."""
+        """A step that ran: each sampling request's token (after the drafts it
+        `accepted`, if any), and the logprob rows asked for."""
+        if accepted:
+            ids, token_ids = [], []
+            for request_id, token in tokens.items():
+                run = accepted.get(request_id, ())
+                ids += [request_id] * (len(run) + 1)
+                token_ids += [*run, token]
+            sampled_ids, sampled_token_ids = tuple(ids), tuple(token_ids)
+        else:
+            sampled_ids, sampled_token_ids = tuple(tokens), tuple(tokens.values())
         return cls(
             step_id=step_id,
             worker_id=worker_id,
-            sampled_ids=tuple(tokens),
-            sampled_token_ids=tuple(tokens.values()),
+            sampled_ids=sampled_ids,
+            sampled_token_ids=sampled_token_ids,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
             error=None,
             busy_seconds=0.0,
+            drafts=drafts,
         )
 
 
@@ -593,6 +627,9 @@ class CachedRequestData:
     resumed_from_preemption: bool
     last_token_id: int | None = None
     first_block_index: int = -1
+    # draft slots of the request's steps in flight: the worker may count up to this many
+    # more computed tokens than `num_computed_tokens` (drafts it accepted meanwhile)
+    num_lookahead_tokens: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -601,7 +638,13 @@ class StepPlan:
     changed or that resume after preemption (every other cached request just goes on
     from where the worker's own count says); then, column-wise, request
     `scheduled_ids[i]` computes `num_scheduled_tokens[i]` tokens; finished ids; and the
-    copy-on-write copies (block `copy_src[i]` -> `copy_dst[i]`) to make before the step."""
+    copy-on-write copies (block `copy_src[i]` -> `copy_dst[i]`) to make before the step.
+
+    Speculative decoding: a decoding row with `num_lookahead_tokens[i]` = k > 0 may
+    verify up to k draft tokens its worker proposes after its one scheduled token (its
+    table has the slots). Planning ahead of results, the scheduler's computed counts
+    trail the worker's by the drafts accepted in steps still in flight: the worker places
+    every row by its own count."""
 
     step_id: int
     new_requests: tuple[NewRequestData, ...]
@@ -617,6 +660,8 @@ class StepPlan:
     swap_in_dst: tuple[int, ...] = ()
     # constraints requests on their way will need: the worker starts compiling them now
     grammars: tuple[StructuredOutputsParams, ...] = ()
+    # column-wise with scheduled_ids: draft tokens each row may verify (empty: none may)
+    num_lookahead_tokens: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

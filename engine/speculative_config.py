@@ -23,14 +23,10 @@ class SpeculativeMethod(StrEnum):
     DRAFT_MODEL = "draft_model"  # a smaller model with its own paged KV cache
 
 
+_COMMON = {"method", "num_speculative_tokens", "disable_by_batch_size"}
 _KEYS = {
-    SpeculativeMethod.NGRAM: {
-        "method",
-        "num_speculative_tokens",
-        "prompt_lookup_min",
-        "prompt_lookup_max",
-    },
-    SpeculativeMethod.DRAFT_MODEL: {"method", "num_speculative_tokens", "model"},
+    SpeculativeMethod.NGRAM: _COMMON | {"prompt_lookup_min", "prompt_lookup_max"},
+    SpeculativeMethod.DRAFT_MODEL: _COMMON | {"model"},
 }
 _DEFAULT_LOOKUP = 5
 _LOOKUP_KEYS = ("prompt_lookup_min", "prompt_lookup_max")
@@ -40,13 +36,16 @@ _LOOKUP_KEYS = ("prompt_lookup_min", "prompt_lookup_max")
 class SpeculativeConfig:
     """A validated speculative_config: k = `num_speculative_tokens` drafts per sequence
     and step; `prompt_lookup_min/max` for ngram (the n-gram lengths tried); `model` for
-    draft_model (a checkpoint sharing the target's vocabulary)."""
+    draft_model (a checkpoint sharing the target's vocabulary);
+    `disable_by_batch_size`: no sequence speculates in a step while more than this many
+    run (None: any batch)."""
 
     method: SpeculativeMethod
     num_speculative_tokens: int
     prompt_lookup_min: int = 0
     prompt_lookup_max: int = 0
     model: str | None = None
+    disable_by_batch_size: int | None = None
 
     @classmethod
     def parse(cls, config: dict[str, Any]) -> SpeculativeConfig:
@@ -60,13 +59,16 @@ class SpeculativeConfig:
                 f"method {method.value!r}; allowed keys: {sorted(_KEYS[method])}"
             )
         k = _positive_int(config, "num_speculative_tokens", MAX_SPECULATIVE_TOKENS)
+        batch = None
+        if config.get("disable_by_batch_size") is not None:
+            batch = _positive_int(config, "disable_by_batch_size", 1 << 20)
         if method is SpeculativeMethod.DRAFT_MODEL:
             model = config.get("model")
             if not isinstance(model, str) or not model:
                 raise ValueError(
                     "speculative_config: method 'draft_model' needs 'model', a path or hub id"
                 )
-            return cls(method, k, model=model)
+            return cls(method, k, model=model, disable_by_batch_size=batch)
         given = {key: _positive_int(config, key, 1024) for key in _LOOKUP_KEYS if key in config}
         lo = given.get("prompt_lookup_min", given.get("prompt_lookup_max", _DEFAULT_LOOKUP))
         hi = given.get("prompt_lookup_max", lo)
@@ -74,7 +76,9 @@ class SpeculativeConfig:
             raise ValueError(
                 f"speculative_config: prompt_lookup_min={lo} must be <= prompt_lookup_max={hi}"
             )
-        return cls(method, k, prompt_lookup_min=lo, prompt_lookup_max=hi)
+        return cls(
+            method, k, prompt_lookup_min=lo, prompt_lookup_max=hi, disable_by_batch_size=batch
+        )
 
 
 def _method(value: Any) -> SpeculativeMethod:

@@ -12,11 +12,13 @@ from dataclasses import dataclass
 
 from engine.config import EngineConfig, PreemptionMode, SchedulerConfig
 from engine.core.engine_core import EngineCore
+from engine.core.lookahead_policy import LookaheadPolicy
 from engine.core.stats import MemoryReport
 from engine.kv.block_ledger import BlockLedger, HybridBlockLedger
 from engine.kv.block_manager import BlockManager, block_tables_for
 from engine.kv.block_tables import BlockTables
 from engine.messages import WorkerReady
+from engine.speculative_config import SpeculativeConfig
 from engine.text.request_validation import RequestLimits
 from engine.text.text_processor import TextProcessor
 from engine.text.tokenizer import Tokenizer, load_tokenizer
@@ -43,10 +45,18 @@ def build_core(
     preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE,
     attention_backend: str = "",
     memory: MemoryReport | None = None,
+    speculative: SpeculativeConfig | None = None,
 ) -> EngineCore:
     """The one place an `EngineCore` is built: for the engines (`build_engine`) and for
     the simulator (`engine.sim`, its block tables paged or contiguous)."""
-    return EngineCore(scheduler, blocks, eos_token_ids, preemption_mode, attention_backend, memory)
+    lookahead = None
+    if speculative is not None:
+        lookahead = LookaheadPolicy(
+            speculative.num_speculative_tokens, max_batch=speculative.disable_by_batch_size
+        )
+    return EngineCore(
+        scheduler, blocks, eos_token_ids, preemption_mode, attention_backend, memory, lookahead
+    )
 
 
 def build_engine(
@@ -78,6 +88,7 @@ def build_engine(
         cache.preemption_mode,
         ready.attention_backend,
         MemoryReport.from_ready(ready),
+        config.speculative,
     )
     if tokenizer is None:
         tokenizer = load_engine_tokenizer(config)

@@ -33,11 +33,18 @@ from functools import partial
 
 from engine.config import PreemptionMode, SchedulerConfig
 from engine.core.beam_group import BeamGroup, beam_params, beam_search_for, top_offers
+from engine.core.lookahead_policy import LookaheadPolicy
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
 from engine.core.scheduler_output import SchedulerOutput
 from engine.core.sequence_group import SequenceGroup, sequence_params
-from engine.core.stats import EngineStats, MemoryReport, SharingSaving, SlotUtilization
+from engine.core.stats import (
+    EngineStats,
+    MemoryReport,
+    SharingSaving,
+    SlotUtilization,
+    SpecDecodeStats,
+)
 from engine.core.step_plan_builder import StepPlanBuilder
 from engine.core.stop_checker import StopChecker
 from engine.kv.block_ledger import BlockLedger
@@ -73,12 +80,16 @@ class EngineCore:
         preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE,
         attention_backend: str = "",
         memory: MemoryReport | None = None,
+        lookahead: LookaheadPolicy | None = None,
     ) -> None:
         self.blocks = blocks
         self.attention_backend = attention_backend  # the workers' (reported in stats)
         self.memory = memory or MemoryReport()  # likewise
         self._ledger = blocks if isinstance(blocks, BlockLedger) else None
-        self.scheduler = Scheduler(config, blocks, preemption_mode=preemption_mode)
+        self.scheduler = Scheduler(
+            config, blocks, preemption_mode=preemption_mode, lookahead=lookahead
+        )
+        self.spec_decode = SpecDecodeStats()
         self.builder = StepPlanBuilder()
         self.stop_checker = StopChecker()
         self.eos_token_ids = eos_token_ids
@@ -230,6 +241,7 @@ class EngineCore:
             attention_backend=self.attention_backend,
             num_swapped=len(scheduler.swapped),
             **dataclasses.asdict(self.memory),
+            **self.spec_decode.as_fields(),
         )
 
     def check_integrity(self) -> None:
@@ -262,31 +274,48 @@ class EngineCore:
         return message
 
     def on_result(self, result: StepResult) -> TokenDeltas:
-        """Resolves the step's placeholders; the tokens that count, column-wise."""
+        """Resolves the step's placeholders; the tokens that count, column-wise. A
+        sequence's accepted drafts (the columns after its first) go in right after the
+        placeholder they extend, before those of steps still in flight; each token goes
+        through the stop checks in order, so none is kept past a stop."""
         requests = self.scheduler.requests
         for scored in result.prompt_logprobs:
             if scored.request_id in requests:
                 self._prompt_rows.setdefault(scored.request_id, []).extend(scored.rows)
         ids, tokens, finished, prompt, beams = [], [], [], [], []
+        accepted: dict[str, int] = {}
         may_stop, prompt_rows = self._may_stop, self._prompt_rows
+        run_id, k = None, 0  # the sequence whose columns are being read, and its last index
         for request_id, token in zip(result.sampled_ids, result.sampled_token_ids, strict=True):
             request = requests.get(request_id)
-            if request is None or not request.num_pending_outputs:
+            if request_id == run_id:  # an accepted draft's successor
+                if request is None:
+                    continue  # it stopped at an earlier token of this step
+                k += 1
+                request.output_token_ids.insert(k, token)
+                accepted[request_id] = accepted.get(request_id, 0) + 1
+            elif request is None or not request.num_pending_outputs:
+                run_id = None
                 if request is not None and request.group and request.group.chooses_tokens:
                     beams.append(request)  # a beam offering its continuations
                 continue  # else it ended while this step was in flight (its id may be reused)
+            else:
+                run_id = request_id
+                outputs = request.output_token_ids  # the oldest placeholder takes the token:
+                k = len(outputs) - request.num_pending_outputs
+                outputs[k] = token
+                request.num_pending_outputs -= 1
+                if prompt_rows and request_id in prompt_rows:
+                    prompt.append(RequestLogprobs(request_id, tuple(prompt_rows.pop(request_id))))
             ids.append(request_id)
             tokens.append(token)
-            outputs = request.output_token_ids  # the oldest placeholder takes the token:
-            k = len(outputs) - request.num_pending_outputs
-            outputs[k] = token
-            request.num_pending_outputs -= 1
             if token in may_stop or len(request.prompt_token_ids) + k + 1 >= request.max_num_tokens:
                 finish = self._check_stop(request, token, k + 1)
                 if finish is not None:
                     finished.append(finish)
-            if prompt_rows and request_id in prompt_rows:
-                prompt.append(RequestLogprobs(request_id, tuple(prompt_rows.pop(request_id))))
+        if result.drafts:
+            self._record_drafts(result)
+        self.scheduler.on_verified(result.step_id, accepted)
         ranked = self._advance_beams(beams, result, prompt) if beams else ()
         delivered = set(ids) if result.logprobs else ()
         logprobs = tuple(lp for lp in result.logprobs if lp.request_id in delivered)
@@ -299,6 +328,13 @@ class EngineCore:
             prompt_logprobs=tuple(prompt),
             ranked=ranked,
         )
+
+    def _record_drafts(self, result: StepResult) -> None:
+        lookahead = self.scheduler.lookahead
+        for d in result.drafts:
+            self.spec_decode.record(d.num_drafts, d.num_accepted)
+            if lookahead is not None:
+                lookahead.record(d.request_id, d.num_drafts, d.num_accepted)
 
     def _advance_beams(
         self, beams: list[Request], result: StepResult, prompt: list[RequestLogprobs]

@@ -92,13 +92,17 @@ class KnownTokens:
 class Request(KnownTokens):
     """One client call: its prompt, its sampled tokens and how much KV is computed.
 
-    Known tokens are the prompt followed by the outputs. Each step the scheduler lets
-    `num_computed_tokens` catch up with `num_tokens`; a step that reaches the end of the
-    known tokens samples one more, and its row gets a `PLACEHOLDER` output at once (the
-    engine core plans ahead of results) that the step's result resolves;
-    `num_pending_outputs` counts the unresolved ones. `arrival_index` orders requests
-    (FCFS, preemption). A request sampling several sequences is a `SequenceGroup` of
-    such requests.
+        Known tokens are the prompt followed by the outputs. Each step the scheduler lets
+        `num_computed_tokens` catch up with `num_tokens`; a step that reaches the end of the
+        known tokens samples one more, and its row gets a `PLACEHOLDER` output at once (the
+        engine core plans ahead of results) that the step's result resolves;
+        `num_pending_outputs` counts the unresolved ones. With speculative decoding a decoding
+    row also reserves slots for the draft tokens its worker verifies in the same step; the
+    result resolves the placeholder into the accepted drafts and the token after them, and
+    `num_lookahead_tokens` counts the slots of steps still in flight (the table holds
+    `num_computed_tokens + num_lookahead_tokens`). `arrival_index` orders requests
+        (FCFS, preemption). A request sampling several sequences is a `SequenceGroup` of
+        such requests.
     """
 
     request_id: str
@@ -112,6 +116,8 @@ class Request(KnownTokens):
     num_preemptions: int = 0
     max_num_tokens: int | None = None  # prompt + outputs it may reach (Scheduler sets it)
     num_pending_outputs: int = 0  # trailing output ids that are placeholders (one step ahead)
+    # KV slots reserved past num_computed_tokens for draft tokens of steps in flight
+    num_lookahead_tokens: int = 0
     group: RequestGroup | None = None  # set when this is one sequence of several
 
     @property

@@ -6,6 +6,7 @@ import bisect
 from collections import deque
 
 from engine.config import PreemptionMode, SchedulerConfig
+from engine.core.lookahead_policy import LookaheadPolicy
 from engine.core.policies import LatestArrivalFirst, PreemptionPolicy
 from engine.core.request import PLACEHOLDER, Request, RequestStatus
 from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
@@ -34,6 +35,15 @@ class Scheduler:
     With `preemption_mode="swap"` a victim's blocks are copied to the CPU swap space
     instead (when it has room; else the victim is recomputed), and swapped requests come
     back, oldest first, before any waiting request is admitted.
+
+    With speculative decoding (`lookahead`), a decoding row also gets the lookahead its
+    policy gives it: k slots for draft tokens its worker proposes and verifies in the
+    same step, from the token budget and the block table. The plan counts one token
+    computed, as without drafts; the result (`on_verified`) adds the drafts accepted,
+    releases the step's reservation and trims the table to what is left, so a table
+    always holds `num_computed_tokens + num_lookahead_tokens` slots. Planning ahead of
+    results, the next step's slots are reserved past every step in flight; the worker,
+    which knows what it accepted, places the tokens.
     """
 
     def __init__(
@@ -42,8 +52,10 @@ class Scheduler:
         kv_cache: BlockTables,
         preemption: PreemptionPolicy | None = None,
         preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE,
+        lookahead: LookaheadPolicy | None = None,
     ) -> None:
         self.config = config
+        self.lookahead = lookahead
         self.kv_cache = kv_cache
         self.preemption = preemption or LatestArrivalFirst()
         self.swapping = preemption_mode == PreemptionMode.SWAP
@@ -60,6 +72,8 @@ class Scheduler:
         self._swap_out: list[tuple[int, int]] = []  # this step's (device, CPU) copies
         self._swap_in: list[tuple[int, int]] = []  # this step's (CPU, device) copies
         self._cow_pending: set[str] = set()  # forked sequences: copy before writing
+        self._lookahead_steps: dict[int, dict[str, int]] = {}  # step -> {request: its k}
+        self._trimmed: dict[str, int] = {}  # request -> first table entry a trim dropped
 
     # -- queue ---------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -88,6 +102,8 @@ class Scheduler:
             request.group.held.remove(request)
         request.status = status
         self._free_blocks(request)
+        if self.lookahead is not None:
+            self.lookahead.forget(request_id)
         return request
 
     @property
@@ -103,6 +119,7 @@ class Scheduler:
         grow, cow = self.kv_cache.grow, self._cow_pending
         slide = self.kv_cache.slide if self.kv_cache.has_windows else None
         running = RequestStatus.RUNNING
+        lookahead, num_running = self.lookahead, len(self.running)
         for request in list(self.running):  # the hot loop: one pass, no helper calls
             if request.status != running:
                 continue  # preempted earlier in this loop
@@ -114,15 +131,19 @@ class Scheduler:
                 preempted += self._preempt_unit(request)
                 continue
             n = min(num_tokens - computed, budget)
+            k = 0
+            if lookahead is not None and computed + 1 == num_tokens and budget > 1:
+                k = min(lookahead.lookahead(request, num_running), budget - 1)
             if slide is not None:
                 slide(request.request_id, computed)
-            table = grow(request.request_id, computed + n)
+            need = computed + n + k + request.num_lookahead_tokens
+            table = grow(request.request_id, need)
             if table is None:
-                table = self._preempt_until_fits(request, computed + n, preempted)
+                table = self._preempt_until_fits(request, need, preempted)
                 if table is None:
                     continue  # it was the victim itself
-            scheduled.append(ScheduledRequest(request, computed, n, table))
-            budget -= n
+            scheduled.append(ScheduledRequest(request, computed, n, table, k))
+            budget -= n + k
             if budget == 0:
                 break
         if preempted:  # a group's earlier members may have been planned before it went
@@ -133,6 +154,8 @@ class Scheduler:
             scheduled += resumed
             if not self.swapped:
                 scheduled += self._admit_waiting(budget)
+        if self._trimmed:
+            self._note_trimmed(scheduled)
         self._step_id += 1
         return SchedulerOutput(
             self._step_id,
@@ -170,7 +193,7 @@ class Scheduler:
                 n = min(request.num_tokens - computed, budget)
                 kv.slide(request.request_id, computed)  # in the swap space: less to copy
                 self._swap_in += kv.swap_in(request.request_id)
-                table = kv.grow(request.request_id, computed + n)
+                table = kv.grow(request.request_id, computed + n + request.num_lookahead_tokens)
                 self.swapped.remove(request)
                 request.status = RequestStatus.RUNNING
                 bisect.insort(self.running, request, key=lambda r: r.arrival_index)
@@ -303,8 +326,12 @@ class Scheduler:
         return request.num_tokens >= request.max_num_tokens
 
     def _free_blocks(self, request: Request) -> None:
-        """Frees the request's blocks, first caching the full ones of known tokens."""
+        """Frees the request's blocks, first caching the full ones of known tokens; the
+        lookahead of its steps in flight goes with them (their results still count
+        the tokens they accepted as known, not as computed)."""
         self._cow_pending.discard(request.request_id)
+        if request.num_lookahead_tokens or self._trimmed:
+            self._drop_lookahead(request)
         if self.kv_cache.enable_prefix_caching:
             known = request.num_tokens - request.num_pending_outputs
             computed = min(request.num_computed_tokens, known)
@@ -373,13 +400,17 @@ class Scheduler:
     def advance(self, plan: SchedulerOutput) -> None:
         """Marks the plan's tokens as computed at once (planning ahead): every row that
         samples also gets a `PLACEHOLDER` as its next output, for the result to fill in
-        (except a beam's: its group chooses the token)."""
+        (except a beam's: its group chooses the token). A row's lookahead stays reserved
+        until the step's result (`on_verified`)."""
         running = RequestStatus.RUNNING
-        for request, computed, n, _ in plan.scheduled:
+        for request, computed, n, _, k in plan.scheduled:
             if request.status == running:
                 request.num_computed_tokens = computed + n
                 if computed < len(request.prompt_token_ids):
                     self._prompt_computed(request, computed + n)
+                if k:
+                    request.num_lookahead_tokens += k
+                    self._lookahead_steps.setdefault(plan.step_id, {})[request.request_id] = k
             if request.group is not None and request.group.chooses_tokens:
                 continue
             outputs = request.output_token_ids
@@ -399,13 +430,49 @@ class Scheduler:
             self.waiting.extendleft(reversed(group.held))
             group.held.clear()
 
+    def on_verified(self, step_id: int, accepted: dict[str, int]) -> None:
+        """Step `step_id`'s result is in: each row it planned with a lookahead gives its
+        reservation back and counts the drafts it accepted (`accepted`, by request) as
+        computed; its table shrinks to what is left reserved."""
+        planned = self._lookahead_steps.pop(step_id, None)
+        if not planned:
+            return
+        for request_id, k in planned.items():
+            request = self.requests.get(request_id)
+            if request is None:
+                continue  # ended meanwhile: its blocks are free already
+            request.num_lookahead_tokens -= k
+            request.num_computed_tokens += accepted.get(request_id, 0)
+            keep = request.num_computed_tokens + request.num_lookahead_tokens
+            running = request.status == RequestStatus.RUNNING
+            if self.kv_cache.trim(request_id, keep) and running:
+                entry = self.kv_cache.entries_for(keep)
+                self._trimmed[request_id] = min(entry, self._trimmed.get(request_id, entry))
+
+    def _note_trimmed(self, scheduled: list[ScheduledRequest]) -> None:
+        """Tables that lost tail blocks to a trim since the workers last saw them are
+        sent again from there (their new blocks need not be the ones trimmed)."""
+        for s in scheduled:
+            first = self._trimmed.pop(s.request.request_id, None)
+            if first is not None:
+                self._rewritten.append((s.request.request_id, first))
+
+    def _drop_lookahead(self, request: Request) -> None:
+        request_id = request.request_id
+        for planned in self._lookahead_steps.values():
+            planned.pop(request_id, None)
+        request.num_lookahead_tokens = 0
+        self._trimmed.pop(request_id, None)
+
     def check_integrity(self) -> None:
-        """Blocks are consistent with every running request's computed tokens."""
-        stored = {r.request_id: r.num_computed_tokens for r in self.running}
+        """Blocks are consistent with every running request's computed tokens (and the
+        slots its steps in flight reserved for drafts)."""
+        running = self.running
+        stored = {r.request_id: r.num_computed_tokens + r.num_lookahead_tokens for r in running}
         self.kv_cache.check_integrity(stored)
         for r in self.waiting:
             assert not self.kv_cache.block_table(r.request_id), f"{r.request_id} waits with blocks"
         for r in self.swapped:
             have = len(self.kv_cache.swapped_table(r.request_id))
-            need = self.kv_cache.entries_for(r.num_computed_tokens)
+            need = self.kv_cache.entries_for(r.num_computed_tokens + r.num_lookahead_tokens)
             assert have == need, f"{r.request_id}: {have} swapped entries for {need}"

@@ -11,7 +11,8 @@ RequestT = TypeVar("RequestT")  # the scheduler's `Request`, or a worker's `Work
 
 class ScheduledRequest(NamedTuple, Generic[RequestT]):  # built 256 times a step, cheaply
     """`request` computes `num_scheduled_tokens` tokens from `num_computed_tokens` on;
-    `block_table` holds at least `num_computed_tokens + num_scheduled_tokens` slots.
+    `block_table` holds at least `num_computed_tokens + num_scheduled_tokens +
+    num_lookahead_tokens` slots (plus the lookahead of the request's steps in flight).
     The scheduler's rows carry its `Request`s; a worker rebuilds the rows of a plan
     around its own replicas (engine/worker/worker_request.py).
 
@@ -22,11 +23,13 @@ class ScheduledRequest(NamedTuple, Generic[RequestT]):  # built 256 times a step
     num_computed_tokens: int
     num_scheduled_tokens: int
     block_table: Sequence[int]
+    num_lookahead_tokens: int = 0  # draft tokens its worker may verify after them
 
     @property
     def samples(self) -> bool:
-        """True when this step reaches the end of the known tokens and samples one more."""
-        return self.num_computed_tokens + self.num_scheduled_tokens == self.request.num_tokens
+        """True when this step reaches the end of the known tokens and samples one more
+        (a worker's row verifying drafts reaches past them)."""
+        return self.num_computed_tokens + self.num_scheduled_tokens >= self.request.num_tokens
 
 
 @dataclass(frozen=True)

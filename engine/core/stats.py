@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,12 @@ class EngineStats:
     kv_cache_bytes: int = 0
     kv_cache_dtype: str = ""
     quantization: str = ""
+    # speculative decoding so far (vLLM's spec_decode metrics): steps in which a sequence
+    # verified drafts, the drafts verified, those accepted, and accepted by draft position
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
 
     @classmethod
     def merged(cls, parts: Sequence[EngineStats]) -> EngineStats:
@@ -69,6 +75,10 @@ class EngineStats:
                 values[f.name] = weighted / total if total else sum(column) / len(column)
             elif isinstance(column[0], str):
                 values[f.name] = ",".join(dict.fromkeys(column))
+            elif isinstance(column[0], tuple):  # per position: summed position by position
+                width = max(len(c) for c in column)
+                sums = (sum(c[i] for c in column if i < len(c)) for i in range(width))
+                values[f.name] = tuple(sums)
             else:
                 values[f.name] = sum(column)
         return cls(**values)
@@ -82,6 +92,18 @@ class EngineStats:
     def prefix_cache_hit_rate(self) -> float:
         q = self.prefix_cache_queried_tokens
         return self.prefix_cache_hit_tokens / q if q else 0.0
+
+    @property
+    def spec_decode_acceptance_rate(self) -> float:
+        """Drafts accepted / drafts verified (0 when none were)."""
+        n = self.spec_decode_num_draft_tokens
+        return self.spec_decode_num_accepted_tokens / n if n else 0.0
+
+    @property
+    def spec_decode_mean_accepted_length(self) -> float:
+        """Tokens each speculating sequence gained per step: 1 + accepted / verifications."""
+        n = self.spec_decode_num_drafts
+        return 1 + self.spec_decode_num_accepted_tokens / n if n else 0.0
 
 
 # EngineStats' ratios, and the count each is a ratio of (its weight when merged)
@@ -147,3 +169,36 @@ class SharingSaving:
     @property
     def mean(self) -> float:
         return 1.0 - self.owned_blocks / self.table_blocks if self.table_blocks else 0.0
+
+
+@dataclass
+class SpecDecodeStats:
+    """Speculative decoding so far: verifications (a sequence's drafts in one step),
+    drafts verified, drafts accepted, and accepted drafts by position (index i: drafts
+    accepted as the (i + 1)-th of their step)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def record(self, num_drafts: int, num_accepted: int) -> None:
+        if num_drafts == 0:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        per_pos = self.accepted_per_pos
+        if len(per_pos) < num_drafts:
+            per_pos += [0] * (num_drafts - len(per_pos))
+        for i in range(num_accepted):
+            per_pos[i] += 1
+
+    def as_fields(self) -> dict:
+        """EngineStats' spec_decode_* fields."""
+        return dict(
+            spec_decode_num_drafts=self.num_drafts,
+            spec_decode_num_draft_tokens=self.num_draft_tokens,
+            spec_decode_num_accepted_tokens=self.num_accepted_tokens,
+            spec_decode_num_accepted_tokens_per_pos=tuple(self.accepted_per_pos),
+        )

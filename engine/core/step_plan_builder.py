@@ -42,13 +42,14 @@ class StepPlanBuilder:
         for request_id in finished:
             self._sent.pop(request_id, None)
             chosen.pop(request_id, None)
-        new, cached, ids, counts = [], [], [], []
+        new, cached, ids, counts, lookahead = [], [], [], [], []
         sent = self._sent
         rewritten = dict(plan.rewritten_tables) if plan.rewritten_tables else None
-        for r, computed, n, table in plan.scheduled:
+        for r, computed, n, table, k in plan.scheduled:
             request_id = r.request_id
             ids.append(request_id)
             counts.append(n)
+            lookahead.append(k)
             seen = sent.get(request_id)
             if seen is None:
                 known = len(r.output_token_ids) - r.num_pending_outputs
@@ -89,6 +90,7 @@ class StepPlanBuilder:
             swap_in_src=tuple(src for src, _ in plan.swap_in),
             swap_in_dst=tuple(dst for _, dst in plan.swap_in),
             grammars=self._take_grammars(),
+            num_lookahead_tokens=tuple(lookahead) if any(lookahead) else (),
         )
 
     def _take_grammars(self) -> tuple[StructuredOutputsParams, ...]:
@@ -119,4 +121,5 @@ class StepPlanBuilder:
             resumed_from_preemption=resumed,
             last_token_id=last,
             first_block_index=first,
+            num_lookahead_tokens=r.num_lookahead_tokens,
         )

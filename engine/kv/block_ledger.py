@@ -69,9 +69,13 @@ class BlockLedger(KVCacheManager):
         return freed
 
     def trim(self, seq_id: str, num_tokens: int) -> int:
-        before = (len(self.block_table(seq_id)), len(self._hashes.get(seq_id, ())))
+        def sizes() -> tuple[int, int, int]:
+            hashes = len(self._hashes.get(seq_id, ()))
+            return len(self.block_table(seq_id)), len(self.swapped_table(seq_id)), hashes
+
+        before = sizes()
         freed = super().trim(seq_id, num_tokens)
-        if before != (len(self.block_table(seq_id)), len(self._hashes.get(seq_id, ()))):
+        if before != sizes():
             self._ops.append(BlockOp(TRIM, seq_id, num_tokens))
         return freed
 

@@ -188,6 +188,9 @@ class HybridKVCacheManager(KVCacheManager):
     def _release(self, entries: list[int]) -> None:
         self.pool.free(_live(reversed(entries)))
 
+    def _release_swapped(self, entries: list[int]) -> None:
+        self.cpu_pool.free(_live(entries))
+
     def free(self, seq_id: str) -> None:
         table = self._tables.pop(seq_id, None)
         self._hashes.pop(seq_id, None)

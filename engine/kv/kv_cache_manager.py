@@ -166,17 +166,19 @@ class KVCacheManager:
         return copies
 
     def trim(self, seq_id: str, num_tokens: int) -> int:
-        """The table keeps only the blocks its first `num_tokens` tokens need; the rest
-        (slots a step reserved for draft tokens that verification rejected) go back to
-        the pool, tail first, and no prefix hash outlives the full blocks kept. Returns
-        the blocks freed."""
-        table = self._tables.get(seq_id)
+        """The table (on the device, or swapped out) keeps only the blocks its first
+        `num_tokens` tokens need; the rest (slots a step reserved for draft tokens that
+        verification rejected) go back to their pool, tail first, and no prefix hash
+        outlives the full blocks kept. Returns the blocks freed."""
+        table, release = self._tables.get(seq_id), self._release
+        if not table:  # a swapped-out table gives back swap space
+            table, release = self._swapped.get(seq_id), self._release_swapped
         if not table:
             return 0
         keep = self.entries_for(num_tokens)
         freed = table[keep:]
         if freed:
-            self._release(freed)
+            release(freed)
             del table[keep:]
         hashes = self._hashes.get(seq_id)
         if hashes:
@@ -186,6 +188,10 @@ class KVCacheManager:
     def _release(self, entries: list[int]) -> None:
         """Table entries back to the pool, tail first."""
         self.pool.free(reversed(entries))
+
+    def _release_swapped(self, entries: list[int]) -> None:
+        """Swapped-out table entries back to the swap space."""
+        self.cpu_pool.free(entries)
 
     def free(self, seq_id: str) -> None:
         """Drops the table (or the swapped-out one). Its tail blocks go first, so under

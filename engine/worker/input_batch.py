@@ -33,8 +33,11 @@ class ModelInput:
     metadata: AttentionMetadata | GroupedAttentionMetadata
     rows: tuple[Row, ...]  # row order of the batch
     sample_rows: tuple[Row, ...]  # rows that sample, in row order
-    logits_indices: torch.Tensor  # [num_sample_rows] int64: each sampling row's last token
+    # [sum over sample rows of num_drafts + 1] int64: each sampling row's last known
+    # token, and after it each of the draft tokens it verifies
+    logits_indices: torch.Tensor
     prompt_logprob_spans: tuple[PromptLogprobSpan, ...]
+    num_drafts: tuple[int, ...] = ()  # per sample row: drafts it verifies (empty: none)
 
 
 def build_model_input(
@@ -45,7 +48,9 @@ def build_model_input(
 ) -> ModelInput:
     """The flattened batch of `scheduled`. With a hybrid `layout` each table interleaves
     one table per KV cache group (entry `i * G + g`: group g's block i), and the batch
-    carries every group's metadata."""
+    carries every group's metadata. A row whose request holds `draft_token_ids` computes
+    them after its known tokens (its `num_scheduled_tokens` counts them) and has a
+    logit row for each."""
     num_groups = layout.num_groups if layout is not None and layout.is_hybrid else 1
     rows = sorted(scheduled, key=lambda s: s.num_scheduled_tokens != 1)  # stable: decodes first
     ids: list[int] = []
@@ -53,10 +58,15 @@ def build_model_input(
     slots: list[list[int]] = [[] for _ in range(num_groups)]  # per group
     starts = [0]
     logits_indices: list[int] = []
+    num_drafts: list[int] = []
     spans = []
     for row in rows:
         begin, end = row.num_computed_tokens, row.num_computed_tokens + row.num_scheduled_tokens
-        ids += row.request.token_ids(begin, end)
+        drafts = getattr(row.request, "draft_token_ids", None)  # a worker's replica's
+        if drafts:
+            ids += row.request.token_ids(begin, end - len(drafts)) + drafts
+        else:
+            ids += row.request.token_ids(begin, end)
         positions += range(begin, end)
         table = row.block_table
         for g, group_slots in enumerate(slots):
@@ -65,7 +75,9 @@ def build_model_input(
                 for p in range(begin, end)
             ]
         if row.samples:
-            logits_indices.append(len(ids) - 1)
+            d = len(drafts) if drafts else 0
+            logits_indices += range(len(ids) - 1 - d, len(ids))
+            num_drafts.append(d)
         span = _prompt_logprob_span(row, starts[-1])
         if span is not None:
             spans.append(span)
@@ -83,6 +95,7 @@ def build_model_input(
         sample_rows=tuple(r for r in rows if r.samples),
         logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=device),
         prompt_logprob_spans=tuple(spans),
+        num_drafts=tuple(num_drafts) if any(num_drafts) else (),
     )
 
 

@@ -27,13 +27,14 @@ from engine.worker.kv_cache import (
 )
 from engine.worker.logprobs import TokenLogprobs, compute_token_logprobs, to_dicts
 from engine.worker.model_loader import load_model
-from engine.worker.model_output import LogprobDict, ModelOutput
+from engine.worker.model_output import LogprobDict, ModelOutput, Verified
 from engine.worker.models.prepack import prepack_linears
 from engine.worker.parallel.group import TensorParallelGroup
 from engine.worker.parallel.layers import kv_heads_per_rank
 from engine.worker.quantized_weight import QuantizedWeight
 from engine.worker.sampler import Sampler
 from engine.worker.sampling_metadata import SamplingMetadata, SamplingRow
+from engine.worker.speculative.draft_verifier import DraftVerifier
 
 if TYPE_CHECKING:
     from engine.worker.grammar.matchers import GrammarMatchers
@@ -73,6 +74,9 @@ class ModelRunner:
         self.grammars = grammars
         self.model_config = model_config
         self.kv_layout = model_config.kv_cache_layout  # derived from the config: once
+        # block tables interleave one table per KV cache group (entries per block position)
+        self.num_table_groups = self.kv_layout.num_groups if self.kv_layout.is_hybrid else 1
+        self.max_model_len = model_config.max_model_len
         self.cache_config = cache_config
         self.device = device_config.device
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -104,6 +108,7 @@ class ModelRunner:
             logger.info("the model's forward pass runs through torch.compile")
         gen = torch.Generator(device=self.device).manual_seed(model_config.seed)
         self.sampler = Sampler(gen)
+        self.verifier = DraftVerifier(model_config.vocab_size, self.device, gen)
         self.kv_cache: KVCache = []
         self.swap_cache: KVCache = []  # CPU blocks of swapped-out sequences
 
@@ -218,17 +223,83 @@ class ModelRunner:
         prompt_lp = self._prompt_logprobs(batch, hidden)
         if not sample or not batch.sample_rows:
             return ModelOutput({}, prompt_logprobs=prompt_lp)
-        logits = self.model.compute_logits(hidden[batch.logits_indices])  # [S, vocab]
-        ids = [r.request.request_id for r in batch.sample_rows]
+        # [S, vocab]: a row per sampling row, and one more per draft token it verifies
+        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        if batch.num_drafts:
+            return self._sample_with_drafts(batch, logits, prompt_lp)
+        sampled, rows = self._sample(batch.sample_rows, logits)
+        return ModelOutput(sampled, rows, prompt_lp)
+
+    def _sample(
+        self, sample_rows: Sequence[ScheduledRequest], logits: torch.Tensor
+    ) -> tuple[dict[str, int], dict[str, LogprobDict]]:
+        """One token per row from its logits [S, vocab]; the logprob rows asked for."""
+        ids = [r.request.request_id for r in sample_rows]
         if self.group.is_first:
-            out = self.sampler(logits, self._sampling_metadata(batch))
+            out = self.sampler(logits, self._sampling_metadata(sample_rows))
             tokens, logprobs = out.sampled_token_ids, out.logprobs  # [S] int64
         else:  # rank 0 samples; this rank only needs the tokens, for its worker
             tokens, logprobs = torch.empty(len(ids), dtype=torch.int64, device=logits.device), None
         tokens = self.group.broadcast(tokens).tolist()
         sampled = dict(zip(ids, tokens, strict=True))
-        rows = _sample_logprobs(batch.sample_rows, tokens, logprobs)
-        return ModelOutput(sampled, rows, prompt_lp)
+        return sampled, _sample_logprobs(sample_rows, tokens, logprobs)
+
+    def _sample_with_drafts(
+        self, batch: ModelInput, logits: torch.Tensor, prompt_lp: dict
+    ) -> ModelOutput:
+        """A step where some rows verify drafts: the others sample as usual (seeded and
+        constrained rows among them), the drafting rows go through the verifier."""
+        rows, counts = batch.sample_rows, batch.num_drafts
+        starts = [0]
+        for d in counts:
+            starts.append(starts[-1] + d + 1)
+        plain = [i for i, d in enumerate(counts) if d == 0]
+        drafting = [i for i, d in enumerate(counts) if d > 0]
+        sampled, lp_rows = {}, {}
+        if plain:
+            index = torch.tensor([starts[i] for i in plain], device=logits.device)
+            sampled, lp_rows = self._sample([rows[i] for i in plain], logits[index])
+        spans = [range(starts[i], starts[i + 1]) for i in drafting]
+        index = torch.tensor([j for span in spans for j in span], device=logits.device)
+        spec_rows = [rows[i] for i in drafting]
+        emitted = self._verify(spec_rows, logits[index])  # [B, K + 1], EMPTY after each row's
+        verified = {}
+        for row, tokens in zip(spec_rows, emitted, strict=True):
+            tokens = [t for t in tokens if t >= 0]
+            request = row.request
+            sampled[request.request_id] = tokens[-1]
+            verified[request.request_id] = Verified(len(request.draft_token_ids), tokens[:-1])
+        if self.group.is_first:
+            self._verified_logprobs(spec_rows, spans, logits, sampled, verified, lp_rows)
+        return ModelOutput(sampled, lp_rows, prompt_lp, verified)
+
+    def _verify(self, rows: Sequence[ScheduledRequest], logits: torch.Tensor) -> list[list[int]]:
+        """The drafting rows' emitted tokens (rank 0 verifies, every rank gets them)."""
+        k = max(len(r.request.draft_token_ids) for r in rows)
+        if self.group.is_first:
+            sampling_rows = [self._sampling_row(r) for r in rows]
+            drafts = [r.request.draft_token_ids for r in rows]
+            emitted = self.verifier.verify(logits, sampling_rows, drafts).token_ids
+        else:
+            emitted = torch.empty((len(rows), k + 1), dtype=torch.int64, device=logits.device)
+        return self.group.broadcast(emitted).tolist()
+
+    def _verified_logprobs(self, rows, spans, logits, sampled, verified, lp_rows) -> None:
+        """Each emitted token's logprob row, for the drafting rows that asked."""
+        for row, span in zip(rows, spans, strict=True):
+            request = row.request
+            if request.params.logprobs is None:
+                continue
+            v = verified[request.request_id]
+            tokens = [*v.accepted, sampled[request.request_id]]
+            index = torch.tensor(list(span)[: len(tokens)], device=logits.device)
+            num_top = request.params.logprobs
+            lp = compute_token_logprobs(
+                logits[index], torch.tensor(tokens, device=logits.device), num_top
+            )
+            dicts = to_dicts(lp, tokens, [num_top] * len(tokens))
+            v.logprobs.extend(dicts[:-1])
+            lp_rows[request.request_id] = dicts[-1]
 
     def move_blocks(self, plan: SchedulerOutput) -> None:
         """A step's block traffic before its forward pass: swap-outs (device -> CPU), then
@@ -250,22 +321,24 @@ class ModelRunner:
         pairs = torch.tensor(copies, dtype=torch.int64, device=self.device)  # [num_copies, 2]
         self.backend.copy_blocks(distinct_tensors(self.kv_cache), pairs[:, 0], pairs[:, 1])
 
-    def _sampling_metadata(self, batch: ModelInput) -> SamplingMetadata:
-        rows = []
-        for item in batch.sample_rows:
-            r = item.request
-            stops = frozenset(r.params.stop_token_ids or ())
-            if not r.params.ignore_eos:
-                stops |= r.eos_token_ids
-            rows.append(SamplingRow(r.params, r.prompt_token_ids, r.output_token_ids, stops))
-        grammar = self._grammar_bitmask(batch)
+    def _sampling_metadata(self, sample_rows: Sequence[ScheduledRequest]) -> SamplingMetadata:
+        rows = [self._sampling_row(item) for item in sample_rows]
+        grammar = self._grammar_bitmask(sample_rows)
         return SamplingMetadata.from_rows(rows, self.model_config.vocab_size, self.device, grammar)
 
-    def _grammar_bitmask(self, batch: ModelInput) -> GrammarBitmask | None:
+    @staticmethod
+    def _sampling_row(item: ScheduledRequest) -> SamplingRow:
+        r = item.request
+        stops = frozenset(r.params.stop_token_ids or ())
+        if not r.params.ignore_eos:
+            stops |= r.eos_token_ids
+        return SamplingRow(r.params, r.prompt_token_ids, r.output_token_ids, stops)
+
+    def _grammar_bitmask(self, sample_rows: Sequence[ScheduledRequest]) -> GrammarBitmask | None:
         """The step's grammar mask over its sampling rows; None when none is constrained."""
         if self.grammars is None:
             return None
-        matchers = [r.request.grammar for r in batch.sample_rows]
+        matchers = [r.request.grammar for r in sample_rows]
         return self.grammars.step_bitmask(matchers, self.device)
 
     def _prompt_logprobs(self, batch: ModelInput, hidden: torch.Tensor) -> dict:

@@ -79,15 +79,16 @@ class Sampler:
 
     def _sample_random(self, x: Tensor, md: SamplingMetadata) -> Tensor:
         """Temperature, top-k/top-p/min-p, then one exponential race per row: [B, V] -> [B]."""
-        x = x / md.temperature.unsqueeze(1)  # [B, V]
-        if md.any_top_k or md.any_top_p:
-            x = _top_k_top_p(x, md)
-        probs = torch.softmax(x, dim=-1)  # [B, V]
-        if md.any_min_p:
-            max_p = probs.amax(dim=-1, keepdim=True)  # [B, 1]
-            probs = probs.masked_fill(probs < md.min_p.unsqueeze(1) * max_p, 0.0)
+        probs = _filtered_probs(x, md)  # [B, V]
         noise = self._exponential_noise(probs, md)  # [B, V]
         return (probs / noise).argmax(dim=-1)
+
+    @staticmethod
+    def probabilities(x: Tensor, md: SamplingMetadata) -> Tensor:
+        """The distribution a random row draws from, given its processed logits
+        (`process_logits`): temperature, top-k/top-p/min-p, normalized. [B, V] -> [B, V]."""
+        probs = _filtered_probs(x, md)
+        return probs / probs.sum(dim=-1, keepdim=True)
 
     def _exponential_noise(self, probs: Tensor, md: SamplingMetadata) -> Tensor:
         noise = torch.empty_like(probs).exponential_(generator=self.generator)  # [B, V]
@@ -95,6 +96,18 @@ class Sampler:
             gen = torch.Generator(device=probs.device).manual_seed(seed)
             noise[row].exponential_(generator=gen)
         return noise.clamp_min_(_MIN_NOISE)
+
+
+def _filtered_probs(x: Tensor, md: SamplingMetadata) -> Tensor:
+    """Temperature, top-k/top-p, softmax, then min-p's cut (not renormalized): [B, V]."""
+    x = x / md.temperature.unsqueeze(1)  # [B, V]
+    if md.any_top_k or md.any_top_p:
+        x = _top_k_top_p(x, md)
+    probs = torch.softmax(x, dim=-1)  # [B, V]
+    if md.any_min_p:
+        max_p = probs.amax(dim=-1, keepdim=True)  # [B, 1]
+        probs = probs.masked_fill(probs < md.min_p.unsqueeze(1) * max_p, 0.0)
+    return probs
 
 
 def _apply_penalties(x: Tensor, md: SamplingMetadata) -> Tensor:

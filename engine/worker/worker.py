@@ -11,10 +11,12 @@ from typing import TYPE_CHECKING
 
 from engine.config import EngineConfig
 from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from engine.core.stop_checker import max_num_tokens
 from engine.engine_args import EngineArgs
 from engine.errors import describe
 from engine.messages import (
     CachedRequestData,
+    DraftCount,
     LogprobRow,
     NewRequestData,
     RequestFailed,
@@ -32,6 +34,7 @@ if TYPE_CHECKING:
     from engine.worker.grammar.backend import GrammarMatcher
     from engine.worker.grammar.matchers import GrammarMatchers
     from engine.worker.model_runner import ModelRunner
+    from engine.worker.speculative.proposer import Proposer
 
 
 class Worker:
@@ -53,6 +56,13 @@ class Worker:
     `params.structured_outputs` gets its matcher when it is added (a constraint that
     does not compile fails it), and each token it samples advances the matcher before
     the next plan runs; a token the grammar refuses fails the request.
+
+    Speculative decoding: with a `proposer`, a row the plan gives a lookahead of k gets
+    up to k draft tokens proposed from the request's known tokens, as many as its table
+    has slots for and its length limit allows; its row computes them after its one
+    token and samples at each, and the verifier's accepted drafts and the token after
+    them are appended in order. The worker places every row by its own computed count
+    (which the scheduler, planning ahead of results, only bounds from below).
     """
 
     def __init__(
@@ -60,10 +70,12 @@ class Worker:
         runner: ModelRunner | None,
         worker_id: int = 0,
         grammars: GrammarMatchers | None = None,
+        proposer: Proposer | None = None,
     ) -> None:
         self.runner = runner
         self.worker_id = worker_id
         self.grammars = grammars
+        self.proposer = proposer
         self.eos_token_ids = runner.model_config.eos_token_ids if runner else frozenset()
         self.requests: dict[str, WorkerRequest] = {}
         self.block_tables: dict[str, list[int]] = {}
@@ -85,11 +97,16 @@ class Worker:
                     SchedulerOutput(plan.step_id, (), (), copies, swap_out, swap_in)
                 )
             return self._result(StepResult.empty(plan.step_id, self.worker_id), failures)
+        lookahead = (
+            dict(zip(plan.scheduled_ids, plan.num_lookahead_tokens, strict=True))
+            if plan.num_lookahead_tokens
+            else {}
+        )
         scheduled = tuple(
             ScheduledRequest(
                 self.requests[rid],
                 self.requests[rid].num_computed_tokens,
-                n,
+                n + self._propose(rid, lookahead[rid]) if lookahead.get(rid) else n,
                 self.block_tables[rid],
             )
             for rid, n in runnable
@@ -132,11 +149,43 @@ class Worker:
             runnable.append((rid, n))
         return runnable
 
+    def _propose(self, request_id: str, k: int) -> int:
+        """Draft tokens for `request_id`'s row (up to `k`; fewer where its table or its
+        length limit has no room), kept on the request for this step; how many."""
+        request = self.requests[request_id]
+        if self.proposer is None or request.grammar is not None:
+            return 0
+        runner = self.runner
+        slots = len(self.block_tables[request_id]) // runner.num_table_groups
+        room = min(
+            slots * runner.cache_config.block_size - request.num_tokens,
+            max_num_tokens(request.params, request.num_prompt_tokens, runner.max_model_len)
+            - request.num_tokens
+            - 1,
+        )
+        if room <= 0:
+            return 0
+        drafts = self.proposer.propose(request.prompt_token_ids + request.output_token_ids)
+        request.draft_token_ids = drafts[: min(k, room)]
+        return len(request.draft_token_ids)
+
     def _sample(self, step: SchedulerOutput, failures: dict[str, str]) -> StepResult:
         """Runs the step, advances the requests it ran, and reports what they sampled."""
-        result = self._run(step)
+        try:
+            result = self._run(step)
+        finally:
+            drafted = [s.request for s in step.scheduled if s.request.draft_token_ids]
+            for request in drafted:
+                request.draft_token_ids = []
+        verified = result.verified
         for item in step.scheduled:
-            item.request.num_computed_tokens += item.num_scheduled_tokens
+            request = item.request
+            v = verified.get(request.request_id) if verified else None
+            if v is None:
+                request.num_computed_tokens += item.num_scheduled_tokens
+            else:  # its one token and the drafts accepted; the rest are overwritten later
+                request.num_computed_tokens += 1 + len(v.accepted)
+                request.output_token_ids += v.accepted
         refused = []
         for request_id, token in result.sampled.items():
             request = self.requests[request_id]
@@ -151,6 +200,8 @@ class Worker:
             result.sampled,
             tuple(self._logprobs(result)),
             tuple(self._prompt_logprobs(result)),
+            {rid: v.accepted for rid, v in verified.items()} if verified else None,
+            tuple(DraftCount(rid, v.num_drafts, len(v.accepted)) for rid, v in verified.items()),
         )
 
     def _drop_refused(
@@ -165,7 +216,7 @@ class Worker:
         sampled = {r: t for r, t in result.sampled.items() if r not in refused}
         logprobs = {r: row for r, row in result.logprobs.items() if r not in refused}
         prompt = {r: rows for r, rows in result.prompt_logprobs.items() if r not in refused}
-        return ModelOutput(sampled, logprobs, prompt)
+        return ModelOutput(sampled, logprobs, prompt, result.verified)
 
     @staticmethod
     def _result(result: StepResult, failures: dict[str, str]) -> StepResult:
@@ -185,9 +236,13 @@ class Worker:
         return self.runner.execute(step)
 
     def _logprobs(self, result: ModelOutput) -> Iterator[RequestLogprobs]:
-        """Sampled-token logprobs of the requests that asked for them."""
+        """Sampled-token logprobs of the requests that asked for them (a row per token:
+        accepted drafts first)."""
+        verified = result.verified
         for request_id, row in result.logprobs.items():
-            yield RequestLogprobs(request_id, (_wire_row(row),))
+            v = verified.get(request_id) if verified else None
+            rows = (row,) if v is None else (*v.logprobs, row)
+            yield RequestLogprobs(request_id, tuple(_wire_row(r) for r in rows))
 
     def _prompt_logprobs(self, result: ModelOutput) -> Iterator[RequestLogprobs]:
         for request_id, rows in result.prompt_logprobs.items():
@@ -229,9 +284,10 @@ class Worker:
             del table[cached.first_block_index :]
         table.extend(cached.new_block_ids)
         request = self.requests[cached.request_id]
-        if not cached.resumed_from_preemption:
-            _check_in_step(request, cached.num_computed_tokens)
-        request.num_computed_tokens = cached.num_computed_tokens
+        if cached.resumed_from_preemption:
+            request.num_computed_tokens = cached.num_computed_tokens
+        else:
+            _check_in_step(request, cached.num_computed_tokens, cached.num_lookahead_tokens)
         if cached.last_token_id is not None:
             request.output_token_ids[-1] = cached.last_token_id
             if request.grammar is not None:
@@ -258,12 +314,14 @@ def _advance(grammar: GrammarMatcher, token: int) -> bool:
     return grammar.is_terminated or grammar.accept(token)
 
 
-def _check_in_step(request: WorkerRequest, num_computed_tokens: int) -> None:
-    """The worker counts computed tokens itself between diffs; a diff must agree."""
-    if request.num_computed_tokens != num_computed_tokens:
+def _check_in_step(request: WorkerRequest, num_computed_tokens: int, lookahead: int) -> None:
+    """The worker counts computed tokens itself between diffs; a diff must agree, up to
+    the drafts the worker may have accepted in steps the plan was made ahead of."""
+    have = request.num_computed_tokens
+    if not num_computed_tokens <= have <= num_computed_tokens + lookahead:
         raise RuntimeError(
-            f"{request.request_id}: the plan says {num_computed_tokens} computed tokens, "
-            f"the worker counted {request.num_computed_tokens}"
+            f"{request.request_id}: the plan says {num_computed_tokens} computed tokens "
+            f"(and {lookahead} draft slots in flight), the worker counted {have}"
         )
 
 
@@ -310,7 +368,18 @@ def build_worker(
         kv_cache_dtype=cache_dtype_name(config.model, config.cache.cache_dtype),
         quantization=config.model.quantization.value,
     )
-    return Worker(runner, worker_id, grammars), ready
+    return Worker(runner, worker_id, grammars, _proposer(config)), ready
+
+
+def _proposer(config: EngineConfig) -> Proposer | None:
+    """The draft proposer `config.speculative` names (None: no speculative decoding)."""
+    spec = config.speculative
+    if spec is None:
+        return None
+    from engine.worker.speculative.ngram_proposer import NgramProposer
+
+    k = spec.num_speculative_tokens
+    return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max, k)
 
 
 def _grammar_matchers(config: EngineConfig) -> GrammarMatchers:

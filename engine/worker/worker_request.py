@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from engine.core.request import KnownTokens
@@ -25,6 +25,8 @@ class WorkerRequest(KnownTokens):
     request asking for prompt logprobs has them scored once, even if recomputed later).
     `grammar`: the matcher of a request with `params.structured_outputs`, on the rank
     that samples; it has accepted every output token (it survives preemption with them).
+    `draft_token_ids`: the draft tokens its row verifies in the step being run (proposed
+    by the worker, after the known tokens; cleared once the step's result is in).
     """
 
     request_id: str
@@ -35,6 +37,7 @@ class WorkerRequest(KnownTokens):
     num_computed_tokens: int
     num_scored_prompt_tokens: int = 0
     grammar: GrammarMatcher | None = None
+    draft_token_ids: list[int] = field(default_factory=list)  # verified in this step
 
     @classmethod
     def of(cls, new: NewRequestData, eos_token_ids: frozenset[int]) -> WorkerRequest:

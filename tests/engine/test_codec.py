@@ -341,7 +341,9 @@ FIELD_ORDER = {
         "error",
         "busy_seconds",
         "failed",
+        "drafts",
     ],
+    "DraftCount": ["request_id", "num_drafts", "num_accepted"],
     "RequestFailed": ["request_id", "error"],
     "WorkerHeartbeat": ["worker_id", "sent_at"],
     "WorkerReady": [
@@ -382,6 +384,7 @@ FIELD_ORDER = {
         "resumed_from_preemption",
         "last_token_id",
         "first_block_index",
+        "num_lookahead_tokens",
     ],
     "StepPlan": [
         "step_id",
@@ -397,6 +400,7 @@ FIELD_ORDER = {
         "swap_in_src",
         "swap_in_dst",
         "grammars",
+        "num_lookahead_tokens",
     ],
     "PrepareGrammar": ["params"],
     "OutputDelta": [
@@ -507,15 +511,22 @@ def _frame(name, fields):
         (_frame("AddRequest", ["r", [1, "x"], [], 0.0]), "prompt_token_ids"),
         (_frame("AddRequest", ["r", [1, True], [], 0.0]), "prompt_token_ids"),
         (_frame("AddRequest", ["r", [1], [1] * 5, 0.0]), "params"),
-        (_frame("StepResult", [1, 0, ["r"], [1.5], [], [], None, 0.0, []]), "sampled_token_ids"),
-        (_frame("StepResult", [1, 0, ["r"], [True], [], [], None, 0.0, []]), "sampled_token_ids"),
+        (
+            _frame("StepResult", [1, 0, ["r"], [1.5], [], [], None, 0.0, [], []]),
+            "sampled_token_ids",
+        ),
+        (
+            _frame("StepResult", [1, 0, ["r"], [True], [], [], None, 0.0, [], []]),
+            "sampled_token_ids",
+        ),
         (
             _frame(
-                "StepResult", [1, 0, [], [], [["r", [[[1, -0.5, "x", None]]]]], [], None, 0.0, []]
+                "StepResult",
+                [1, 0, [], [], [["r", [[[1, -0.5, "x", None]]]]], [], None, 0.0, [], []],
             ),
             "rank",
         ),
-        (_frame("StepResult", [1, 0, [], None]), "expected 9 fields"),
+        (_frame("StepResult", [1, 0, [], None]), "expected 10 fields"),
     ],
 )
 def test_garbage_and_wrong_types_are_rejected(frame, reason):
