@@ -236,6 +236,112 @@ def check_families(device: str) -> dict:
     return dict(families=results, ok=ok and swapped, every_tight_run_swapped=swapped)
 
 
+SPEC_FAMILIES = ("llama", "qwen3", "mistral-window", "gemma2", "gpt-oss", "mixtral")
+NGRAM = {
+    "method": "ngram",
+    "num_speculative_tokens": 3,
+    "prompt_lookup_min": 1,
+    "prompt_lookup_max": 3,
+    "disable_by_batch_size": 64,
+}
+
+
+def check_speculative(device: str) -> dict:
+    """Prompt-lookup speculative decoding on this device: each family of SPEC_FAMILIES
+    (tiny random configs, prompts that repeat themselves) gives the same greedy tokens
+    with drafts verified as without, in step, one step ahead, and in a cache small
+    enough to swap."""
+    from tests.engine.tiny_models import VOCAB, save_hf_model
+
+    rng = random.Random(4)
+    prompts = []
+    for i in range(6):
+        piece = [rng.randrange(VOCAB) for _ in range(rng.randint(2, 5))]
+        prompts.append((piece * 8)[: rng.randint(6, 30)] if i % 3 else piece)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in SPEC_FAMILIES:
+            path = str(Path(tmp) / name)
+            save_hf_model(name, Path(path))
+            base = dict(device=device, dtype="float32", skip_tokenizer_init=True, seed=0)
+            base |= dict(max_model_len=96, block_size=16, kv_cache_memory=64 << 20)
+            base |= native(device)
+            with LLM(path, **base) as llm:
+                expected = tokens(llm.generate(prompts, params, use_tqdm=False))
+            runs = {}
+            for label, extra in dict(in_step={}, one_step_ahead=dict(pipeline_depth=2)).items():
+                try:
+                    with LLM(path, **base, **extra, speculative_config=NGRAM) as llm:
+                        got = tokens(llm.generate(prompts, params, use_tqdm=False))
+                        stats = llm.stats()
+                    runs[label] = got == expected
+                    runs[label + "_accepted"] = stats.spec_decode_num_accepted_tokens
+                    runs[label + "_verified"] = stats.spec_decode_num_draft_tokens
+                except Exception as exc:  # noqa: BLE001 - report it, run the others
+                    runs[label] = False
+                    runs[label + "_error"] = f"{type(exc).__name__}: {exc}"[:300]
+            results[name] = runs
+            log(f"speculative {name}: {runs}")
+    ok = all(v for r in results.values() for k, v in r.items() if isinstance(v, bool))
+    accepted = all(r.get("in_step_accepted", 0) > 0 for r in results.values())
+    return dict(families=results, ok=ok and accepted)
+
+
+def spec_throughput(stories: str | None = None, batches=(1, 8, 32), out_len: int = 128) -> dict:
+    """Output tok/s without and with ngram drafts (k = 3) per batch size: the random
+    1.2B Llama (bfloat16) on prompts that repeat a random piece, or with `stories`
+    that checkpoint (float32) on story openings (it repeats names and phrases, so
+    lookup finds drafts)."""
+    rng = random.Random(1)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        if stories is None:
+            random_llama(Path(tmp))
+            vocab, dtype, path = LLAMA_1B["vocab_size"], "bfloat16", tmp
+        else:
+            vocab, dtype, path = 512, "float32", stories
+        for batch in batches:
+            prompts = []
+            for _ in range(2 * batch):
+                piece = [rng.randrange(3, vocab) for _ in range(8)]
+                prompts.append(piece * 8 if stories is None else [1] + piece[:2])
+            params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
+            base = None
+            for spec in (None, {**NGRAM, "prompt_lookup_min": 2, "disable_by_batch_size": 1024}):
+                with LLM(
+                    str(path),
+                    device="cuda",
+                    dtype=dtype,
+                    skip_tokenizer_init=True,
+                    max_num_seqs=batch,
+                    kv_cache_memory=4 << 30,  # the last engine's memory may not be back yet
+                    attention_backend="native",
+                    speculative_config=spec,
+                ) as llm:
+                    llm.generate(prompts[:2], params, use_tqdm=False)  # warm-up
+                    torch.cuda.synchronize()
+                    start = time.perf_counter()
+                    outs = llm.generate(prompts, params, use_tqdm=False)
+                    seconds = time.perf_counter() - start
+                    stats = llm.stats()
+                got = tokens(outs)
+                row = dict(
+                    batch=batch,
+                    speculative=spec is not None,
+                    output_tok_s=round(len(prompts) * out_len / seconds, 1),
+                    acceptance_rate=round(stats.spec_decode_acceptance_rate, 3),
+                    mean_accepted_length=round(stats.spec_decode_mean_accepted_length, 3),
+                )
+                if base is None:
+                    base, base_tokens = row, got
+                row["speedup"] = round(row["output_tok_s"] / base["output_tok_s"], 3)
+                row["tokens_identical"] = sum(a == b for a, b in zip(got, base_tokens, strict=True))
+                rows.append(row)
+                log(f"spec_throughput {row}")
+    return dict(model=stories or LLAMA_1B, dtype=dtype, output_len=out_len, rows=rows)
+
+
 LLAMA_1B = dict(
     hidden_size=2048,
     intermediate_size=8192,
@@ -367,7 +473,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--parts",
         nargs="+",
-        choices=["checks", "structured", "families", "throughput"],
+        choices=[
+            "checks",
+            "structured",
+            "families",
+            "throughput",
+            "speculative",
+            "spec_throughput",
+            "spec_stories",
+        ],
         default=["checks", "structured", "families", "throughput"],
     )
     p.add_argument("--device", default="cuda", help="cpu: a dry run of the checks' code")
@@ -407,6 +521,12 @@ def main(argv: list[str] | None = None) -> int:
         checks["structured"] = guarded("structured", check_structured, dev)
     if "families" in a.parts:
         checks["families"] = guarded("families", check_families, dev)
+    if "speculative" in a.parts:
+        checks["speculative"] = guarded("speculative", check_speculative, dev)
+    if "spec_throughput" in a.parts:
+        result["spec_throughput"] = guarded("spec_throughput", spec_throughput)
+    if "spec_stories" in a.parts:
+        result["spec_stories"] = guarded("spec_stories", spec_throughput, stories)
     if "throughput" in a.parts:
         result["throughput"] = guarded(
             "throughput", throughput, a.num_prompts, a.input_len, a.output_len, a.hf_batch

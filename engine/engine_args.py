@@ -3,6 +3,7 @@ once by `build()` into the frozen `EngineConfig` (engine/config.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from dataclasses import dataclass
@@ -20,6 +21,8 @@ from engine.config import (
 from engine.speculative_config import SpeculativeConfig, SpeculativeMethod
 
 logger = logging.getLogger(__name__)
+
+DEFAULT_SPECULATIVE_BATCH = 1  # drafts are verified only while one sequence runs
 
 
 @dataclass(frozen=True)
@@ -102,7 +105,11 @@ class EngineArgs:
         )
 
     def _speculative(self, model_config) -> SpeculativeConfig | None:
-        """`speculative_config`, parsed; refused for what cannot verify drafts here."""
+        """`speculative_config`, parsed; refused for what cannot verify drafts here.
+        `disable_by_batch_size` defaults to 1: beside a second sequence, verifying drafts
+        cost more than it saved on both devices measured (a CPU's integer kernels pay
+        per row; a GPU step here is bound by its launches and the host's work per row):
+        docs/speculative_decoding.md has the figures."""
         given = self.speculative_config
         if given is None:
             return None
@@ -123,6 +130,8 @@ class EngineArgs:
                 "keep one recurrent state per sequence, which rejected drafts would corrupt; "
                 "speculative decoding is not supported for this model"
             )
+        if spec.disable_by_batch_size is None:
+            spec = dataclasses.replace(spec, disable_by_batch_size=DEFAULT_SPECULATIVE_BATCH)
         return spec
 
     def _cache_dtype(self, model_config) -> KVCacheDtype:

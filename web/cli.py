@@ -124,6 +124,16 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "per process, least recently used dropped first (default 128)",
     )
     p.add_argument(
+        "--speculative-config",
+        type=_speculative_config,
+        default=None,
+        metavar="JSON",
+        help='speculative decoding, vLLM\'s JSON: e.g. \'{"method": "ngram", '
+        '"num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 5}\' '
+        "(prompt lookup: drafts copied from the prompt and output; greedy output unchanged, "
+        "sampled output exact in distribution; see docs/speculative_decoding.md)",
+    )
+    p.add_argument(
         "--max-tokens-per-request",
         type=_positive_count,
         default=None,
@@ -345,6 +355,21 @@ def _replica_count(text: str) -> int:
         ) from None
 
 
+def _speculative_config(text: str) -> dict:
+    """The JSON object, checked now (a bad key or method is refused by name)."""
+    from engine.speculative_config import SpeculativeConfig
+
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({exc})") from None
+    try:
+        SpeculativeConfig.parse(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
+
+
 def _positive_count(text: str) -> int:
     try:
         value = int(text)
@@ -400,6 +425,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         "distributed_address": args.distributed_address,
         "max_tokens_per_request": args.max_tokens_per_request,
         "grammar_cache_size": args.grammar_cache_size,
+        "speculative_config": args.speculative_config,
     }
 
 

@@ -276,6 +276,20 @@ class EngineCollector:
                 metric = family(name, doc, labels=list(labels))
                 metric.add_metric(list(labels.values()), float(getattr(snapshot, field)))
                 yield metric
+        yield accepted_per_position(stats, self.model_name)
+
+
+def accepted_per_position(stats: EngineStats, model_name: str) -> Metric:
+    """vLLM's `spec_decode_num_accepted_tokens_per_pos{position}`: drafts accepted as the
+    (position + 1)-th of their step, so far."""
+    metric = CounterMetricFamily(
+        "vllm:spec_decode_num_accepted_tokens_per_pos",
+        "Speculative decoding: draft tokens accepted so far, by their position in the step.",
+        labels=["model_name", "position"],
+    )
+    for position, count in enumerate(stats.spec_decode_num_accepted_tokens_per_pos):
+        metric.add_metric([model_name, str(position)], float(count))
+    return metric
 
 
 class ReplicaCollector:
@@ -351,6 +365,10 @@ ENGINE_GAUGES: dict[str, tuple[str, str]] = {
         "Bytes of the device KV cache on the worker(s)",
         "kv_cache_bytes",
     ),
+    "pagedserve_spec_decode_acceptance_rate": (
+        "Speculative decoding: draft tokens accepted / verified, so far",
+        "spec_decode_acceptance_rate",
+    ),
 }
 # totals since the engine started (exposed as NAME_total)
 ENGINE_COUNTERS: dict[str, tuple[str, str]] = {
@@ -366,6 +384,18 @@ ENGINE_COUNTERS: dict[str, tuple[str, str]] = {
     ),
     "pagedserve_prefix_cache_evictions": ("Cached blocks evicted so far", "num_cache_evictions"),
     "pagedserve_num_swaps": ("Preemptions by swapping out so far", "num_swaps"),
+    "pagedserve_spec_decode_num_drafts": (
+        "Speculative decoding: verifications so far (a sequence's drafts in one step)",
+        "spec_decode_num_drafts",
+    ),
+    "pagedserve_spec_decode_num_draft_tokens": (
+        "Speculative decoding: draft tokens verified so far",
+        "spec_decode_num_draft_tokens",
+    ),
+    "pagedserve_spec_decode_num_accepted_tokens": (
+        "Speculative decoding: draft tokens accepted so far",
+        "spec_decode_num_accepted_tokens",
+    ),
 }
 REPLICA_GAUGES: dict[str, tuple[str, str]] = {
     "pagedserve_replica_kv_blocks_used": ("KV cache blocks in use, per replica", "num_used_blocks"),
@@ -420,5 +450,17 @@ VLLM_COUNTERS: dict[str, tuple[str, str]] = {
     "vllm:num_preemptions": (
         "Preemptions so far.",
         "num_preemptions",
+    ),
+    "vllm:spec_decode_num_drafts": (
+        "Speculative decoding: verifications so far (a sequence's drafts in one step).",
+        "spec_decode_num_drafts",
+    ),
+    "vllm:spec_decode_num_draft_tokens": (
+        "Speculative decoding: draft tokens verified so far.",
+        "spec_decode_num_draft_tokens",
+    ),
+    "vllm:spec_decode_num_accepted_tokens": (
+        "Speculative decoding: draft tokens accepted so far.",
+        "spec_decode_num_accepted_tokens",
     ),
 }

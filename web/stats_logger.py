@@ -22,6 +22,9 @@ class _Reading:
     generation_tokens: int
     running: int
     waiting: int
+    drafts: int = 0  # speculative decoding's counters so far
+    draft_tokens: int = 0
+    accepted: tuple[int, ...] = ()  # accepted drafts by position
 
 
 class StatsLogger:
@@ -29,7 +32,9 @@ class StatsLogger:
     with a clock of their own) logs at INFO one line: "Avg prompt throughput: X
     tokens/s, Avg generation throughput: Y tokens/s, Running: R reqs, Waiting: W reqs,
     KV cache usage: U%, Prefix cache hit rate: H%" (throughputs over the interval; the
-    hit rate over all prompts so far, `EngineStats.prefix_cache_hit_rate`).
+    hit rate over all prompts so far, `EngineStats.prefix_cache_hit_rate`). With
+    speculative decoding, over the interval: ", Spec decode: mean acceptance length L,
+    acceptance rate A%, per position P0, P1, ..." (vLLM's SpecDecoding metrics).
 
     Only when something happened: tokens were processed in this interval or in the
     one before (the line where throughput falls to zero), or the running / waiting
@@ -78,12 +83,38 @@ class StatsLogger:
             f"KV cache usage: {stats.kv_cache_usage * 100:.1f}%, "
             f"Prefix cache hit rate: {stats.prefix_cache_hit_rate * 100:.1f}%"
         )
+        line += _spec_decode(now, last)
         logger.info("%s", line)
         return line
 
     def _read(self, stats: EngineStats) -> _Reading:
         prompt, generated = self.tokens()
-        return _Reading(self.clock(), prompt, generated, stats.num_running, stats.num_waiting)
+        return _Reading(
+            self.clock(),
+            prompt,
+            generated,
+            stats.num_running,
+            stats.num_waiting,
+            stats.spec_decode_num_drafts,
+            stats.spec_decode_num_draft_tokens,
+            stats.spec_decode_num_accepted_tokens_per_pos,
+        )
+
+
+def _spec_decode(now: _Reading, last: _Reading) -> str:
+    """The interval's speculative decoding, or "" when no sequence verified drafts."""
+    drafts = now.drafts - last.drafts
+    if drafts <= 0:
+        return ""
+    per_pos = [n - (last.accepted[i] if i < len(last.accepted) else 0)
+               for i, n in enumerate(now.accepted)]  # fmt: skip
+    accepted = sum(per_pos)
+    rate = accepted / max(1, now.draft_tokens - last.draft_tokens)
+    positions = ", ".join(f"{n / drafts:.2f}" for n in per_pos)
+    return (
+        f", Spec decode: mean acceptance length {1 + accepted / drafts:.2f}, "
+        f"acceptance rate {rate * 100:.1f}%, per position {positions}"
+    )
 
 
 def _rate(count: int, seconds: float) -> float:

@@ -330,11 +330,8 @@ class EngineCore:
         )
 
     def _record_drafts(self, result: StepResult) -> None:
-        lookahead = self.scheduler.lookahead
         for d in result.drafts:
             self.spec_decode.record(d.num_drafts, d.num_accepted)
-            if lookahead is not None:
-                lookahead.record(d.request_id, d.num_drafts, d.num_accepted)
 
     def _advance_beams(
         self, beams: list[Request], result: StepResult, prompt: list[RequestLogprobs]

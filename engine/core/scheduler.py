@@ -102,8 +102,6 @@ class Scheduler:
             request.group.held.remove(request)
         request.status = status
         self._free_blocks(request)
-        if self.lookahead is not None:
-            self.lookahead.forget(request_id)
         return request
 
     @property
@@ -173,13 +171,17 @@ class Scheduler:
         come back together (some back and the rest stuck would hold blocks idle)."""
         resumed = []
         kv = self.kv_cache
+        slack = self.lookahead.k if self.lookahead else 0  # a table's spare draft slots
         while self.swapped and budget > 0:
             unit = self._swap_unit(self.swapped[0])
             # Blocks for what comes back and the chunk it computes next (not the rest of
             # a prompt: windowed and recurrent groups hold only a chunk and their window).
             blocks = sum(
                 kv.blocks_for(
-                    min(r.num_tokens, r.num_computed_tokens + budget), r.num_computed_tokens
+                    min(r.num_tokens, r.num_computed_tokens + budget)
+                    + r.num_lookahead_tokens
+                    + slack,
+                    r.num_computed_tokens,
                 )
                 for r in unit
             )
@@ -433,7 +435,10 @@ class Scheduler:
     def on_verified(self, step_id: int, accepted: dict[str, int]) -> None:
         """Step `step_id`'s result is in: each row it planned with a lookahead gives its
         reservation back and counts the drafts it accepted (`accepted`, by request) as
-        computed; its table shrinks to what is left reserved."""
+        computed; its table shrinks to what is left reserved plus one lookahead of slack
+        (the next step's drafts would take freed blocks right back, and a fresh block
+        each time walks the pool: every first write to a page faults). A swapped-out
+        table shrinks to exactly what is reserved."""
         planned = self._lookahead_steps.pop(step_id, None)
         if not planned:
             return
@@ -445,6 +450,8 @@ class Scheduler:
             request.num_computed_tokens += accepted.get(request_id, 0)
             keep = request.num_computed_tokens + request.num_lookahead_tokens
             running = request.status == RequestStatus.RUNNING
+            if running:  # its next lookahead will want these slots again: no churn
+                keep += self.lookahead.k
             if self.kv_cache.trim(request_id, keep) and running:
                 entry = self.kv_cache.entries_for(keep)
                 self._trimmed[request_id] = min(entry, self._trimmed.get(request_id, entry))
@@ -466,13 +473,20 @@ class Scheduler:
 
     def check_integrity(self) -> None:
         """Blocks are consistent with every running request's computed tokens (and the
-        slots its steps in flight reserved for drafts)."""
-        running = self.running
-        stored = {r.request_id: r.num_computed_tokens + r.num_lookahead_tokens for r in running}
+        slots its steps in flight reserved for drafts, with at most one lookahead of
+        slack after them)."""
+        kv, slack = self.kv_cache, self.lookahead.k if self.lookahead else 0
+        slots_per_entry = kv.block_size / kv.num_groups
+        stored = {}
+        for r in self.running:  # a count in range whose blocks the table must hold exactly
+            reserved = r.num_computed_tokens + r.num_lookahead_tokens
+            slots = int(len(kv.block_table(r.request_id)) * slots_per_entry)
+            stored[r.request_id] = min(max(slots, reserved), reserved + slack)
         self.kv_cache.check_integrity(stored)
         for r in self.waiting:
             assert not self.kv_cache.block_table(r.request_id), f"{r.request_id} waits with blocks"
         for r in self.swapped:
-            have = len(self.kv_cache.swapped_table(r.request_id))
-            need = self.kv_cache.entries_for(r.num_computed_tokens + r.num_lookahead_tokens)
-            assert have == need, f"{r.request_id}: {have} swapped entries for {need}"
+            have = len(kv.swapped_table(r.request_id))
+            reserved = r.num_computed_tokens + r.num_lookahead_tokens
+            need = kv.entries_for(reserved), kv.entries_for(reserved + slack)
+            assert need[0] <= have <= need[1], f"{r.request_id}: {have} swapped entries for {need}"

@@ -38,6 +38,7 @@ NGRAM = {
     "num_speculative_tokens": 4,
     "prompt_lookup_min": 1,
     "prompt_lookup_max": 3,
+    "disable_by_batch_size": 64,  # batches speculate too (the default is 1)
 }
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
@@ -246,6 +247,19 @@ def test_what_cannot_speculate_is_refused_by_name(llama, tmp_path):
         speculative_config='{"method": "ngram", "num_speculative_tokens": 2}',
     ) as llm:
         assert llm.config.speculative.prompt_lookup_min == 5  # vLLM's default bounds
+        assert llm.config.speculative.disable_by_batch_size == 1  # the default
+
+
+def test_by_default_only_a_lone_sequence_speculates(llama):
+    config = {k: v for k, v in NGRAM.items() if k != "disable_by_batch_size"}
+    ps = prompts(8, 4)
+    _, llm = generate(llama, ps, GREEDY, False)
+    checked(llm)
+    with LLM(llama, skip_tokenizer_init=True, max_model_len=96, speculative_config=config) as llm:
+        llm.generate(ps, GREEDY, use_tqdm=False)  # four at once: none speculates
+        assert llm.stats().spec_decode_num_drafts == 0
+        llm.generate(ps[:1], GREEDY, use_tqdm=False)  # alone: it does
+        assert llm.stats().spec_decode_num_drafts > 0
 
 
 # ----------------------------------------------------------------- the distribution
@@ -295,7 +309,7 @@ def test_sampled_tokens_follow_the_exact_distribution(tmp_path):
         param.data.mul_(0.5)
     model.save_pretrained(tmp_path)
     expected = exact_distribution(model, REPEATING, SAMPLED)
-    config = {**NGRAM, "prompt_lookup_min": 1}
+    config = {**NGRAM, "prompt_lookup_min": 1, "disable_by_batch_size": 1024}
     with LLM(
         str(tmp_path), skip_tokenizer_init=True, seed=5, max_model_len=32, speculative_config=config
     ) as llm:

@@ -67,6 +67,34 @@ def test_a_busy_interval_logs_vllms_line_with_its_throughput(caplog):
     assert caplog.records[0].levelno == logging.INFO
 
 
+def test_speculative_decoding_adds_the_intervals_acceptance():
+    feed = Feed()
+    stats_logger = feed.logger()
+    spec = dict(
+        spec_decode_num_drafts=10,
+        spec_decode_num_draft_tokens=30,
+        spec_decode_num_accepted_tokens=15,
+        spec_decode_num_accepted_tokens_per_pos=(8, 5, 2),
+    )
+    feed.advance(5.0, generated=60, num_running=1, **spec)
+    assert stats_logger.tick().endswith(
+        ", Spec decode: mean acceptance length 2.50, acceptance rate 50.0%, "
+        "per position 0.80, 0.50, 0.20"
+    )
+    spec = dict(
+        spec_decode_num_drafts=20,
+        spec_decode_num_draft_tokens=60,
+        spec_decode_num_accepted_tokens=45,
+        spec_decode_num_accepted_tokens_per_pos=(18, 15, 12),
+    )
+    feed.advance(5.0, generated=60, **spec)  # this interval alone: 10 drafts, 30 accepted
+    assert stats_logger.tick().endswith(
+        "mean acceptance length 4.00, acceptance rate 100.0%, per position 1.00, 1.00, 1.00"
+    )
+    feed.advance(5.0, generated=5)  # no verification in the interval: no spec part
+    assert "Spec decode" not in stats_logger.tick()
+
+
 def test_an_idle_server_stays_quiet_after_one_line_showing_the_drop_to_zero(caplog):
     feed = Feed()
     stats_logger = feed.logger()

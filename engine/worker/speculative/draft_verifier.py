@@ -10,7 +10,7 @@ from torch import Tensor
 
 from engine.worker.sampler import Sampler
 from engine.worker.sampling_metadata import SamplingMetadata, SamplingRow
-from engine.worker.speculative.rejection_sampler import Verification, rejection_sample
+from engine.worker.speculative.rejection_sampler import EMPTY, Verification, rejection_sample
 
 
 class DraftVerifier:
@@ -48,8 +48,10 @@ class DraftVerifier:
         ]
         md = SamplingMetadata.from_rows(positions, self.vocab_size, self.device)
         x = Sampler.process_logits(logits, md)  # [R, V]
-        if not md.all_greedy:  # greedy rows keep their logits: argmax as plain decoding's
-            x = torch.where(md.greedy.unsqueeze(1), x, Sampler.probabilities(x, md))
+        if md.all_greedy:
+            return self._greedy(x.argmax(dim=-1).tolist(), drafts)
+        # greedy rows keep their logits: the argmax is plain decoding's
+        x = torch.where(md.greedy.unsqueeze(1), x, Sampler.probabilities(x, md))
         batch, k = len(rows), max(len(d) for d in drafts)
         dev = self.device
         row_of = [b for b, d in enumerate(drafts) for _ in range(len(d) + 1)]
@@ -63,3 +65,21 @@ class DraftVerifier:
         num_drafts = torch.tensor([len(d) for d in drafts], dtype=torch.int64, device=dev)
         greedy = torch.tensor([row.params.is_greedy for row in rows], device=dev)  # [B]
         return rejection_sample(draft_ids, num_drafts, target, None, greedy, self.generator)
+
+    def _greedy(self, best: list[int], drafts: Sequence[Sequence[int]]) -> Verification:
+        """Every row greedy: a draft is accepted while it is the argmax (`best`, one per
+        position, rows in order), then the argmax where the run stops is emitted."""
+        k = max(len(d) for d in drafts)
+        rows, accepted, start = [], [], 0
+        for d in drafts:
+            j = 0
+            while j < len(d) and d[j] == best[start + j]:
+                j += 1
+            rows.append([*d[:j], best[start + j], *[EMPTY] * (k - j)])
+            accepted.append(j)
+            start += len(d) + 1
+        dev = self.device
+        return Verification(
+            torch.tensor(rows, dtype=torch.int64, device=dev),  # [B, K + 1]
+            torch.tensor(accepted, dtype=torch.int64, device=dev),  # [B]
+        )
