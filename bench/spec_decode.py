@@ -85,13 +85,21 @@ def free_prompts(n: int, rng: random.Random) -> list[list[dict]]:
     return [[{"role": "user", "content": ask}] for ask in rng.sample(asks, n)]
 
 
-def parse_config(text: str) -> dict | None:
-    """'ngram:K', 'ngram:K:MIN:MAX', or either with ':always' (no batch rule)."""
+def parse_config(text: str, model: str) -> dict | None:
+    """'ngram:K', 'ngram:K:MIN:MAX', 'draft:K' (the model drafting for itself: every
+    greedy draft accepted, each costing a whole step) or 'draft:K:DIR', each optionally
+    with ':always' (no batch rule)."""
     method, *parts = text.split(":")
     always = parts[-1:] == ["always"]
     numbers = parts[:-1] if always else parts
+    if method == "draft" and len(numbers) in (1, 2):
+        config = {"method": "draft_model", "num_speculative_tokens": int(numbers[0])}
+        config["model"] = numbers[1] if len(numbers) == 2 else model
+        return config | ({"disable_by_batch_size": 1 << 20} if always else {})
     if method != "ngram" or len(numbers) not in (1, 3):
-        raise SystemExit(f"--configs: 'ngram:K[:MIN:MAX][:always]'; got {text!r}")
+        raise SystemExit(
+            f"--configs: 'ngram:K[:MIN:MAX][:always]' or 'draft:K[:DIR]'; got {text!r}"
+        )
     config = {"method": "ngram", "num_speculative_tokens": int(numbers[0])}
     if len(numbers) == 3:
         config |= {"prompt_lookup_min": int(numbers[1]), "prompt_lookup_max": int(numbers[2])}
@@ -164,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         from engine.default_model import resolve_default_model
 
         a.model = str(resolve_default_model(cache_root()))
-    configs = [parse_config(c) for c in a.configs]
+    configs = [parse_config(c, a.model) for c in a.configs]
     rows = []
     for workload in a.workloads:
         for batch in a.batch:

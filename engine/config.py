@@ -320,6 +320,7 @@ class EngineConfig:
     grammar_cache_size: int = 128
     # draft tokens proposed and verified per step (None: no speculative decoding)
     speculative: SpeculativeConfig | None = None
+    draft_model: ModelConfig | None = None  # speculative.model's, for method draft_model
 
     def __post_init__(self) -> None:
         size = self.grammar_cache_size

@@ -79,6 +79,7 @@ class EngineArgs:
             max_num_batched_tokens=self.max_num_batched_tokens or max(2048, self.max_num_seqs),
             max_model_len=max_len,
         )
+        speculative = self._speculative(model_config)
         return EngineConfig(
             model=model_config,
             cache=CacheConfig(
@@ -101,7 +102,8 @@ class EngineArgs:
             parse_special_tokens_in_content=self.parse_special_tokens_in_content,
             max_tokens_per_request=self.max_tokens_per_request,
             grammar_cache_size=self.grammar_cache_size,
-            speculative=self._speculative(model_config),
+            speculative=speculative,
+            draft_model=self._draft_model(speculative, model_config, device, parallel),
         )
 
     def _speculative(self, model_config) -> SpeculativeConfig | None:
@@ -119,11 +121,6 @@ class EngineArgs:
             except ValueError as exc:
                 raise ValueError(f"speculative_config is not valid JSON: {exc}") from None
         spec = SpeculativeConfig.parse(given)
-        if spec.method is SpeculativeMethod.DRAFT_MODEL:
-            raise ValueError(
-                "speculative_config: method 'draft_model' is not implemented yet; "
-                "use method 'ngram'"
-            )
         if linear_attention_layers(model_config.hf_config):
             raise ValueError(
                 f"speculative_config: {model_config.architecture}'s linear-attention layers "
@@ -133,6 +130,30 @@ class EngineArgs:
         if spec.disable_by_batch_size is None:
             spec = dataclasses.replace(spec, disable_by_batch_size=DEFAULT_SPECULATIVE_BATCH)
         return spec
+
+    def _draft_model(self, spec, target, device: str, parallel: ParallelConfig):
+        """The draft model's config (method draft_model), checked against the target:
+        the same vocabulary, one set of block tables (no hybrid layouts), one rank."""
+        if spec is None or spec.method is not SpeculativeMethod.DRAFT_MODEL:
+            return None
+        from engine.worker.model_loader import build_model_config
+
+        draft_args = dataclasses.replace(
+            self, model=spec.model, quantization=None, speculative_config=None
+        )
+        draft = build_model_config(draft_args, device)
+        problem = None
+        if draft.vocab_size != target.vocab_size:
+            problem = (
+                f"its vocabulary has {draft.vocab_size} tokens, the target's {target.vocab_size}"
+            )
+        elif draft.kv_cache_layout.is_hybrid or target.kv_cache_layout.is_hybrid:
+            problem = "sliding-window or linear-attention layers (several block tables)"
+        elif parallel.tensor_parallel_size > 1:
+            problem = "tensor parallelism (each rank would have to run the whole draft)"
+        if problem is not None:
+            raise ValueError(f"speculative_config: draft model {spec.model!r}: {problem}")
+        return draft
 
     def _cache_dtype(self, model_config) -> KVCacheDtype:
         """`kv_cache_dtype`, refused for models whose pages hold linear-attention states

@@ -130,8 +130,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         metavar="JSON",
         help='speculative decoding, vLLM\'s JSON: e.g. \'{"method": "ngram", '
         '"num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 5}\' '
-        "(prompt lookup: drafts copied from the prompt and output; greedy output unchanged, "
-        "sampled output exact in distribution; see docs/speculative_decoding.md)",
+        '(prompt lookup) or \'{"method": "draft_model", "model": DIR, '
+        '"num_speculative_tokens": 3}\'; greedy output unchanged, sampled output exact in '
+        "distribution (docs/speculative_decoding.md)",
     )
     p.add_argument(
         "--max-tokens-per-request",

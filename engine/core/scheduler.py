@@ -136,6 +136,9 @@ class Scheduler:
                 slide(request.request_id, computed)
             need = computed + n + k + request.num_lookahead_tokens
             table = grow(request.request_id, need)
+            if table is None and k:  # drafts never preempt anyone: none this step
+                need, k = need - k, 0
+                table = grow(request.request_id, need)
             if table is None:
                 table = self._preempt_until_fits(request, need, preempted)
                 if table is None:

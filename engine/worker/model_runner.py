@@ -133,7 +133,9 @@ class ModelRunner:
         tensors = [t for pair in self.kv_cache for t in pair]
         return sum({t.data_ptr(): t.numel() * t.element_size() for t in tensors}.values())
 
-    def num_blocks(self) -> int:
+    def num_blocks(self, extra_block_bytes: int = 0) -> int:
+        """Blocks the budget holds; `extra_block_bytes`: what each block also costs
+        elsewhere (a draft model's cache, which has the same blocks)."""
         if self.cache_config.kv_cache_memory is not None:  # the user's byte count, any device
             budget = self.cache_config.kv_cache_memory
         elif not str(self.device).startswith("cuda"):
@@ -142,6 +144,9 @@ class ModelRunner:
             budget = cuda_budget_bytes(
                 self.cache_config, self._profile_peak(), torch.device(self.device)
             )
+        if extra_block_bytes:  # the share of the budget the target's blocks take
+            own = self._block_bytes()
+            budget = budget * own // (own + extra_block_bytes)
         local = num_blocks_for(
             self.model_config,
             self.cache_config,

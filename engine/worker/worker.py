@@ -80,6 +80,8 @@ class Worker:
         self.requests: dict[str, WorkerRequest] = {}
         self.block_tables: dict[str, list[int]] = {}
         self.failed: set[str] = set()  # forgotten after a failure, until finished
+        self._table_groups = runner.num_table_groups if runner else 1
+        self._block_size = runner.cache_config.block_size if runner else 1
         self.num_rank_checks = 0  # steps whose block tables all ranks compared
 
     def execute(self, plan: StepPlan) -> StepResult:
@@ -97,16 +99,14 @@ class Worker:
                     SchedulerOutput(plan.step_id, (), (), copies, swap_out, swap_in)
                 )
             return self._result(StepResult.empty(plan.step_id, self.worker_id), failures)
-        lookahead = (
-            dict(zip(plan.scheduled_ids, plan.num_lookahead_tokens, strict=True))
-            if plan.num_lookahead_tokens
-            else {}
-        )
+        if plan.num_lookahead_tokens and self.proposer is not None:
+            ks = dict(zip(plan.scheduled_ids, plan.num_lookahead_tokens, strict=True))
+            self._propose_all([(rid, ks[rid]) for rid, _ in runnable if ks[rid]])
         scheduled = tuple(
             ScheduledRequest(
                 self.requests[rid],
                 self.requests[rid].num_computed_tokens,
-                n + self._propose(rid, lookahead[rid]) if lookahead.get(rid) else n,
+                n + len(self.requests[rid].draft_token_ids),
                 self.block_tables[rid],
             )
             for rid, n in runnable
@@ -149,25 +149,29 @@ class Worker:
             runnable.append((rid, n))
         return runnable
 
-    def _propose(self, request_id: str, k: int) -> int:
-        """Draft tokens for `request_id`'s row (up to `k`; fewer where its table or its
-        length limit has no room), kept on the request for this step; how many."""
-        request = self.requests[request_id]
-        if self.proposer is None or request.grammar is not None:
-            return 0
-        runner = self.runner
+    def _propose_all(self, rows: list[tuple[str, int]]) -> None:
+        """Draft tokens for the rows the plan gave a lookahead (up to its k; fewer where
+        a table or a length limit has no room), kept on their requests for this step."""
+        wanted = [(rid, min(k, self._room(rid))) for rid, k in rows]
+        wanted = [(rid, k) for rid, k in wanted if k > 0 and self.requests[rid].grammar is None]
+        if not wanted:
+            return
+        requests = [self.requests[rid] for rid, _ in wanted]
+        tables = [self.block_tables[rid] for rid, _ in wanted]
+        drafts = self.proposer.propose_batch(requests, [k for _, k in wanted], tables)
+        for request, (_, k), proposal in zip(requests, wanted, drafts, strict=True):
+            request.draft_token_ids = proposal[:k]
+
+    def _room(self, request_id: str) -> int:
+        """Drafts `request_id`'s row may verify: slots its table has past its known
+        tokens, and outputs its length limit allows after the row's one token."""
+        request, runner = self.requests[request_id], self.runner
         slots = len(self.block_tables[request_id]) // runner.num_table_groups
-        room = min(
+        limit = max_num_tokens(request.params, request.num_prompt_tokens, runner.max_model_len)
+        return min(
             slots * runner.cache_config.block_size - request.num_tokens,
-            max_num_tokens(request.params, request.num_prompt_tokens, runner.max_model_len)
-            - request.num_tokens
-            - 1,
+            limit - request.num_tokens - 1,
         )
-        if room <= 0:
-            return 0
-        drafts = self.proposer.propose(request.prompt_token_ids + request.output_token_ids)
-        request.draft_token_ids = drafts[: min(k, room)]
-        return len(request.draft_token_ids)
 
     def _sample(self, step: SchedulerOutput, failures: dict[str, str]) -> StepResult:
         """Runs the step, advances the requests it ran, and reports what they sampled."""
@@ -186,6 +190,7 @@ class Worker:
             else:  # its one token and the drafts accepted; the rest are overwritten later
                 request.num_computed_tokens += 1 + len(v.accepted)
                 request.output_token_ids += v.accepted
+                self.proposer.after_step(request)
         refused = []
         for request_id, token in result.sampled.items():
             request = self.requests[request_id]
@@ -284,8 +289,12 @@ class Worker:
             del table[cached.first_block_index :]
         table.extend(cached.new_block_ids)
         request = self.requests[cached.request_id]
+        if cached.first_block_index >= 0:  # copies replaced blocks: a draft cache lacks them
+            first = cached.first_block_index // self._table_groups * self._block_size
+            request.num_draft_computed_tokens = min(request.num_draft_computed_tokens, first)
         if cached.resumed_from_preemption:
             request.num_computed_tokens = cached.num_computed_tokens
+            request.num_draft_computed_tokens = 0  # its blocks' draft KV did not move
         else:
             _check_in_step(request, cached.num_computed_tokens, cached.num_lookahead_tokens)
         if cached.last_token_id is not None:
@@ -352,8 +361,12 @@ def build_worker(
         group,
         grammars,
     )
-    num_blocks, num_cpu_blocks = runner.num_blocks(), runner.num_cpu_blocks()
+    proposer = _proposer(config)
+    draft_bytes = proposer.block_bytes() if proposer is not None else 0
+    num_blocks, num_cpu_blocks = runner.num_blocks(draft_bytes), runner.num_cpu_blocks()
     runner.initialize_cache(num_blocks, num_cpu_blocks)
+    if proposer is not None:
+        proposer.initialize_cache(num_blocks)
     ready = WorkerReady(
         worker_id=worker_id,
         num_blocks=num_blocks,
@@ -368,7 +381,7 @@ def build_worker(
         kv_cache_dtype=cache_dtype_name(config.model, config.cache.cache_dtype),
         quantization=config.model.quantization.value,
     )
-    return Worker(runner, worker_id, grammars, _proposer(config)), ready
+    return Worker(runner, worker_id, grammars, proposer), ready
 
 
 def _proposer(config: EngineConfig) -> Proposer | None:
@@ -376,9 +389,13 @@ def _proposer(config: EngineConfig) -> Proposer | None:
     spec = config.speculative
     if spec is None:
         return None
+    k = spec.num_speculative_tokens
+    if config.draft_model is not None:
+        from engine.worker.speculative.draft_model_proposer import DraftModelProposer
+
+        return DraftModelProposer(config.draft_model, config.cache, config.device, k)
     from engine.worker.speculative.ngram_proposer import NgramProposer
 
-    k = spec.num_speculative_tokens
     return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max, k)
 
 

@@ -38,6 +38,7 @@ class WorkerRequest(KnownTokens):
     num_scored_prompt_tokens: int = 0
     grammar: GrammarMatcher | None = None
     draft_token_ids: list[int] = field(default_factory=list)  # verified in this step
+    num_draft_computed_tokens: int = 0  # known tokens a draft model's cache holds
 
     @classmethod
     def of(cls, new: NewRequestData, eos_token_ids: frozenset[int]) -> WorkerRequest:

@@ -38,19 +38,19 @@ class RandomDrafter(Worker):
     tokens; it records every token it emitted per request (the truth to compare)."""
 
     def __init__(self, rng: random.Random) -> None:
-        super().__init__(None, proposer=None)
+        super().__init__(None, proposer=self)
         self.rng = rng
         self.emitted: dict[str, list[int]] = {}
 
-    def _propose(self, request_id: str, k: int) -> int:
-        request = self.requests[request_id]
-        slots = len(self.block_tables[request_id]) * BLOCK
-        limit = max_num_tokens(request.params, request.num_prompt_tokens, MAX_LEN)
-        room = min(slots - request.num_tokens, limit - request.num_tokens - 1, k)
-        if room <= 0:
-            return 0
-        request.draft_token_ids = [self.rng.randrange(50) for _ in range(self.rng.randint(0, room))]
-        return len(request.draft_token_ids)
+    def _propose_all(self, rows: list[tuple[str, int]]) -> None:
+        for request_id, k in rows:
+            request = self.requests[request_id]
+            slots = len(self.block_tables[request_id]) * BLOCK
+            limit = max_num_tokens(request.params, request.num_prompt_tokens, MAX_LEN)
+            room = min(slots - request.num_tokens, limit - request.num_tokens - 1, k)
+            if room > 0:
+                count = self.rng.randint(0, room)
+                request.draft_token_ids = [self.rng.randrange(50) for _ in range(count)]
 
     def _run(self, step):
         sampled, verified = {}, {}
@@ -69,6 +69,9 @@ class RandomDrafter(Worker):
                 self.emitted.setdefault(rid, []).extend(accepted)
             self.emitted.setdefault(rid, []).append(sampled[rid])
         return ModelOutput(sampled, verified=verified)
+
+    def after_step(self, request) -> None:
+        pass
 
 
 def run(seed: int, depth: int, mode: PreemptionMode, caching: bool) -> None:
@@ -139,3 +142,25 @@ def test_random_accept_patterns_keep_the_blocks_exact(seed, depth, mode):
     stats = run(seed, depth, mode, caching=seed % 2 == 0)
     assert stats.num_preemptions > 0  # the cache is tight
     assert (stats.num_swaps > 0) == (mode is PreemptionMode.SWAP)
+
+
+def test_draft_slots_never_preempt_a_sequence():
+    """Two prompts of 6 tokens fill a cache of 4 blocks of 4: their decoding steps fit,
+    the 3 draft slots each would want do not, so they decode without drafts and nobody
+    is preempted for them."""
+    from engine.kv.kv_cache_manager import KVCacheManager
+    from engine.worker.worker import NullWorker
+
+    config = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=32, max_model_len=16)
+    spec = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 3})
+    core = build_core(config, KVCacheManager(4, BLOCK), speculative=spec)
+    for i in range(2):
+        params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+        core.add_request(AddRequest(f"r{i}", tuple(range(6)), params, 0.0))
+    worker = NullWorker()
+    while core.has_unfinished:
+        plan = core.plan()
+        core.on_result(worker.execute(plan))
+        core.check_integrity()
+    stats = core.stats()
+    assert stats.num_preemptions == 0 and stats.num_steps == 2  # prefill, then one decode

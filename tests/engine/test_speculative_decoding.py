@@ -56,10 +56,11 @@ def prompts(seed: int = 0, count: int = 6) -> list[list[int]]:
     return out
 
 
-def generate(path: str, ps, params, speculative: bool, **kwargs) -> tuple[list, LLM]:
+def generate(path: str, ps, params, speculative: bool | dict, **kwargs) -> tuple[list, LLM]:
+    """`speculative`: True for NGRAM, a dict for that config, False for none."""
     settings = dict(skip_tokenizer_init=True, max_model_len=96, seed=0)
     if speculative:
-        settings["speculative_config"] = NGRAM
+        settings["speculative_config"] = NGRAM if speculative is True else speculative
     llm = LLM(path, **{**settings, **kwargs})
     outs = llm.generate(ps, params, use_tqdm=False)
     return outs, llm
@@ -227,15 +228,6 @@ def test_served_wiring_gives_the_offline_tokens(llama, depth):
 
 
 def test_what_cannot_speculate_is_refused_by_name(llama, tmp_path):
-    with pytest.raises(ValueError, match="draft_model"):
-        LLM(
-            llama,
-            speculative_config={
-                "method": "draft_model",
-                "model": llama,
-                "num_speculative_tokens": 2,
-            },
-        )
     with pytest.raises(ValueError, match="prompt_lookup_max"):
         LLM(llama, speculative_config={**NGRAM, "prompt_lookup_max": 0})
     save_hf_model("qwen3.5", tmp_path)
@@ -303,15 +295,23 @@ def chi_square(counts: dict, expected: dict, n: int) -> tuple[float, int]:
     return stat, cells - 1
 
 
-def test_sampled_tokens_follow_the_exact_distribution(tmp_path):
+@pytest.mark.parametrize("proposer", ["ngram", "draft_model"])
+def test_sampled_tokens_follow_the_exact_distribution(tmp_path, proposer):
     model = build_hf_model("llama", seed=3, vocab_size=SMALL_VOCAB)
     for param in model.parameters():  # flatter than the tiny models' sharp weights
         param.data.mul_(0.5)
-    model.save_pretrained(tmp_path)
+    model.save_pretrained(tmp_path / "target")
     expected = exact_distribution(model, REPEATING, SAMPLED)
-    config = {**NGRAM, "prompt_lookup_min": 1, "disable_by_batch_size": 1024}
+    if proposer == "ngram":
+        config = {**NGRAM, "prompt_lookup_min": 1, "disable_by_batch_size": 1024}
+    else:  # the target's greedy choice: accepted with its probability under sampling
+        config = draft_config(str(tmp_path / "target"), disable_by_batch_size=1024)
     with LLM(
-        str(tmp_path), skip_tokenizer_init=True, seed=5, max_model_len=32, speculative_config=config
+        str(tmp_path / "target"),
+        skip_tokenizer_init=True,
+        seed=5,
+        max_model_len=32,
+        speculative_config=config,
     ) as llm:
         outs = llm.generate([REPEATING] * SAMPLES, SAMPLED, use_tqdm=False)
         stats = llm.stats()
@@ -372,3 +372,104 @@ def test_exact_distribution_sums_to_one():
         sum(1 for c in itertools.product(range(SMALL_VOCAB), repeat=FIRST) if expected[c] > 0)
         <= 4**3
     )
+
+
+# ----------------------------------------------------------------- a draft model
+
+DRAFT_FAMILIES = ["llama", "gpt2", "opt", "qwen3"]  # one block table: no windows
+
+
+def truncated_copy(name: str, directory) -> str:
+    """The tiny `name` model cut to its first layer: a draft that agrees often, not always."""
+    model = build_hf_model(name)
+    config = model.config
+    layers = "h" if name == "gpt2" else "layers"
+    stack = (
+        model.transformer
+        if name == "gpt2"
+        else model.model.decoder
+        if name == "opt"
+        else model.model
+    )
+    setattr(stack, layers, getattr(stack, layers)[:1])
+    if getattr(config, "layer_types", None):
+        config.layer_types = config.layer_types[:1]
+    for key in ("num_hidden_layers", "n_layer"):
+        if hasattr(config, key):
+            setattr(config, key, 1)
+    model.save_pretrained(directory)
+    return str(directory)
+
+
+def draft_config(path: str, **extra) -> dict:
+    config = {"method": "draft_model", "model": path, "num_speculative_tokens": 3}
+    return config | {"disable_by_batch_size": 64} | extra
+
+
+@pytest.fixture(scope="module", params=DRAFT_FAMILIES)
+def with_draft(request, tmp_path_factory) -> tuple[str, str]:
+    target = tmp_path_factory.mktemp(request.param)
+    save_hf_model(request.param, target)
+    draft = truncated_copy(request.param, tmp_path_factory.mktemp(request.param + "-draft"))
+    return str(target), draft
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_a_draft_models_greedy_tokens_equal_plain_decoding(with_draft, depth):
+    target, draft = with_draft
+    ps = prompts(9)
+    plain, llm = generate(target, ps, GREEDY, False, pipeline_depth=depth)
+    checked(llm)
+    spec, llm = generate(target, ps, GREEDY, draft_config(draft), pipeline_depth=depth)
+    again = llm.generate(ps, GREEDY, use_tqdm=False)  # over the cached prefixes
+    stats = checked(llm)
+    assert token_ids(spec) == token_ids(plain) == token_ids(again)
+    assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
+
+
+def test_the_target_as_its_own_draft_is_always_accepted(llama):
+    ps = prompts(10, 4)
+    plain, llm = generate(llama, ps, GREEDY, False)
+    base = checked(llm)
+    spec, llm = generate(llama, ps, GREEDY, draft_config(llama))
+    stats = checked(llm)
+    assert token_ids(spec) == token_ids(plain)
+    assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens > 0
+    assert stats.num_steps < base.num_steps / 2
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("depth", [1, 2])
+def test_a_draft_model_under_preemption_forks_and_logprobs(llama, tmp_path, mode, depth):
+    draft = truncated_copy("llama", tmp_path)
+    ps = prompts(11, 8)
+    params = [
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, n=2, logprobs=2)
+        if i % 3 == 0
+        else GREEDY
+        for i in range(len(ps))
+    ]
+    plain, llm = generate(llama, ps, params, False)
+    checked(llm)
+    tight = swap_engine_kwargs(llama, 24, 64 if mode == "swap" else 0, max_model_len=96)
+    tight["kv_cache_memory"] = tight["kv_cache_memory"] * 3 // 2  # + the 1-layer draft's
+    spec, llm = generate(llama, ps, params, draft_config(draft), pipeline_depth=depth, **tight)
+    stats = checked(llm)
+    assert token_ids(spec) == token_ids(plain)
+    assert stats.num_preemptions > 0 and (stats.num_swaps > 0) == (mode == "swap")
+    assert stats.spec_decode_num_accepted_tokens > 0
+    for a, b in zip(plain, spec, strict=True):
+        for ca, cb in zip(a.outputs, b.outputs, strict=True):
+            if ca.logprobs is not None:
+                assert [list(r) for r in cb.logprobs] == [list(r) for r in ca.logprobs]
+
+
+def test_a_draft_model_that_cannot_serve_is_refused_by_name(llama, tmp_path):
+    small = tmp_path / "small-vocab"
+    build_hf_model("llama", vocab_size=SMALL_VOCAB).save_pretrained(small)
+    with pytest.raises(ValueError, match="vocabulary"):
+        LLM(llama, skip_tokenizer_init=True, speculative_config=draft_config(str(small)))
+    windowed = tmp_path / "windowed"
+    save_hf_model("mistral-window", windowed)
+    with pytest.raises(ValueError, match="sliding-window"):
+        LLM(str(windowed), skip_tokenizer_init=True, speculative_config=draft_config(llama))

@@ -1,7 +1,8 @@
 """`pagedserve serve --speculative-config ...`: the served engine (actors, one step ahead)
-verifies prompt-lookup drafts and answers greedy requests, streamed and not, with the
-offline engine's text without speculation, stop strings included; /metrics counts the
-drafts under vLLM's names; a config we cannot honour is refused naming the field."""
+verifies prompt-lookup drafts, or a draft model's, and answers greedy requests, streamed
+and not, with the offline engine's text without speculation, stop strings included;
+/metrics counts the drafts under vLLM's names; a config we cannot honour is refused
+naming the field."""
 
 from __future__ import annotations
 
@@ -78,6 +79,24 @@ async def test_stop_strings_end_the_text_where_plain_decoding_does(spec_server, 
         )
         assert out.choices[0].text == cut.outputs[0].text
         assert out.choices[0].finish_reason == cut.outputs[0].finish_reason
+
+
+async def test_a_draft_model_serves_the_same_text(offline) -> None:
+    draft = {"method": "draft_model", "model": "builtin:tiny", "num_speculative_tokens": 3}
+    server = start_server(extra=["--speculative-config", json.dumps(draft)])
+    try:
+        api = AsyncOpenAI(base_url=f"{server.http}/v1", api_key="none", timeout=60)
+        params = SamplingParams(temperature=0, max_tokens=32)
+        for prompt in PROMPTS:
+            [want] = offline.generate(prompt, params, use_tqdm=False)
+            stream = await api.completions.create(
+                model=server.model, prompt=prompt, max_tokens=32, temperature=0, stream=True
+            )
+            assert "".join([c.choices[0].text async for c in stream]) == want.outputs[0].text
+        accepted = metric(server, "vllm:spec_decode_num_accepted_tokens_total")
+        assert accepted == metric(server, "vllm:spec_decode_num_draft_tokens_total") > 0
+    finally:
+        stop_server(server)
 
 
 def test_a_config_we_cannot_honour_is_refused_by_name(capsys) -> None:

@@ -32,6 +32,22 @@ class NgramProposer:
             raise ValueError(f"num_speculative_tokens must be >= 1; got {k}")
         self.min_n, self.max_n, self.k = min_n, max_n, k
 
+    def propose_batch(self, requests, ks: Sequence[int], tables) -> list[list[int]]:
+        """The `Proposer` call: each request's proposal, cut at its k."""
+        return [
+            self.propose(r.prompt_token_ids + r.output_token_ids)[:k]
+            for r, k in zip(requests, ks, strict=True)
+        ]
+
+    def after_step(self, request) -> None:
+        """Nothing to remember: every proposal scans the tokens afresh."""
+
+    def block_bytes(self) -> int:
+        return 0  # no KV cache
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        pass
+
     def propose(self, token_ids: Sequence[int]) -> list[int]:
         tokens = np.asarray(token_ids, dtype=np.int64)  # [L]
         length = tokens.shape[0]
