@@ -139,7 +139,7 @@ class ModelRunner:
         if self.cache_config.kv_cache_memory is not None:  # the user's byte count, any device
             budget = self.cache_config.kv_cache_memory
         elif not str(self.device).startswith("cuda"):
-            budget = self._default_cpu_budget()
+            budget = self._default_cpu_budget(extra_block_bytes)
         else:
             budget = cuda_budget_bytes(
                 self.cache_config, self._profile_peak(), torch.device(self.device)
@@ -160,11 +160,12 @@ class ModelRunner:
         c = self.cache_config
         return block_bytes(self.model_config, c.block_size, self.group.world_size, c.cache_dtype)
 
-    def _default_cpu_budget(self) -> int:
-        """2 GiB, or less when max_num_seqs full-length sequences need less."""
+    def _default_cpu_budget(self, extra_block_bytes: int = 0) -> int:
+        """2 GiB, or less when max_num_seqs full-length sequences need less (their
+        blocks in every cache that has them)."""
         bs, m = self.cache_config.block_size, self.model_config
         blocks = self.max_num_seqs * self.kv_layout.blocks_needed(0, m.max_model_len, bs)
-        return min(DEFAULT_CPU_KV_CACHE_MEMORY, blocks * self._block_bytes())
+        return min(DEFAULT_CPU_KV_CACHE_MEMORY, blocks * (self._block_bytes() + extra_block_bytes))
 
     def num_cpu_blocks(self) -> int:
         """Blocks of CPU swap space: `swap_space` GiB."""
