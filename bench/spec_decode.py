@@ -29,6 +29,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "bench")]
 
+from peers.http_load import post_json, send_all  # noqa: E402
 from report import invocation, machine, write_report  # noqa: E402
 
 from engine import LLM, SamplingParams  # noqa: E402
@@ -111,6 +112,7 @@ def parse_config(text: str, model: str) -> dict | None:
 def run(model: str, prompts, batch: int, spec: dict | None, a) -> dict:
     params = SamplingParams(temperature=0, max_tokens=a.max_tokens)
     kwargs = dict(max_num_seqs=batch, seed=0, speculative_config=spec)
+    kwargs["pipeline_depth"] = a.pipeline_depth
     if a.quantization:
         kwargs["quantization"] = a.quantization
     with LLM(model, **kwargs) as llm:
@@ -135,6 +137,55 @@ def run(model: str, prompts, batch: int, spec: dict | None, a) -> dict:
         mean_accepted_length=round(1 + accepted / drafts, 3) if drafts else None,
         verifications=drafts,
         tokens=tokens,
+    )
+
+
+def run_served(model: str, prompts, batch: int, spec: dict | None, a) -> dict:
+    """The same requests to `pagedserve serve` (its actors: the worker in its own process,
+    planning `--pipeline-depth` ahead), `batch` at a time, all sent at once."""
+    import urllib.request
+
+    from web.launch import ServerProcess
+
+    args = ["--model", model, "--max-num-seqs", str(batch), "--seed", "0"]
+    args += ["--pipeline-depth", str(a.pipeline_depth)]
+    args += ["--quantization", a.quantization] if a.quantization else []
+    args += ["--speculative-config", json.dumps(spec)] if spec else []
+    body = {"model": "m", "temperature": 0, "max_tokens": a.max_tokens}
+    server = ServerProcess(args + ["--served-model-name", "m"])
+    server.start(timeout=300)
+    try:
+        warm = {**body, "messages": prompts[0], "max_tokens": 32}
+        post_json(server.port, "/v1/chat/completions", warm, timeout=300)
+        load = send_all(
+            server.port, "/v1/chat/completions", [{**body, "messages": p} for p in prompts]
+        )
+        url = f"http://127.0.0.1:{server.port}/metrics"
+        with urllib.request.urlopen(url, timeout=30) as reply:
+            metrics = reply.read().decode()
+    finally:
+        server.stop()
+    if load.errors:
+        raise RuntimeError(f"requests failed: {load.errors[:3]}")
+
+    def total(name: str) -> float:
+        lines = [ln for ln in metrics.splitlines() if ln.startswith(name + "{")]
+        return sum(float(ln.split()[-1]) for ln in lines)
+
+    drafts = total("vllm:spec_decode_num_drafts_total")
+    proposed = total("vllm:spec_decode_num_draft_tokens_total")
+    accepted = total("vllm:spec_decode_num_accepted_tokens_total")
+    generated = sum(r["usage"]["completion_tokens"] for r in load.answers)
+    return dict(
+        config=spec,
+        seconds=round(load.wall_s, 3),
+        output_tokens=generated,
+        output_tok_s=round(generated / load.wall_s, 1),
+        steps=None,
+        acceptance_rate=round(accepted / proposed, 3) if proposed else None,
+        mean_accepted_length=round(1 + accepted / drafts, 3) if drafts else None,
+        verifications=int(drafts),
+        tokens=[r["choices"][0]["message"]["content"] for r in load.answers],
     )
 
 
@@ -165,6 +216,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--configs", nargs="+", default=["ngram:3:2:5", "ngram:3:2:5:always"])
     p.add_argument("--num-prompts", type=int, default=0, help="per run (0: 2 x batch, >= 12)")
     p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument(
+        "--pipeline-depth", type=int, default=1, choices=[1, 2], help="2: plan one step ahead"
+    )
+    p.add_argument(
+        "--served",
+        action="store_true",
+        help="through `pagedserve serve` (the warm-up and metrics come from the server)",
+    )
     p.add_argument("--out", type=Path)
     a = p.parse_args(argv)
     if a.model is None:
@@ -181,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
             prompts = (copy_prompts if workload == "copy" else free_prompts)(n, rng)
             base = None
             for label, spec in [("none", None), *zip(a.configs, configs, strict=True)]:
-                row = run(a.model, prompts, batch, spec, a)
+                row = (run_served if a.served else run)(a.model, prompts, batch, spec, a)
                 row |= dict(workload=workload, batch=batch, label=label, num_prompts=n)
                 if base is None:
                     base = row
@@ -193,7 +252,14 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(row)
     for row in rows:
         del row["tokens"]
-    result = dict(command=invocation(__file__), model=a.model, rows=rows, machine=machine())
+    result = dict(
+        command=invocation(__file__),
+        model=a.model,
+        pipeline_depth=a.pipeline_depth,
+        served=a.served,
+        rows=rows,
+        machine=machine(),
+    )
     write_report(result, a.out, lambda path: plot(rows, path))
     return 0
 
