@@ -28,6 +28,7 @@ class Support(StrEnum):
 class Origin(StrEnum):
     OPENAI = "OpenAI"
     VLLM = "vLLM"
+    ROUTER = "vllm-router"  # added by the router (vllm-router) to every request it forwards
 
 
 @dataclass(frozen=True)
@@ -200,6 +201,22 @@ COMMON = [
     _refused("return_tokens_as_token_ids", "not implemented", True, _V),
     _refused("logits_processors", "no custom logits processors", ["p"], _V),
     _refused("cache_salt", "the prefix cache is shared by every request", "salt", _V),
+    _some(
+        "no_stop_trim",
+        "`false`",
+        lambda v: v is False,
+        "stop strings are trimmed from the text (`include_stop_str_in_output` keeps them)",
+        (False, True),
+        Origin.ROUTER,
+    ),
+    _some(
+        "return_hidden_states",
+        "`false`",
+        lambda v: v is False,
+        "hidden states are not returned",
+        (False, True),
+        Origin.ROUTER,
+    ),
 ]
 
 COMPLETIONS_ONLY = [
@@ -328,6 +345,23 @@ CHAT_ONLY = [
     ),
     _refused("documents", "the model's own chat template is used", [{"text": "x"}], _V),
     _refused("prompt_logprobs", "not implemented for chat", 1, _V),
+    _some(
+        "separate_reasoning",
+        "`true`",
+        lambda v: v is True,
+        "`<think>` reasoning goes to `reasoning_content` when the server runs "
+        "`--reasoning-parser` (without one there is none to separate)",
+        (True, False),
+        Origin.ROUTER,
+    ),
+    _some(
+        "stream_reasoning",
+        "`true`",
+        lambda v: v is True,
+        "reasoning streams as it is generated",
+        (True, False),
+        Origin.ROUTER,
+    ),
     _refused("prompt", "a completions field: use /v1/completions", "hi"),
     _refused("best_of", "a completions field (use_beam_search takes its width from n)", 2),
     _refused("suffix", "a completions field", "x"),
