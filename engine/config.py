@@ -273,6 +273,7 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     distributed_address: str | None = None
     distributed_init_method: str | None = None
+    enable_expert_parallel: bool = False  # whole experts per rank (mixtures of experts)
 
     def __post_init__(self) -> None:
         tp = self.tensor_parallel_size

@@ -22,6 +22,13 @@ from engine.speculative_config import SpeculativeConfig, SpeculativeMethod
 
 logger = logging.getLogger(__name__)
 
+
+def _num_experts(hf_config) -> int:
+    """The experts of a mixture-of-experts config (0: a dense model)."""
+    text = getattr(hf_config, "text_config", None) or hf_config
+    return int(getattr(text, "num_local_experts", None) or getattr(text, "num_experts", 0) or 0)
+
+
 DEFAULT_SPECULATIVE_BATCH = 1  # drafts are verified only while one sequence runs
 
 
@@ -52,6 +59,7 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"  # auto | fp8 | fp8_e4m3 | fp8_e5m2 | int8
     preemption_mode: str = "recompute"
     tensor_parallel_size: int = 1  # ranks sharing the model (one worker process each)
+    enable_expert_parallel: bool = False  # experts placed whole on the ranks, not sliced
     distributed_address: str | None = None  # HOST:PORT of rank 0's torch.distributed store
     distributed_init_method: str | None = None  # set by launchers: a file:// rendezvous
     parse_special_tokens_in_content: bool = False  # chat content may spell control tokens
@@ -68,10 +76,17 @@ class EngineArgs:
         from engine.worker.parallel.shardable import check_shardable
 
         parallel = ParallelConfig(
-            self.tensor_parallel_size, self.distributed_address, self.distributed_init_method
+            self.tensor_parallel_size,
+            self.distributed_address,
+            self.distributed_init_method,
+            self.enable_expert_parallel,
         )
         device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
         model_config = build_model_config(self, device)
+        if self.enable_expert_parallel and not _num_experts(model_config.hf_config):
+            raise ValueError(
+                f"enable_expert_parallel: {model_config.architecture} has no experts to place"
+            )
         check_shardable(model_config, parallel.tensor_parallel_size)
         max_len = model_config.max_model_len
         scheduler = SchedulerConfig(

@@ -50,6 +50,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "over, tensor-parallel; 1..64, dividing the model's attention heads",
     )
     p.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="with -tp N, place whole experts of a mixture of experts on the ranks (a "
+        "share each) instead of slicing every expert; attention stays tensor-parallel",
+    )
+    p.add_argument(
         "--distributed-address",
         default=None,
         metavar="HOST:PORT",
@@ -423,6 +429,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         "chat_template": args.chat_template,
         "parse_special_tokens_in_content": args.parse_special_tokens_in_content,
         "tensor_parallel_size": args.tensor_parallel_size,
+        "enable_expert_parallel": args.enable_expert_parallel,
         "distributed_address": args.distributed_address,
         "max_tokens_per_request": args.max_tokens_per_request,
         "grammar_cache_size": args.grammar_cache_size,

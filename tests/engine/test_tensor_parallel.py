@@ -193,3 +193,32 @@ def test_structured_outputs_on_two_ranks_match_one_device():
         value = json.loads(text)
         assert 0 <= value["x"] <= 9 and value["c"] in ("a", "b"), text
     assert not live_children()
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("name", ["mixtral", "qwen3-moe", "gpt-oss"])
+def test_expert_parallel_ranks_give_what_one_device_gives(name, tmp_path):
+    """`enable_expert_parallel`: each of two ranks holds half the experts, whole (their
+    gate/up/down unsliced), and the same tokens come out as on one device."""
+    save_hf_model(name, tmp_path)
+    one, _ = _run(str(tmp_path), 1)
+    two, info = _run(str(tmp_path), 2, enable_expert_parallel=True)
+    assert two == one
+    assert info["stats"].num_preemptions > 0 and info["rank_checks"] > 10
+    with LLM(
+        str(tmp_path), tensor_parallel_size=2, enable_expert_parallel=True, skip_tokenizer_init=True
+    ) as llm:
+        llm.generate(PROMPTS[:2], PARAMS[0], use_tqdm=False)
+        model = getattr(llm.engine.worker, "worker", llm.engine.worker).runner.model
+        layers = [m for m in model.modules() if type(m).__name__ == "FusedMoE"]
+        experts = layers[0].num_experts
+        assert layers[0].local_experts == range(0, experts // 2)  # rank 0's share
+        assert layers[0].intermediate.size == layers[0].intermediate.full  # not sliced
+        assert all(int(m.tokens_per_expert.sum()) > 0 for m in layers)  # its load, counted
+    assert not live_children()
+
+
+def test_expert_parallel_without_experts_is_refused_by_name(tmp_path):
+    save_hf_model("llama", tmp_path)
+    with pytest.raises(ValueError, match="enable_expert_parallel"):
+        LLM(str(tmp_path), enable_expert_parallel=True, skip_tokenizer_init=True)

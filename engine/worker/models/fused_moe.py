@@ -86,6 +86,13 @@ def per_expert_params(
     return params
 
 
+def expert_share(num_experts: int, group: TensorParallelGroup) -> range:
+    """Rank r's experts under expert parallelism: a contiguous share, sizes differing
+    by at most one."""
+    r, world = group.rank, group.world_size
+    return range(r * num_experts // world, (r + 1) * num_experts // world)
+
+
 class FusedMoE(nn.Module):
     """All experts of one MoE layer: `forward(hidden [T, H], router_logits [T, E]) ->
     [T, H]`, routing by `routing`, expert MLPs down(activation(gate_up(x))).
@@ -100,9 +107,14 @@ class FusedMoE(nn.Module):
     this rank's Part of I): gate_up column-parallel, down row-parallel, and the combined
     output of all experts is all-reduced once; down's bias is added on the first rank only.
 
-    Expert parallelism can later place whole experts on ranks: `local_experts` is the
-    range of experts whose weights this rank holds (all of them today, unless given);
-    assignments to other experts are skipped here, and the all-reduce sums them in.
+    Expert parallelism (`group.expert_parallel`): whole experts are placed on the ranks
+    instead, a contiguous share each (`local_experts`, the experts whose weights this rank
+    holds, unsliced); every rank routes every token (the router is replicated), computes
+    the assignments to its own experts, adds their down bias, and the same all-reduce
+    sums the ranks' parts into each token. Each expert's weights live on one rank: the
+    MoE layers' weights are divided by the ranks as with slicing, and an expert's GEMMs
+    run whole. `tokens_per_expert` counts the assignments each local expert got so far
+    (the load per expert).
     """
 
     def __init__(
@@ -123,12 +135,19 @@ class FusedMoE(nn.Module):
         self.num_experts, self.top_k, self.hidden_size = num_experts, top_k, hidden_size
         self.intermediate, self.routing, self.activation = intermediate, routing, activation
         self.layout, self.group = layout, group
+        if group.expert_parallel:
+            intermediate = self.intermediate = Part(intermediate.full, 0, intermediate.full)
+            if local_experts is None:
+                local_experts = expert_share(num_experts, group)
         self.local_experts = local_experts if local_experts is not None else range(num_experts)
         n, i = len(self.local_experts), intermediate.size
         self.gate_up_proj = nn.Parameter(torch.empty(n, 2 * i, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(n, hidden_size, i))
         self.gate_up_proj_bias = nn.Parameter(torch.empty(n, 2 * i)) if bias else None
         self.down_proj_bias = nn.Parameter(torch.empty(n, hidden_size)) if bias else None
+        self.register_buffer(
+            "tokens_per_expert", torch.zeros(len(self.local_experts), dtype=torch.int64), False
+        )
         self.checkpoint_parts = (
             {"gate_up_proj": 2 * num_experts, "down_proj": num_experts}
             if layout is ExpertsLayout.PER_EXPERT
@@ -143,9 +162,10 @@ class FusedMoE(nn.Module):
         weights, experts = self.routing.select(router_logits, self.top_k)  # [T, k] each
         flat = experts.reshape(-1)  # [T * k], assignment a = token * k + slot
         order = torch.argsort(flat, stable=True)  # assignments grouped by expert
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        bounds = list(itertools.accumulate(counts, initial=0))  # expert e: [bounds[e], [e+1])
+        counts = torch.bincount(flat, minlength=self.num_experts)
         local = self.local_experts
+        self.tokens_per_expert += counts[local.start : local.stop].to(torch.int64)
+        bounds = list(itertools.accumulate(counts.tolist(), initial=0))  # e: [bounds[e], [e+1])
         lo, hi = bounds[local.start], bounds[local.stop]  # this rank's experts' assignments
         mine = order[lo:hi]
         token = mine // self.top_k  # [n] the token of each assignment
@@ -164,7 +184,8 @@ class FusedMoE(nn.Module):
         b13 = None if self.gate_up_proj_bias is None else self.gate_up_proj_bias[i]
         h = self.activation(F.linear(x, self.gate_up_proj[i], b13))  # [n, I / world]
         b2 = self.down_proj_bias[i] if self.down_proj_bias is not None else None
-        return F.linear(h, self.down_proj[i], b2 if self.group.is_first else None)
+        once = self.group.is_first or self.group.expert_parallel  # the bias on one rank
+        return F.linear(h, self.down_proj[i], b2 if once else None)
 
     def load(self, name: str, tensor: torch.Tensor, part: int | None) -> None:
         """Copies this rank's slice of checkpoint tensor `name` (one of the parameter

@@ -32,11 +32,14 @@ def head_init_method(address: str, run_id: str) -> str:
 @dataclass(frozen=True)
 class TensorParallelGroup:
     """Rank `rank` of `world_size` (0 of 1: no parallelism); `device` holds the tensors
-    its collectives exchange (NCCL's must be on the GPU)."""
+    its collectives exchange (NCCL's must be on the GPU). `expert_parallel`: a mixture
+    of experts places whole experts on the ranks instead of slicing every expert
+    (vLLM's `--enable-expert-parallel`; the rest of the model stays tensor-parallel)."""
 
     rank: int = 0
     world_size: int = 1
     device: str = "cpu"
+    expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
@@ -51,6 +54,7 @@ class TensorParallelGroup:
         backend: str | None = None,
         timeout_s: float = COLLECTIVE_TIMEOUT_S,
         device: str = "cpu",
+        expert_parallel: bool = False,
     ) -> TensorParallelGroup:
         """Joins the default process group (`init_method`: `tcp://HOST:PORT`, the rank
         0 host serving torch.distributed's TCP store; `file://PATH`; or
@@ -66,7 +70,7 @@ class TensorParallelGroup:
             dist.init_process_group(
                 backend, rank=rank, world_size=world_size, timeout=timeout, **where
             )
-        return cls(rank, world_size, str(device))
+        return cls(rank, world_size, str(device), expert_parallel)
 
     def leave(self) -> None:
         """Leaves the process group (this process may join another one later)."""
@@ -154,4 +158,10 @@ def join_group(parallel: ParallelConfig, device: str, rank: int) -> TensorParall
         device = f"cuda:{torch.cuda.current_device()}"
     elif "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    return TensorParallelGroup.initialize(rank, world, parallel.init_method, device=device)
+    return TensorParallelGroup.initialize(
+        rank,
+        world,
+        parallel.init_method,
+        device=device,
+        expert_parallel=parallel.enable_expert_parallel,
+    )
