@@ -38,12 +38,13 @@ class Scheduler:
 
     With speculative decoding (`lookahead`), a decoding row also gets the lookahead its
     policy gives it: k slots for draft tokens its worker proposes and verifies in the
-    same step, from the token budget and the block table. The plan counts one token
-    computed, as without drafts; the result (`on_verified`) adds the drafts accepted,
-    releases the step's reservation and trims the table to what is left, so a table
-    always holds `num_computed_tokens + num_lookahead_tokens` slots. Planning ahead of
-    results, the next step's slots are reserved past every step in flight; the worker,
-    which knows what it accepted, places the tokens.
+    same step, from the token budget and the block table (never by preempting another
+    sequence). The plan counts one token computed, as without drafts; the result
+    (`on_verified`) adds the drafts accepted, releases the step's reservation and trims
+    the table, so a table holds `num_computed_tokens + num_lookahead_tokens` slots and at
+    most one lookahead more. Planning ahead of results, the next step's slots are
+    reserved past every step in flight; the worker, which knows what it accepted,
+    places the tokens.
     """
 
     def __init__(
