@@ -137,6 +137,17 @@ class LLM:
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
+    def expert_load(self) -> list[list[int]]:
+        """A mixture of experts' load: per MoE layer, the (token, expert) assignments each
+        expert got so far (empty for a dense model). With expert parallelism, an expert's
+        count is its rank's work."""
+        worker = getattr(self.engine.worker, "worker", self.engine.worker)
+        return [
+            m.tokens_per_expert.tolist()
+            for m in worker.runner.model.modules()
+            if hasattr(m, "tokens_per_expert")
+        ]
+
     def reset_prefix_cache(self) -> int:
         """Forgets every cached prefix; returns how many cached blocks were dropped."""
         return self.engine.reset_prefix_cache()

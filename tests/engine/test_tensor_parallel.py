@@ -214,7 +214,10 @@ def test_expert_parallel_ranks_give_what_one_device_gives(name, tmp_path):
         experts = layers[0].num_experts
         assert layers[0].local_experts == range(0, experts // 2)  # rank 0's share
         assert layers[0].intermediate.size == layers[0].intermediate.full  # not sliced
-        assert all(int(m.tokens_per_expert.sum()) > 0 for m in layers)  # its load, counted
+        load = llm.expert_load()  # per layer, every expert's assignments so far
+        assert len(load) == len(layers) and all(len(row) == experts for row in load)
+        top_k = layers[0].top_k
+        assert all(sum(row) % top_k == 0 and sum(row) > 0 for row in load)
     assert not live_children()
 
 

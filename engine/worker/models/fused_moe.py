@@ -113,8 +113,9 @@ class FusedMoE(nn.Module):
     the assignments to its own experts, adds their down bias, and the same all-reduce
     sums the ranks' parts into each token. Each expert's weights live on one rank: the
     MoE layers' weights are divided by the ranks as with slicing, and an expert's GEMMs
-    run whole. `tokens_per_expert` counts the assignments each local expert got so far
-    (the load per expert).
+    run whole. `tokens_per_expert` [num_experts] counts the assignments each expert got
+    so far (the load per expert; every rank routes every token, so each rank has all of
+    it).
     """
 
     def __init__(
@@ -146,7 +147,7 @@ class FusedMoE(nn.Module):
         self.gate_up_proj_bias = nn.Parameter(torch.empty(n, 2 * i)) if bias else None
         self.down_proj_bias = nn.Parameter(torch.empty(n, hidden_size)) if bias else None
         self.register_buffer(
-            "tokens_per_expert", torch.zeros(len(self.local_experts), dtype=torch.int64), False
+            "tokens_per_expert", torch.zeros(num_experts, dtype=torch.int64), False
         )
         self.checkpoint_parts = (
             {"gate_up_proj": 2 * num_experts, "down_proj": num_experts}
@@ -164,7 +165,7 @@ class FusedMoE(nn.Module):
         order = torch.argsort(flat, stable=True)  # assignments grouped by expert
         counts = torch.bincount(flat, minlength=self.num_experts)
         local = self.local_experts
-        self.tokens_per_expert += counts[local.start : local.stop].to(torch.int64)
+        self.tokens_per_expert += counts
         bounds = list(itertools.accumulate(counts.tolist(), initial=0))  # e: [bounds[e], [e+1])
         lo, hi = bounds[local.start], bounds[local.stop]  # this rank's experts' assignments
         mine = order[lo:hi]
