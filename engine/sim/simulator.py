@@ -66,6 +66,9 @@ class SimulatorConfig:
     share_blocks: bool = True  # paged only: False copies what forks share (an ablation)
     layout: KVCacheLayout | None = None
     kv_allocator: KVAllocator = KVAllocator.HYBRID
+    # a decode instance of prefill/decode disaggregation: every prompt's KV arrives
+    # computed (transferred), so prompt tokens cost nothing to compute here
+    prompts_arrive_computed: bool = False
 
     def build_blocks(self) -> BlockTables:
         options = dict(
@@ -234,7 +237,7 @@ class Simulator:
         contexts = sum(needed(requests[r].num_computed_tokens) for r in plan.scheduled_ids)
         contexts //= blocks.num_groups
         swapped = (len(plan.swap_out_src) + len(plan.swap_in_src)) * self.config.block_size
-        shape = StepShape(sum(plan.num_scheduled_tokens), contexts, swapped)
+        shape = StepShape(self._computed_tokens(plan), contexts, swapped)
         duration = self.cost.step_seconds(shape)
         result.steps.append(
             StepRecord(
@@ -251,6 +254,18 @@ class Simulator:
             result.memory_sums[i] += value
         self.clock += duration
         return self.worker.execute(plan), self.clock
+
+    def _computed_tokens(self, plan: StepPlan) -> int:
+        """The tokens the step computes: all scheduled ones, or, where prompts arrive
+        computed, those past each prompt (the plan has advanced the counts already)."""
+        if not self.config.prompts_arrive_computed:
+            return sum(plan.num_scheduled_tokens)
+        requests, total = self.core.scheduler.requests, 0
+        for request_id, n in zip(plan.scheduled_ids, plan.num_scheduled_tokens, strict=True):
+            request = requests[request_id]
+            end = request.num_computed_tokens
+            total += end - max(end - n, min(end, len(request.prompt_token_ids)))
+        return total
 
     def _memory_shares(self) -> KVMemoryShares:
         """Where the KV slots are after planning this step. Paged: the running requests'
