@@ -50,7 +50,21 @@ def spawn_worker(
     """Starts `python -m actors.worker_actor` with this repository importable
     (`null_worker`: a NullWorker, no model, for control-plane benchmarks; `heartbeat`:
     where its heartbeats go, none when None; `rank`: its tensor-parallel rank)."""
-    cmd = [
+    cmd = worker_arguments(args, inbox, scheduler, worker_id, null_worker, heartbeat, rank)
+    return start_module("actors.worker_actor", cmd, extra_env)
+
+
+def worker_arguments(
+    args: EngineArgs,
+    inbox: str,
+    scheduler: str,
+    worker_id: int = 0,
+    null_worker: bool = False,
+    heartbeat: str | None = None,
+    rank: int = 0,
+) -> list[str]:
+    """`actors.worker_actor`'s command-line arguments (see `spawn_worker`)."""
+    return [
         "--engine-args",
         engine_args_json(args),
         "--inbox",
@@ -64,7 +78,6 @@ def spawn_worker(
         *(["--null-worker"] if null_worker else []),
         *(["--heartbeat", heartbeat] if heartbeat else []),
     ]
-    return start_module("actors.worker_actor", cmd, extra_env)
 
 
 @dataclass(frozen=True)
@@ -130,11 +143,14 @@ class WorkerLaunch:
             scheduler = ipc_address(run_dir, "scheduler")
             rank_args = head.local_args if head else _with_rendezvous(args, run_dir)
             env = {**(extra_env or {}), **(head.local_environment() if head else {})}
-            for r in ranks:
-                worker = spawn_worker(
-                    rank_args, workers[r], scheduler, r, env, heartbeat=beats[r], rank=r
-                )
-                processes.append(worker)
+            if args.distributed_executor_backend == "ray":
+                processes += _place_on_ray(rank_args, workers, scheduler, beats, env)
+            else:
+                for r in ranks:
+                    worker = spawn_worker(
+                        rank_args, workers[r], scheduler, r, env, heartbeat=beats[r], rank=r
+                    )
+                    processes.append(worker)
         except BaseException:
             kill_processes(processes)
             shutil.rmtree(run_dir, ignore_errors=True)
@@ -176,6 +192,17 @@ class WorkerLaunch:
         shutil.rmtree(self.run_dir, ignore_errors=True)
         if self.head is not None:
             self.head.close()
+
+
+def _place_on_ray(args: EngineArgs, workers, scheduler: str, beats, env) -> list:
+    """The ranks' workers started in Ray placement bundles (actors/ray_placement.py)."""
+    from actors.ray_placement import place_ranks
+
+    commands = [
+        ["actors.worker_actor", *worker_arguments(args, w, scheduler, r, heartbeat=b, rank=r)]
+        for r, (w, b) in enumerate(zip(workers, beats, strict=True))
+    ]
+    return place_ranks(commands, env, on_gpu=(args.device or "").startswith("cuda"))
 
 
 def _with_rendezvous(args: EngineArgs, run_dir: str) -> EngineArgs:

@@ -4,6 +4,7 @@ once by `build()` into the frozen `EngineConfig` (engine/config.py)."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import logging
 from dataclasses import dataclass
@@ -60,6 +61,7 @@ class EngineArgs:
     preemption_mode: str = "recompute"
     tensor_parallel_size: int = 1  # ranks sharing the model (one worker process each)
     enable_expert_parallel: bool = False  # experts placed whole on the ranks, not sliced
+    distributed_executor_backend: str = "mp"  # mp: ranks as local processes; ray: Ray places
     distributed_address: str | None = None  # HOST:PORT of rank 0's torch.distributed store
     distributed_init_method: str | None = None  # set by launchers: a file:// rendezvous
     parse_special_tokens_in_content: bool = False  # chat content may spell control tokens
@@ -82,6 +84,7 @@ class EngineArgs:
             self.enable_expert_parallel,
         )
         device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self._check_executor()
         model_config = build_model_config(self, device)
         if self.enable_expert_parallel and not _num_experts(model_config.hf_config):
             raise ValueError(
@@ -145,6 +148,15 @@ class EngineArgs:
         if spec.disable_by_batch_size is None:
             spec = dataclasses.replace(spec, disable_by_batch_size=DEFAULT_SPECULATIVE_BATCH)
         return spec
+
+    def _check_executor(self) -> None:
+        backend = self.distributed_executor_backend
+        if backend not in ("mp", "ray"):
+            raise ValueError(f"distributed_executor_backend must be 'mp' or 'ray', got {backend!r}")
+        if backend == "ray" and importlib.util.find_spec("ray") is None:
+            raise ValueError(
+                "distributed_executor_backend='ray' needs the `ray` package (pip install ray)"
+            )
 
     def _draft_model(self, spec, target, device: str, parallel: ParallelConfig):
         """The draft model's config (method draft_model), checked against the target:

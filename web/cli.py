@@ -50,6 +50,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "over, tensor-parallel; 1..64, dividing the model's attention heads",
     )
     p.add_argument(
+        "--distributed-executor-backend",
+        choices=["mp", "ray"],
+        default="mp",
+        help="how the -tp ranks' worker processes start: mp, here; ray, each in a bundle of a "
+        "Ray placement group (a cluster at RAY_ADDRESS, else a local Ray instance)",
+    )
+    p.add_argument(
         "--enable-expert-parallel",
         action="store_true",
         help="with -tp N, place whole experts of a mixture of experts on the ranks (a "
@@ -430,6 +437,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         "parse_special_tokens_in_content": args.parse_special_tokens_in_content,
         "tensor_parallel_size": args.tensor_parallel_size,
         "enable_expert_parallel": args.enable_expert_parallel,
+        "distributed_executor_backend": args.distributed_executor_backend,
         "distributed_address": args.distributed_address,
         "max_tokens_per_request": args.max_tokens_per_request,
         "grammar_cache_size": args.grammar_cache_size,
