@@ -224,6 +224,7 @@ class ReplicaSet:
             max(p.oldest_request_s for p in parts),
             max(p.worker_silent_s for p in parts),
             sum(p.num_restarts for p in parts),
+            _summed([p.expert_load for p in parts]),
         )
 
     async def shutdown(self, timeout: float = 10.0) -> None:
@@ -277,3 +278,9 @@ async def _stop_all(
     await asyncio.gather(*(engine.shutdown() for engine in started), return_exceptions=True)
     for launch in launches:
         launch.abandon()
+
+
+def _summed(rows: list[tuple[int, ...]]) -> tuple[int, ...]:
+    """Element-wise sums of the replicas' per-expert loads."""
+    width = max((len(r) for r in rows), default=0)
+    return tuple(sum(r[i] for r in rows if i < len(r)) for i in range(width))

@@ -38,6 +38,7 @@ class WatchStats:
     oldest_request_s: float
     worker_silent_s: float
     num_restarts: int = 0
+    expert_load: tuple[int, ...] = ()  # per expert, from rank 0's heartbeats (MoE models)
 
 
 @dataclass(frozen=True)
@@ -116,6 +117,7 @@ class Supervisor:
             sum(age > limit for age in ages) if limit is not None else 0,
             max(ages, default=0.0),
             max(monitor.check().silent_s for monitor in self.monitors),
+            expert_load=self.monitors[0].expert_load if self.monitors else (),
         )
 
     def _loss(self, health: list[WorkerHealth]) -> str | None:

@@ -93,6 +93,7 @@ class Heartbeat:
         self, worker_id: int, address: str, interval: float, auth: FrameAuth | None = None
     ) -> None:
         self.worker_id, self.address, self.interval = worker_id, address, interval
+        self.expert_load: Callable[[], tuple[int, ...]] = tuple  # set once the model is up
         self._auth = None if auth is None else auth.for_channel(auth.channel)
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
@@ -112,7 +113,8 @@ class Heartbeat:
         sock.connect(self.address)
         try:
             while not self._stopped.is_set():
-                frame = encode(WorkerHeartbeat(self.worker_id, time.monotonic()))
+                beat = WorkerHeartbeat(self.worker_id, time.monotonic(), self.expert_load())
+                frame = encode(beat)
                 sock.send(frame if self._auth is None else self._auth.seal(frame))
                 self._stopped.wait(self.interval)
         finally:
@@ -166,6 +168,7 @@ async def run_worker(
         worker, ready = _build(args, worker_id, null_worker, rank)
         actor = WorkerActor(worker, inbox, scheduler, answers=rank == 0)
         if heartbeat is not None:
+            heartbeat.expert_load = worker.expert_load
             heartbeat.start()
         if rank == 0:  # ready once every rank is: the ranks agreed on the block count
             await send_message(scheduler, ready)

@@ -14,6 +14,7 @@ this host's: its silence counts from when its last heartbeat arrived.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import subprocess
 import time
@@ -69,11 +70,16 @@ class WorkerMonitor:
             if beat is _NO_BEAT:  # refused or undecodable: no sign of life
                 continue
             if self.process is None:  # another host's clock: count from the arrival
-                beat = WorkerHeartbeat(beat.worker_id, time.monotonic())
+                beat = dataclasses.replace(beat, sent_at=time.monotonic())
             if beat.sent_at >= self._last.sent_at:
                 self._last = beat
         silent = max(0.0, time.monotonic() - self._last.sent_at)
         return WorkerHealth(None if self.process is None else self.process.poll(), silent)
+
+    @property
+    def expert_load(self) -> tuple[int, ...]:
+        """The latest heartbeat's expert load (see `WorkerHeartbeat`)."""
+        return self._last.expert_load
 
     @property
     def num_refused(self) -> int:

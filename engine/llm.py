@@ -142,11 +142,7 @@ class LLM:
         expert got so far (empty for a dense model). With expert parallelism, an expert's
         count is its rank's work."""
         worker = getattr(self.engine.worker, "worker", self.engine.worker)
-        return [
-            m.tokens_per_expert.tolist()
-            for m in worker.runner.model.modules()
-            if hasattr(m, "tokens_per_expert")
-        ]
+        return worker.runner.expert_load()
 
     def reset_prefix_cache(self) -> int:
         """Forgets every cached prefix; returns how many cached blocks were dropped."""

@@ -532,10 +532,13 @@ class WorkerReady:
 class WorkerHeartbeat:
     """A worker is alive (worker -> engine client, every interval, from a thread of its
     own, so a long step does not silence it): when it was sent (`time.monotonic()`,
-    one clock for every process on the host)."""
+    one clock for every process on the host). `expert_load`: a mixture of experts'
+    (token, expert) assignments so far, per expert, summed over its MoE layers (empty
+    for a dense model)."""
 
     worker_id: int
     sent_at: float
+    expert_load: tuple[int, ...] = ()
 
 
 # ---------------------------------------------------------------- scheduler's block_replies inbox

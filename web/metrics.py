@@ -277,6 +277,21 @@ class EngineCollector:
                 metric.add_metric(list(labels.values()), float(getattr(snapshot, field)))
                 yield metric
         yield accepted_per_position(stats, self.model_name)
+        yield expert_tokens(watch, self.model_name)
+
+
+def expert_tokens(watch: WatchStats, model_name: str) -> Metric:
+    """`pagedserve_moe_expert_tokens{expert}`: a mixture of experts' (token, expert)
+    assignments so far, per expert, summed over its MoE layers (no samples for a dense
+    model): the load expert parallelism places on each expert's rank."""
+    metric = CounterMetricFamily(
+        "pagedserve_moe_expert_tokens",
+        "Mixture of experts: (token, expert) assignments so far, per expert, over all MoE layers",
+        labels=["model_name", "expert"],
+    )
+    for expert, count in enumerate(watch.expert_load):
+        metric.add_metric([model_name, str(expert)], float(count))
+    return metric
 
 
 def accepted_per_position(stats: EngineStats, model_name: str) -> Metric:

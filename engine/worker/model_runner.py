@@ -128,6 +128,15 @@ class ModelRunner:
         storages = {t.data_ptr(): t.numel() * t.element_size() for t in tensors}
         return sum(storages.values()) + packed_bytes
 
+    def expert_load(self) -> list[list[int]]:
+        """Per MoE layer, the (token, expert) assignments each expert got so far (every
+        rank routes every token, so each rank counts all experts)."""
+        return [
+            m.tokens_per_expert.tolist()
+            for m in self.model.modules()
+            if isinstance(getattr(m, "tokens_per_expert", None), torch.Tensor)
+        ]
+
     def kv_cache_bytes(self) -> int:
         """The device KV cache's bytes (layers sharing a tensor counted once)."""
         tensors = [t for pair in self.kv_cache for t in pair]

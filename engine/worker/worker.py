@@ -121,6 +121,14 @@ class Worker:
             return self._result(StepResult.empty(plan.step_id, self.worker_id), failures)
         return self._result(result, failures)
 
+    def expert_load(self) -> tuple[int, ...]:
+        """Each expert's assignments so far, summed over the MoE layers (empty: no experts)."""
+        layers = self.runner.expert_load() if self.runner is not None else []
+        if not layers:
+            return ()
+        width = max(len(row) for row in layers)
+        return tuple(sum(row[e] for row in layers if e < len(row)) for e in range(width))
+
     @property
     def _is_rank_of_group(self) -> bool:
         return self.runner is not None and self.runner.group.is_parallel

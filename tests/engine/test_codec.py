@@ -345,7 +345,7 @@ FIELD_ORDER = {
     ],
     "DraftCount": ["request_id", "num_drafts", "num_accepted"],
     "RequestFailed": ["request_id", "error"],
-    "WorkerHeartbeat": ["worker_id", "sent_at"],
+    "WorkerHeartbeat": ["worker_id", "sent_at", "expert_load"],
     "WorkerReady": [
         "worker_id",
         "num_blocks",
