@@ -23,7 +23,7 @@ from actors.supervisor import Supervision, WatchStats
 from actors.worker_launch import WorkerLaunch
 from engine.config import EngineConfig
 from engine.core.replica_router import ReplicaRouter, RoutedPrompt
-from engine.core.stats import EngineStats
+from engine.core.stats import EngineStats, summed_by_position
 from engine.engine_args import EngineArgs
 from engine.messages import (
     ChatInput,
@@ -224,7 +224,7 @@ class ReplicaSet:
             max(p.oldest_request_s for p in parts),
             max(p.worker_silent_s for p in parts),
             sum(p.num_restarts for p in parts),
-            _summed([p.expert_load for p in parts]),
+            summed_by_position([p.expert_load for p in parts]),
         )
 
     async def shutdown(self, timeout: float = 10.0) -> None:
@@ -278,9 +278,3 @@ async def _stop_all(
     await asyncio.gather(*(engine.shutdown() for engine in started), return_exceptions=True)
     for launch in launches:
         launch.abandon()
-
-
-def _summed(rows: list[tuple[int, ...]]) -> tuple[int, ...]:
-    """Element-wise sums of the replicas' per-expert loads."""
-    width = max((len(r) for r in rows), default=0)
-    return tuple(sum(r[i] for r in rows if i < len(r)) for i in range(width))

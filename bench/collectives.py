@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -29,6 +27,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 from report import invocation, machine, write_report  # noqa: E402
+from timing import median_seconds  # noqa: E402
 
 # (name, hidden size, layers, KV heads, head size): SmolLM2-135M, Llama-3-8B, Llama-3-70B
 MODELS = [
@@ -37,21 +36,11 @@ MODELS = [
     ("Llama-3-70B", 8192, 80, 8, 128),
 ]
 TOKENS = (1, 16, 256, 2048)
+WARMUP = 3  # untimed calls before the timed ones
 
 
 def log(msg: str) -> None:
     print(f"[collectives] {msg}", file=sys.stderr, flush=True)
-
-
-def median_s(fn, repeats: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def rank_main(rank: int, init: str, repeats: int, results) -> None:
@@ -71,10 +60,10 @@ def rank_main(rank: int, init: str, repeats: int, results) -> None:
             dispatched = torch.randn(2 * tokens, hidden)  # top-2 assignments, half each way
             out = torch.empty_like(dispatched)
             times = dict(
-                all_reduce_ms=median_s(lambda x=x: dist.all_reduce(x), repeats) * 1e3,
-                send_recv_ms=median_s(send_recv, repeats) * 1e3,
-                all_to_all_ms=median_s(
-                    lambda d=dispatched, o=out: dist.all_to_all_single(o, d), repeats
+                all_reduce_ms=median_seconds(lambda x=x: dist.all_reduce(x), repeats, WARMUP) * 1e3,
+                send_recv_ms=median_seconds(send_recv, repeats, WARMUP) * 1e3,
+                all_to_all_ms=median_seconds(
+                    lambda d=dispatched, o=out: dist.all_to_all_single(o, d), repeats, WARMUP
                 )
                 * 1e3,
             )
@@ -106,7 +95,7 @@ def kv_transfers(repeats: int) -> list[dict]:
                 push.send(payload, copy=False)
                 pull.recv(copy=False)
 
-            seconds = median_s(move, max(3, repeats // 10))
+            seconds = median_seconds(move, max(3, repeats // 10), WARMUP)
             rows.append(
                 dict(
                     model=name,

@@ -284,26 +284,34 @@ def expert_tokens(watch: WatchStats, model_name: str) -> Metric:
     """`pagedserve_moe_expert_tokens{expert}`: a mixture of experts' (token, expert)
     assignments so far, per expert, summed over its MoE layers (no samples for a dense
     model): the load expert parallelism places on each expert's rank."""
-    metric = CounterMetricFamily(
+    return _counts_by_index(
         "pagedserve_moe_expert_tokens",
         "Mixture of experts: (token, expert) assignments so far, per expert, over all MoE layers",
-        labels=["model_name", "expert"],
+        "expert",
+        watch.expert_load,
+        model_name,
     )
-    for expert, count in enumerate(watch.expert_load):
-        metric.add_metric([model_name, str(expert)], float(count))
-    return metric
 
 
 def accepted_per_position(stats: EngineStats, model_name: str) -> Metric:
     """vLLM's `spec_decode_num_accepted_tokens_per_pos{position}`: drafts accepted as the
     (position + 1)-th of their step, so far."""
-    metric = CounterMetricFamily(
+    return _counts_by_index(
         "vllm:spec_decode_num_accepted_tokens_per_pos",
         "Speculative decoding: draft tokens accepted so far, by their position in the step.",
-        labels=["model_name", "position"],
+        "position",
+        stats.spec_decode_num_accepted_tokens_per_pos,
+        model_name,
     )
-    for position, count in enumerate(stats.spec_decode_num_accepted_tokens_per_pos):
-        metric.add_metric([model_name, str(position)], float(count))
+
+
+def _counts_by_index(
+    name: str, doc: str, label: str, counts: Sequence[int], model_name: str
+) -> Metric:
+    """A counter family with one sample per index of `counts`, labelled `label`."""
+    metric = CounterMetricFamily(name, doc, labels=["model_name", label])
+    for index, count in enumerate(counts):
+        metric.add_metric([model_name, str(index)], float(count))
     return metric
 
 

@@ -76,9 +76,7 @@ class EngineStats:
             elif isinstance(column[0], str):
                 values[f.name] = ",".join(dict.fromkeys(column))
             elif isinstance(column[0], tuple):  # per position: summed position by position
-                width = max(len(c) for c in column)
-                sums = (sum(c[i] for c in column if i < len(c)) for i in range(width))
-                values[f.name] = tuple(sums)
+                values[f.name] = summed_by_position(column)
             else:
                 values[f.name] = sum(column)
         return cls(**values)
@@ -104,6 +102,12 @@ class EngineStats:
         """Tokens each speculating sequence gained per step: 1 + accepted / verifications."""
         n = self.spec_decode_num_drafts
         return 1 + self.spec_decode_num_accepted_tokens / n if n else 0.0
+
+
+def summed_by_position(rows: Sequence[Sequence[int]]) -> tuple[int, ...]:
+    """Element-wise sums of rows of counts; a shorter row counts 0 past its end."""
+    width = max((len(r) for r in rows), default=0)
+    return tuple(sum(r[i] for r in rows if i < len(r)) for i in range(width))
 
 
 # EngineStats' ratios, and the count each is a ratio of (its weight when merged)

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from engine.config import EngineConfig
 from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from engine.core.stats import summed_by_position
 from engine.core.stop_checker import max_num_tokens
 from engine.engine_args import EngineArgs
 from engine.errors import describe
@@ -123,11 +124,7 @@ class Worker:
 
     def expert_load(self) -> tuple[int, ...]:
         """Each expert's assignments so far, summed over the MoE layers (empty: no experts)."""
-        layers = self.runner.expert_load() if self.runner is not None else []
-        if not layers:
-            return ()
-        width = max(len(row) for row in layers)
-        return tuple(sum(row[e] for row in layers if e < len(row)) for e in range(width))
+        return summed_by_position(self.runner.expert_load() if self.runner is not None else [])
 
     @property
     def _is_rank_of_group(self) -> bool:
