@@ -394,13 +394,13 @@ def _proposer(config: EngineConfig) -> Proposer | None:
     spec = config.speculative
     if spec is None:
         return None
-    k = spec.num_speculative_tokens
     if config.draft_model is not None:
         from engine.worker.speculative.draft_model_proposer import DraftModelProposer
 
-        return DraftModelProposer(config.draft_model, config.cache, config.device, k)
+        return DraftModelProposer(config.draft_model, config.cache, config.device)
     from engine.worker.speculative.ngram_proposer import NgramProposer
 
+    k = spec.num_speculative_tokens
     return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max, k)
 
 

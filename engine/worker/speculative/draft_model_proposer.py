@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -31,7 +31,6 @@ class _Tokens(KnownTokens):
     output_token_ids: list[int]
     params: SamplingParams
     num_scored_prompt_tokens: int  # all: a draft pass scores no prompt
-    draft_token_ids: list[int] = field(default_factory=list)  # none: all are known here
 
 
 class DraftModelProposer:
@@ -54,12 +53,10 @@ class DraftModelProposer:
         model_config: ModelConfig,
         cache: CacheConfig,
         device: DeviceConfig,
-        k: int,
     ) -> None:
         self.model_config = model_config
         self.cache_config = cache
         self.device = device.device
-        self.k = k
         choice = select_backend(
             device.attention_backend,
             self.device,
