@@ -12,7 +12,7 @@
 # at the repository root; they are installed to /tmp/site first. QUICK=1 times fewer kernel
 # points and skips the engine throughput stage; CHECKS_ONLY=1 stops after the checks
 # (build, tests, engine, families), runs compute-sanitizer and skips the timings; SKIP_KERNELS=1
-# leaves out the kernel timings.
+# leaves out the kernel timings; NO_SANITIZE=1 leaves out compute-sanitizer.
 set -u
 ASSETS=${1:?usage: gpu_check.sh ASSETS_DIR}
 OUT=${OUT:-/tmp/gpu_check}
@@ -42,6 +42,7 @@ sanitize() {  # TOOL EVERY
   tail -c 1500 "$LOGS/$1.log" >"$OUT/$1_tail.log"
 }
 sanitizer() {
+  [ "${NO_SANITIZE:-0}" = 1 ] && return
   stage "compute-sanitizer: memcheck and racecheck over samples of the kernel tests"
   python3 -m pytest -m gpu tests/cuda_ext/test_native_cuda.py \
     tests/cuda_ext/test_native_cuda_features.py --collect-only -q -p no:cacheprovider \
@@ -108,11 +109,12 @@ report "kernels window" $? "$LOGS/kernels_window.log"
 
 }
 [ "${QUICK:-0}" = 1 ] && { sanitizer; stage done; cat "$SUMMARY"; exit 0; }
-stage "engine throughput"
-timeout 120 python3 bench/gpu_e2e.py --stories "$ASSETS/stories260K" \
-  --reference "$ASSETS/stories260K_greedy.json" --parts throughput \
-  --out "$OUT/gpu_e2e_throughput.json" >/dev/null 2>"$LOGS/throughput.log"
-report throughput $? "$LOGS/throughput.log"
+stage "engine throughput beside transformers, KV sizing, decode steps against the floor"
+for shape in 1b 8b; do
+  timeout 200 python3 bench/gpu_throughput.py --shapes $shape \
+    --out "$OUT/gpu_throughput_$shape.json" >/dev/null 2>"$LOGS/throughput_$shape.log"
+  report "throughput $shape" $? "$LOGS/throughput_$shape.log"
+done
 stage "GPU idle time at batch 64, in step and one step ahead"
 timeout 120 python3 bench/gpu_idle.py --out "$OUT/gpu_idle.json" >/dev/null 2>"$LOGS/idle.log"
 report idle $? "$LOGS/idle.log"

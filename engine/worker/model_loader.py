@@ -191,17 +191,27 @@ def iter_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def init_dummy_weights(model: CausalLM, seed: int) -> None:
-    """Random weights at the real shapes: N(0, 0.02) matrices, unit norms, zero biases."""
-    gen = torch.Generator().manual_seed(seed)
+    """Random weights at the real shapes: N(0, 0.02) matrices, unit norms, zero biases.
+    Drawn where the parameters live (a CPU draws float32 values; an accelerator draws in
+    place, so an 8B model's weights take seconds, not a minute of CPU sampling)."""
+    device = next(model.parameters()).device
+    gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if param.dim() >= 2:
-                values = torch.randn(param.shape, generator=gen) * 0.02
-                param.copy_(values.to(param.dtype))
+                param.copy_(_normal_like(param, gen, std=0.02))
             elif name.endswith("bias"):
                 param.zero_()
             else:
                 param.fill_(1.0)
+
+
+def _normal_like(param: torch.Tensor, gen: torch.Generator, std: float) -> torch.Tensor:
+    """N(0, std) values of `param`'s shape and dtype from `gen` (float32 draws on a CPU)."""
+    if param.device.type == "cpu":
+        return (torch.randn(param.shape, generator=gen) * std).to(param.dtype)
+    values = torch.randn(param.shape, generator=gen, device=param.device, dtype=param.dtype)
+    return values.mul_(std)
 
 
 def load_model(
