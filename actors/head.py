@@ -69,14 +69,14 @@ class Head:
         self._auth = auth
         self.local_args = local_args
         self.monitors = monitors
-        world = local_args.tensor_parallel_size
+        world = local_args.world_size
         self.remote_ranks = range(world - len(monitors), world)
 
     @classmethod
     def start(cls, args: EngineArgs, local_ranks: int, secret: bytes | None) -> Head:
         """Serves the store at `args.distributed_address` for ranks `local_ranks`..N-1
         to join; ValueError for what is missing (the address, the secret) or unusable."""
-        world = args.tensor_parallel_size
+        world = args.world_size
         if not 1 <= local_ranks < world:
             raise ValueError(f"local_ranks must be in [1, {world}) here, got {local_ranks}")
         if args.distributed_address is None:

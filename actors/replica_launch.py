@@ -88,7 +88,7 @@ def launch_replicas(args: EngineArgs, num_replicas: int, device: str) -> list[Wo
     """One worker launch per replica (see the module doc); if one cannot be launched,
     the ones launched already are abandoned."""
     check_num_replicas(num_replicas)
-    per_replica = getattr(args, "tensor_parallel_size", 1)  # the GPUs one replica spans
+    per_replica = getattr(args, "world_size", 1)  # the GPUs one replica spans
     envs = replica_envs(num_replicas, device, per_replica, os.environ)
     launches: list[WorkerLaunch] = []
     try:

@@ -115,7 +115,7 @@ class WorkerLaunch:
 
     @property
     def world_size(self) -> int:
-        return self.args.tensor_parallel_size
+        return self.args.world_size
 
     @classmethod
     def start(
@@ -129,8 +129,8 @@ class WorkerLaunch:
         `local_ranks`: how many ranks run here (default: all); the others join from
         other hosts, and need `args.distributed_address` and the cluster `secret`."""
         head = None
-        local_ranks = args.tensor_parallel_size if local_ranks is None else local_ranks
-        if local_ranks != args.tensor_parallel_size:
+        local_ranks = args.world_size if local_ranks is None else local_ranks
+        if local_ranks != args.world_size:
             from actors import head as heads  # torch.distributed: only for remote ranks
 
             head = heads.Head.start(args, local_ranks, secret)
@@ -208,7 +208,7 @@ def _place_on_ray(args: EngineArgs, workers, scheduler: str, beats, env) -> list
 def _with_rendezvous(args: EngineArgs, run_dir: str) -> EngineArgs:
     """Ranks on this host meet at a file in the run directory, unless the user named a
     torch.distributed address."""
-    if args.tensor_parallel_size == 1 or args.distributed_address or args.distributed_init_method:
+    if args.world_size == 1 or args.distributed_address or args.distributed_init_method:
         return args
     init = f"file://{os.path.join(run_dir, 'rendezvous')}"
     return dataclasses.replace(args, distributed_init_method=init)

@@ -265,7 +265,8 @@ MAX_TENSOR_PARALLEL_SIZE = 64
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """How many ranks share one model (tensor parallelism), and where they meet:
+    """How many ranks share one model (tensor parallelism within a stage, pipeline
+    parallelism across stages), and where they meet:
     `distributed_address` is HOST:PORT of torch.distributed's TCP store, served by rank
     0's host; `init_method`, when set, overrides it (the launchers of ranks on one host
     set a `file://` rendezvous in a private directory)."""
@@ -274,13 +275,25 @@ class ParallelConfig:
     distributed_address: str | None = None
     distributed_init_method: str | None = None
     enable_expert_parallel: bool = False  # whole experts per rank (mixtures of experts)
+    pipeline_parallel_size: int = 1  # stages, each a contiguous share of the layers
+    pipeline_micro_batches: int = 0  # parts a step's rows split into (0: one per stage)
 
     def __post_init__(self) -> None:
-        tp = self.tensor_parallel_size
-        if not isinstance(tp, int) or not 1 <= tp <= MAX_TENSOR_PARALLEL_SIZE:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            size = getattr(self, name)
+            if not isinstance(size, int) or not 1 <= size <= MAX_TENSOR_PARALLEL_SIZE:
+                raise ValueError(
+                    f"{name} must be an integer in [1, {MAX_TENSOR_PARALLEL_SIZE}], got {size!r}"
+                )
+        if not isinstance(self.pipeline_micro_batches, int) or self.pipeline_micro_batches < 0:
             raise ValueError(
-                f"tensor_parallel_size must be an integer in [1, {MAX_TENSOR_PARALLEL_SIZE}], "
-                f"got {tp!r}"
+                "pipeline_micro_batches must be an integer >= 0 (0: one per stage), "
+                f"got {self.pipeline_micro_batches!r}"
+            )
+        if self.world_size > MAX_TENSOR_PARALLEL_SIZE:
+            raise ValueError(
+                f"tensor_parallel_size x pipeline_parallel_size must be at most "
+                f"{MAX_TENSOR_PARALLEL_SIZE} ranks, got {self.world_size}"
             )
         if self.distributed_address is not None:
             host, _, port = self.distributed_address.rpartition(":")
@@ -291,12 +304,17 @@ class ParallelConfig:
                 )
 
     @property
+    def world_size(self) -> int:
+        """Ranks in all: tensor_parallel_size per stage, pipeline_parallel_size stages."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
     def init_method(self) -> str:
         """torch.distributed's rendezvous URL."""
         if self.distributed_init_method is not None:
             return self.distributed_init_method
         if self.distributed_address is None:
-            raise ValueError("tensor_parallel_size > 1 needs a distributed_address (HOST:PORT)")
+            raise ValueError("more than one rank needs a distributed_address (HOST:PORT)")
         return f"tcp://{self.distributed_address}"
 
 

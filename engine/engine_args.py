@@ -61,6 +61,8 @@ class EngineArgs:
     preemption_mode: str = "recompute"
     tensor_parallel_size: int = 1  # ranks sharing the model (one worker process each)
     enable_expert_parallel: bool = False  # experts placed whole on the ranks, not sliced
+    pipeline_parallel_size: int = 1  # stages of layers, tensor_parallel_size ranks each
+    pipeline_micro_batches: int = 0  # parts of a step in flight across stages (0: one each)
     distributed_executor_backend: str = "mp"  # mp: ranks as local processes; ray: Ray places
     distributed_address: str | None = None  # HOST:PORT of rank 0's torch.distributed store
     distributed_init_method: str | None = None  # set by launchers: a file:// rendezvous
@@ -70,18 +72,25 @@ class EngineArgs:
     # {"method": "ngram", "num_speculative_tokens": k, ...} (or its JSON text); None: off
     speculative_config: dict | str | None = None
 
+    @property
+    def world_size(self) -> int:
+        """Ranks (worker processes) in all: tensor_parallel_size x pipeline_parallel_size."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
     def build(self) -> EngineConfig:
         import torch  # here, not at import: the server's CLI imports this module first
 
         from engine.text.tokenizer import resolve_chat_template
         from engine.worker.model_loader import build_model_config  # loads model code: on demand
-        from engine.worker.parallel.shardable import check_shardable
+        from engine.worker.parallel.shardable import check_shardable, check_stageable
 
         parallel = ParallelConfig(
-            self.tensor_parallel_size,
-            self.distributed_address,
-            self.distributed_init_method,
-            self.enable_expert_parallel,
+            tensor_parallel_size=self.tensor_parallel_size,
+            distributed_address=self.distributed_address,
+            distributed_init_method=self.distributed_init_method,
+            enable_expert_parallel=self.enable_expert_parallel,
+            pipeline_parallel_size=self.pipeline_parallel_size,
+            pipeline_micro_batches=self.pipeline_micro_batches,
         )
         device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
         self._check_executor()
@@ -91,6 +100,7 @@ class EngineArgs:
                 f"enable_expert_parallel: {model_config.architecture} has no experts to place"
             )
         check_shardable(model_config, parallel.tensor_parallel_size)
+        check_stageable(model_config, parallel.pipeline_parallel_size)
         max_len = model_config.max_model_len
         scheduler = SchedulerConfig(
             max_num_seqs=self.max_num_seqs,
@@ -98,6 +108,11 @@ class EngineArgs:
             max_model_len=max_len,
         )
         speculative = self._speculative(model_config)
+        if speculative is not None and parallel.pipeline_parallel_size > 1:
+            raise ValueError(
+                "speculative_config: not supported with pipeline_parallel_size > 1 (drafts "
+                "would be verified on the last stage only)"
+            )
         return EngineConfig(
             model=model_config,
             cache=CacheConfig(

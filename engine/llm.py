@@ -37,8 +37,9 @@ class LLM:
     engine core and worker as `pagedserve serve`), so both give the same outputs;
     `pipeline_depth=2` plans one step ahead as the server does.
 
-    `tensor_parallel_size=N` splits the model over N ranks: rank 0 runs here, ranks
-    1..N-1 in processes of their own (`engine/worker/parallel/offline_ranks.py`);
+    `tensor_parallel_size=N` splits the model over N ranks, `pipeline_parallel_size=S`
+    its layers into S stages (N x S ranks): rank 0 (the last stage's first) runs here,
+    the others in processes of their own (`engine/worker/parallel/offline_ranks.py`);
     `close()` (or leaving a `with LLM(...)` block) stops them.
     """
 
@@ -47,7 +48,7 @@ class LLM:
         args = EngineArgs(model=model, **kwargs)
         self.config = args.build()  # a model the ranks cannot split is refused here
         self._ranks = None
-        if args.tensor_parallel_size > 1:
+        if self.config.parallel.world_size > 1:
             args, self._ranks = OfflineRanks.start(args)
             parallel = replace(
                 self.config.parallel, distributed_init_method=args.distributed_init_method

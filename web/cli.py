@@ -50,6 +50,14 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "over, tensor-parallel; 1..64, dividing the model's attention heads",
     )
     p.add_argument(
+        "--pipeline-parallel-size",
+        "-pp",
+        type=int,
+        default=1,
+        help="stages to split the model's layers into, each of -tp ranks (-tp x -pp worker "
+        "processes in all); 1..64, at most the model's layers",
+    )
+    p.add_argument(
         "--distributed-executor-backend",
         choices=["mp", "ray"],
         default="mp",
@@ -436,6 +444,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         "chat_template": args.chat_template,
         "parse_special_tokens_in_content": args.parse_special_tokens_in_content,
         "tensor_parallel_size": args.tensor_parallel_size,
+        "pipeline_parallel_size": args.pipeline_parallel_size,
         "enable_expert_parallel": args.enable_expert_parallel,
         "distributed_executor_backend": args.distributed_executor_backend,
         "distributed_address": args.distributed_address,
@@ -481,7 +490,7 @@ def _serve(args: argparse.Namespace) -> int:
         say("serving the built-in random model (byte-level tokenizer: its replies are noise)")
     engine_args = EngineArgs(model=model, **_engine_kwargs(args))
     engine_config = None
-    remote = args.local_ranks is not None and args.local_ranks != args.tensor_parallel_size
+    remote = args.local_ranks is not None and args.local_ranks != engine_args.world_size
     if remote:  # ranks on other hosts: check the model splits before waiting for them
         engine_config = _check_local_ranks(args, engine_args)
     elif args.cluster_secret_file is not None:
@@ -508,9 +517,9 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _check_local_ranks(args: argparse.Namespace, engine_args):
     """The engine config, once `--local-ranks` is known to fit (ValueError naming it)."""
-    tp = args.tensor_parallel_size
-    if not 1 <= args.local_ranks <= tp:
-        raise ValueError(f"--local-ranks must be in [1, {tp}] (the tensor-parallel size)")
+    world = engine_args.world_size
+    if not 1 <= args.local_ranks <= world:
+        raise ValueError(f"--local-ranks must be in [1, {world}] (-tp x -pp ranks)")
     if args.data_parallel_size > 1:
         raise ValueError("--local-ranks below -tp works with one replica (-dp 1) only")
     return engine_args.build()

@@ -40,6 +40,11 @@ class ModelInput:
     num_drafts: tuple[int, ...] = ()  # per sample row: drafts it verifies (empty: none)
 
 
+def batch_order(scheduled: Sequence[Row]) -> list[Row]:
+    """The rows in the order a batch holds them: decodes first, otherwise as given."""
+    return sorted(scheduled, key=lambda s: s.num_scheduled_tokens != 1)
+
+
 def build_model_input(
     scheduled: Sequence[Row],
     block_size: int,
@@ -52,7 +57,7 @@ def build_model_input(
     them after its known tokens (its `num_scheduled_tokens` counts them) and has a
     logit row for each."""
     num_groups = layout.num_groups if layout is not None and layout.is_hybrid else 1
-    rows = sorted(scheduled, key=lambda s: s.num_scheduled_tokens != 1)  # stable: decodes first
+    rows = batch_order(scheduled)
     ids: list[int] = []
     positions: list[int] = []
     slots: list[list[int]] = [[] for _ in range(num_groups)]  # per group

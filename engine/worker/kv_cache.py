@@ -21,11 +21,12 @@ class KVCacheTooSmallError(ValueError):
     """The memory budget cannot hold even one sequence of max_model_len tokens."""
 
 
-def cache_tensors_per_layer_set(model: ModelConfig) -> int:
-    """How many per-layer (K, V) tensor pairs the cache holds: one per layer, or, for a
-    hybrid layout, one per layer of a group (groups share them: kv_cache_groups.py)."""
+def cache_tensors_per_layer_set(model: ModelConfig, layers: int | None = None) -> int:
+    """How many per-layer (K, V) tensor pairs the cache holds: one per layer (`layers`:
+    a pipeline stage's; None: the model's), or, for a hybrid layout, one per layer of a
+    group (groups share them: kv_cache_groups.py)."""
     layout = model.kv_cache_layout
-    return layout.layers_per_group if layout.is_hybrid else model.num_layers
+    return layout.layers_per_group if layout.is_hybrid else layers or model.num_layers
 
 
 def row_code(cache_dtype: KVCacheDtype) -> KVRowCode | None:
@@ -54,13 +55,15 @@ def block_bytes(
     block_size: int,
     world_size: int = 1,
     cache_dtype: KVCacheDtype = KVCacheDtype.AUTO,
+    layers: int | None = None,
 ) -> int:
     """Bytes of one block (a page: its slots in every cache tensor), keys and values, on
     one of `world_size` tensor-parallel ranks (each caches its own key/value heads), in
-    `cache_dtype` (an 8-bit row also holds its scale)."""
+    `cache_dtype` (an 8-bit row also holds its scale), for `layers` layers (a pipeline
+    stage's; None: all)."""
     heads = kv_heads_per_rank(model.num_kv_heads, world_size)
     dtype, width = cache_storage(model, cache_dtype)
-    per_token = 2 * cache_tensors_per_layer_set(model) * heads * width
+    per_token = 2 * cache_tensors_per_layer_set(model, layers) * heads * width
     return per_token * block_size * dtype.itemsize
 
 
@@ -75,11 +78,12 @@ def num_blocks_for(
     budget_bytes: int,
     world_size: int = 1,
     max_chunk: int | None = None,
+    layers: int | None = None,
 ) -> int:
     """How many blocks fit in `budget_bytes` (one rank's of `world_size`); raises when
     one full sequence, computed in chunks of at most `max_chunk` tokens (the step's
     token budget; None: in one), does not fit."""
-    per_block = block_bytes(model, cache.block_size, world_size, cache.cache_dtype)
+    per_block = block_bytes(model, cache.block_size, world_size, cache.cache_dtype, layers)
     num_blocks = max(0, budget_bytes // per_block - reserved_blocks(model))
     needed = model.kv_cache_layout.max_blocks_per_sequence(
         model.max_model_len, max_chunk or model.max_model_len, cache.block_size
@@ -119,6 +123,7 @@ def allocate_kv_cache(
     device: str,
     pinned: bool = False,
     dtype: torch.dtype | None = None,
+    layers: int | None = None,
 ) -> KVCache:
     """Per layer, zeroed K and V caches of the attention backend's `shape` (the blocks
     the scheduler hands out plus `reserved_blocks`) in `dtype` (None: the model's; uint8
@@ -126,7 +131,8 @@ def allocate_kv_cache(
     pages where the system allows (engine/worker/huge_pages.py), or in pinned memory
     (`pinned`: the swap space of a CUDA device, which the copies need). With a hybrid layout
     the layers of different groups share tensors: layer `groups[g].layers[j]` gets
-    tensor pair j (`KVCacheLayout.place`)."""
+    tensor pair j (`KVCacheLayout.place`). `layers`: a pipeline stage's layer count (its
+    own layers only; None: the model's)."""
 
     dtype = dtype or model.dtype
 
@@ -137,7 +143,7 @@ def allocate_kv_cache(
             return zeros_on_huge_pages(shape, dtype)
         return torch.zeros(shape, dtype=dtype, device=device)
 
-    pairs = [(zeros(), zeros()) for _ in range(cache_tensors_per_layer_set(model))]
+    pairs = [(zeros(), zeros()) for _ in range(cache_tensors_per_layer_set(model, layers))]
     layout = model.kv_cache_layout
     if not layout.is_hybrid:
         return pairs

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,6 +23,7 @@ from engine.worker.models.layers import share_rotary_tables
 from engine.worker.models.registry import resolve_model_class
 from engine.worker.parallel.group import TensorParallelGroup
 from engine.worker.parallel.layers import LINEAR_LAYERS
+from engine.worker.parallel.pipeline import StageLink
 
 logger = logging.getLogger(__name__)
 
@@ -192,13 +194,16 @@ def iter_safetensors(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 def init_dummy_weights(model: CausalLM, seed: int) -> None:
     """Random weights at the real shapes: N(0, 0.02) matrices, unit norms, zero biases.
-    Drawn where the parameters live (a CPU draws float32 values; an accelerator draws in
-    place, so an 8B model's weights take seconds, not a minute of CPU sampling)."""
+    Each matrix draws from its own seed (`seed` and its name), so a pipeline stage holding
+    some of the layers gets the values one device would. Drawn where the parameters live
+    (a CPU draws float32 values; an accelerator draws in place, so an 8B model's weights
+    take seconds, not a minute of CPU sampling)."""
     device = next(model.parameters()).device
-    gen = torch.Generator(device=device).manual_seed(seed)
+    gen = torch.Generator(device=device)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if param.dim() >= 2:
+                gen.manual_seed(seed + zlib.crc32(name.encode()))
                 param.copy_(_normal_like(param, gen, std=0.02))
             elif name.endswith("bias"):
                 param.zero_()
@@ -230,6 +235,10 @@ def load_model(
             model = cls(config.hf_config, backend, group or TensorParallelGroup())
     finally:
         torch.set_default_dtype(previous)
+    stage = (group or TensorParallelGroup()).stage
+    if stage.is_split:
+        hidden = getattr(config.hf_config, "hidden_size", None) or config.hf_config.n_embd
+        model.keep_stage(stage, StageLink(stage, hidden, config.dtype, device))
     share_rotary_tables(model)
     gguf = gguf_weights(config.model_dir) if config.model_dir else None
     if config.quantization.at_load:

@@ -12,7 +12,7 @@ from engine.config import CacheConfig, DeviceConfig, ModelConfig
 from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
 from engine.worker.attention.selector import select_backend
 from engine.worker.compiled_model import compile_model
-from engine.worker.input_batch import ModelInput, build_model_input
+from engine.worker.input_batch import ModelInput, batch_order, build_model_input
 from engine.worker.kv_cache import (
     DEFAULT_CPU_KV_CACHE_MEMORY,
     KVCache,
@@ -31,6 +31,7 @@ from engine.worker.model_output import LogprobDict, ModelOutput, Verified
 from engine.worker.models.prepack import prepack_linears
 from engine.worker.parallel.group import TensorParallelGroup
 from engine.worker.parallel.layers import kv_heads_per_rank
+from engine.worker.parallel.pipeline import split_rows
 from engine.worker.quantized_weight import QuantizedWeight
 from engine.worker.sampler import Sampler
 from engine.worker.sampling_metadata import SamplingMetadata, SamplingRow
@@ -53,7 +54,9 @@ class ModelRunner:
     Under tensor parallelism (`group`) each rank's runner holds its slices of the
     weights and its key/value heads; every rank runs every plan (the layers' collectives
     pair up), all ranks agree on the smallest block count, and rank 0 samples and
-    broadcasts the sampled tokens, so every rank's worker appends the same ones.
+    broadcasts the sampled tokens, so every rank's worker appends the same ones. Under
+    pipeline parallelism a rank holds its stage's layers and caches only theirs; the
+    stages before the last compute no logits and only receive the tokens.
 
     Structured outputs: on the rank that samples (`grammars`), each step's rows whose
     request holds a grammar matcher sample only what it allows (a bitmask applied to the
@@ -94,6 +97,10 @@ class ModelRunner:
             raise ValueError(f"{model_config.model} ({model_config.architecture}): {exc}") from None
         self.backend, self.backend_reason = choice.backend, choice.reason
         self.model = load_model(model_config, self.backend, self.device, self.group)
+        stage = self.group.stage  # a pipeline stage caches its own layers only
+        self.cache_layers = (
+            len(stage.layer_range(model_config.num_layers)) if stage.is_split else None
+        )
         self.linear_kernel = prepack_linears(
             self.model, device_config.linear_kernel, self.device, device_config.compile_model
         )
@@ -162,12 +169,14 @@ class ModelRunner:
             budget,
             self.group.world_size,
             self.max_num_batched_tokens,
+            self.cache_layers,
         )
         return self.group.min_int(local)
 
     def _block_bytes(self) -> int:
         c = self.cache_config
-        return block_bytes(self.model_config, c.block_size, self.group.world_size, c.cache_dtype)
+        m, world = self.model_config, self.group.world_size
+        return block_bytes(m, c.block_size, world, c.cache_dtype, self.cache_layers)
 
     def _default_cpu_budget(self, extra_block_bytes: int = 0) -> int:
         """2 GiB, or less when max_num_seqs full-length sequences need less (their
@@ -192,7 +201,7 @@ class ModelRunner:
         m = self.model_config
         dtype, _ = cache_storage(m, self.cache_config.cache_dtype)
         shape = self._cache_shape(num_blocks + reserved_blocks(m))
-        return allocate_kv_cache(m, shape, device, pinned, dtype)
+        return allocate_kv_cache(m, shape, device, pinned, dtype, self.cache_layers)
 
     def _cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         m = self.model_config
@@ -228,6 +237,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput, sample: bool = True) -> ModelOutput:
         self.move_blocks(plan)
+        if self.group.stage.is_split:
+            return self._execute_stage(plan, sample)
         batch = build_model_input(
             plan.scheduled,
             self.cache_config.block_size,
@@ -244,6 +255,44 @@ class ModelRunner:
             return self._sample_with_drafts(batch, logits, prompt_lp)
         sampled, rows = self._sample(batch.sample_rows, logits)
         return ModelOutput(sampled, rows, prompt_lp)
+
+    def _execute_stage(self, plan: SchedulerOutput, sample: bool) -> ModelOutput:
+        """A pipeline stage's step: each micro-batch through this stage's layers in turn
+        (an earlier stage sends each on without waiting, so the next stage computes it
+        while this one goes on); the last stage samples every part's rows at once, the
+        others take the tokens it broadcasts."""
+        layout, bs = self.kv_layout, self.cache_config.block_size
+        rows = batch_order(plan.scheduled)
+        parts = split_rows(
+            rows, [r.num_scheduled_tokens for r in rows], self.group.stage.micro_batches
+        )
+        batches = [build_model_input(part, bs, self.device, layout) for part in parts]
+        hiddens = [self.model(b.input_ids, b.positions, self.kv_cache, b.metadata) for b in batches]
+        sample_rows = tuple(r for b in batches for r in b.sample_rows)
+        if self.group.stage.sends:
+            self.model.stage_link.flush()
+            return self._receive_tokens(sample_rows) if sample else ModelOutput({})
+        prompt_lp = {}
+        for batch, hidden in zip(batches, hiddens, strict=True):
+            prompt_lp.update(self._prompt_logprobs(batch, hidden))
+        if not sample or not sample_rows:
+            return ModelOutput({}, prompt_logprobs=prompt_lp)
+        logits = torch.cat(  # [S, vocab], the rows in one batch's order
+            [
+                self.model.compute_logits(hidden[batch.logits_indices])
+                for batch, hidden in zip(batches, hiddens, strict=True)
+                if batch.sample_rows
+            ]
+        )
+        sampled, lp_rows = self._sample(sample_rows, logits)
+        return ModelOutput(sampled, lp_rows, prompt_lp)
+
+    def _receive_tokens(self, rows: Sequence[ScheduledRequest]) -> ModelOutput:
+        """An earlier pipeline stage's share of sampling: the tokens global rank 0
+        broadcasts (no logprobs: rank 0 answers with those)."""
+        tokens = torch.empty(len(rows), dtype=torch.int64, device=self.device)
+        tokens = self.group.broadcast(tokens).tolist() if rows else []
+        return ModelOutput({r.request.request_id: t for r, t in zip(rows, tokens, strict=True)})
 
     def _sample(
         self, sample_rows: Sequence[ScheduledRequest], logits: torch.Tensor

@@ -128,7 +128,7 @@ class Worker:
 
     @property
     def _is_rank_of_group(self) -> bool:
-        return self.runner is not None and self.runner.group.is_parallel
+        return self.runner is not None and self.runner.group.has_peers
 
     def _check_ranks_agree(self, step_id: int) -> None:
         """Every tensor-parallel rank applied the same plans, so each holds the same

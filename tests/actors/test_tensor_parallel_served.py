@@ -1,7 +1,7 @@
-"""Tensor parallelism served: `AsyncEngine` with two worker processes, one per
-rank; the scheduler sends every plan to both and takes results from rank 0. Outputs
-match the one-device offline `LLM`; losing a rank ends every request with an error
-within 10 s and leaves no process behind."""
+"""Tensor and pipeline parallelism served: `AsyncEngine` with two worker processes, one
+per rank (two tensor-parallel ranks, or two pipeline stages); the scheduler sends every
+plan to both and takes results from rank 0. Outputs match the one-device offline `LLM`;
+losing a rank ends every request with an error within 10 s and leaves no process behind."""
 
 from __future__ import annotations
 
@@ -29,16 +29,18 @@ PARAMS = [
 ]
 
 
+SPLITS = [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)]
+
+
 @pytest.mark.timeout(180)
-async def test_two_served_ranks_match_one_device():
+@pytest.mark.parametrize("split", SPLITS, ids=["tp2", "pp2"])
+async def test_two_served_ranks_match_one_device(split):
     with LLM("builtin:tiny", **KWARGS) as llm:
         expected = [
             [list(c.token_ids) for c in out.outputs]
             for out in llm.generate(PROMPTS, PARAMS, use_tqdm=False)
         ]
-    engine = await AsyncEngine.start(
-        EngineArgs(model="builtin:tiny", tensor_parallel_size=2, **KWARGS)
-    )
+    engine = await AsyncEngine.start(EngineArgs(model="builtin:tiny", **split, **KWARGS))
     try:
         assert len(engine.launch.processes) == 2
         got = await asyncio.wait_for(
@@ -60,9 +62,10 @@ async def test_two_served_ranks_match_one_device():
 
 
 @pytest.mark.timeout(120)
-async def test_losing_a_rank_fails_every_request_within_ten_seconds():
+@pytest.mark.parametrize("split", SPLITS, ids=["tp2", "pp2"])
+async def test_losing_a_rank_fails_every_request_within_ten_seconds(split):
     engine = await AsyncEngine.start(
-        EngineArgs(model="builtin:tiny", tensor_parallel_size=2, **KWARGS),
+        EngineArgs(model="builtin:tiny", **split, **KWARGS),
         supervision=Supervision(worker_timeout_s=5.0),
     )
     run_dir = engine.launch.run_dir

@@ -60,13 +60,14 @@ def _cache_size(model_dir: str) -> tuple[int, int]:
     return block_size, sequences * one + reserved_blocks(model) + 1
 
 
-def _run(model_dir: str, tp: int, prompts=PROMPTS, **kwargs) -> tuple[list, dict]:
+def _run(model_dir: str, tp: int, prompts=PROMPTS, pp: int = 1, **kwargs) -> tuple[list, dict]:
     block_size, num_blocks = _cache_size(model_dir)
     dtype = kwargs.get("kv_cache_dtype", "auto")
-    memory = kv_memory(model_dir, num_blocks, block_size, world_size=tp, kv_cache_dtype=dtype)
+    memory = kv_memory(model_dir, num_blocks, block_size, tp, dtype, pipeline_parallel_size=pp)
     with LLM(
         model_dir,
         tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
         skip_tokenizer_init=True,
         block_size=block_size,
         kv_cache_memory=memory,

@@ -244,17 +244,20 @@ def kv_memory(
     block_size: int,
     world_size: int = 1,
     kv_cache_dtype: str = "auto",
+    pipeline_parallel_size: int = 1,
 ) -> int:
     """The kv_cache_memory that holds exactly `num_blocks` blocks of this checkpoint on
     each of `world_size` tensor-parallel ranks in `kv_cache_dtype` (read from its
-    config.json; no weights are loaded)."""
+    config.json; no weights are loaded); with pipeline stages, on the stage holding the
+    most layers (the others hold more blocks; the ranks agree on the fewest)."""
     from engine.config import KVCacheDtype
     from engine.engine_args import EngineArgs
     from engine.worker.kv_cache import block_bytes
 
     model = EngineArgs(model=str(model_dir), skip_tokenizer_init=True).build().model
     dtype = KVCacheDtype.parse(kv_cache_dtype)
-    return block_bytes(model, block_size, world_size, dtype) * num_blocks
+    layers = -(-model.num_layers // pipeline_parallel_size)
+    return block_bytes(model, block_size, world_size, dtype, layers) * num_blocks
 
 
 # Engine settings the protocol tests share: small blocks so tables grow, a short context.

@@ -15,6 +15,14 @@ from engine.worker.parallel.layers import (
     VocabParallelEmbedding,
     check_shape,
 )
+from engine.worker.parallel.pipeline import (
+    NO_LINK,
+    MissingModule,
+    NoLink,
+    PipelineLayout,
+    PipelineStage,
+    StageLink,
+)
 from engine.worker.quantized_weight import QuantizedTensor
 
 
@@ -39,6 +47,12 @@ class CausalLM(nn.Module):
     tied_weights: dict[str, str] = {}  # our name -> the name it shares storage with
     # checkpoint name part -> (our fused name part, shard index), e.g. q/k/v -> qkv_proj.
     stacked_params: dict[str, tuple[str, int]] = {}
+    # what pipeline stages split (None: the class cannot be split into stages)
+    pipeline_layout: PipelineLayout | None = None
+    # module paths another stage holds (`keep_stage`): their checkpoint tensors are skipped
+    elsewhere: tuple[str, ...] = ()
+    stage_renames: dict[str, str] = {}  # an embedding's tensor that fills a tied head
+    stage_link: StageLink | NoLink = NO_LINK  # a pipeline stage's hops (`keep_stage`)
 
     def backbone(self) -> nn.Module:
         """The HF-named module under the head (`model`, `transformer`): input ids in,
@@ -54,6 +68,32 @@ class CausalLM(nn.Module):
         if tie_to is not None:
             self.lm_head.weight = self.get_submodule(tie_to).weight
             self.tied_weights = {"lm_head.weight": f"{tie_to}.weight"}
+
+    def keep_stage(self, stage: PipelineStage, link: StageLink) -> None:
+        """Drops what other stages hold (their layers; the embeddings unless this is the
+        first stage; the final norm and head unless it is the last) and hands the layer
+        loop its `link`. A head tied to an embedding this stage lacks loads that
+        embedding's checkpoint tensor itself."""
+        layout = self.pipeline_layout
+        if layout is None:
+            raise ValueError(f"{type(self).__name__} cannot be split into pipeline stages")
+        layers = self.get_submodule(layout.layers)
+        kept = stage.layer_range(len(layers))
+        dropped = [f"{layout.layers}.{i}" for i in range(len(layers)) if i not in kept]
+        dropped += list(layout.first) if stage.receives else []
+        dropped += list(layout.last) if stage.sends else []
+        for path in dropped:
+            parent, _, leaf = path.rpartition(".")
+            owner = self.get_submodule(parent) if parent else self
+            if getattr(owner, leaf, None) is not None:
+                setattr(owner, leaf, MissingModule())
+        self.elsewhere = tuple(dropped)
+        if self.tied_weights and stage.receives and not stage.sends:
+            ((head, source),) = self.tied_weights.items()
+            self.stage_renames = {source: head}  # the head keeps its own copy
+            self.tied_weights = {}
+        self.get_submodule(layout.loop).pp = link
+        self.stage_link = link
 
     def forward(
         self,
@@ -73,6 +113,18 @@ class CausalLM(nn.Module):
             return None  # tied: the embedding is the head
         return name
 
+    def _stage_name(self, name: str) -> str | None:
+        """`name` on this pipeline stage: None for another stage's tensor; a tied head's
+        embedding tensor under the head's name where this stage lacks the embedding."""
+        renames = self.stage_renames
+        if name in renames:
+            return renames[name]
+        if any(name.startswith(path + ".") for path in self.elsewhere):
+            return None
+        if name == "lm_head.weight" and renames:
+            return None  # the embedding's tensor fills the head here
+        return name
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copies checkpoint tensors into parameters by name; every parameter must be set.
 
@@ -85,6 +137,8 @@ class CausalLM(nn.Module):
         loaded: set[tuple[str, int | None]] = set()
         for raw_name, tensor in weights:
             name = self.checkpoint_name(raw_name)
+            if name is not None and self.elsewhere:
+                name = self._stage_name(name)
             if name is None or name.endswith(self.ignored_weight_suffixes):
                 continue
             target, part = self._stacked_target(name)

@@ -185,7 +185,7 @@ class FusedMoE(nn.Module):
         b13 = None if self.gate_up_proj_bias is None else self.gate_up_proj_bias[i]
         h = self.activation(F.linear(x, self.gate_up_proj[i], b13))  # [n, I / world]
         b2 = self.down_proj_bias[i] if self.down_proj_bias is not None else None
-        once = self.group.is_first or self.group.expert_parallel  # the bias on one rank
+        once = self.group.rank == 0 or self.group.expert_parallel  # the bias on one rank
         return F.linear(h, self.down_proj[i], b2 if once else None)
 
     def load(self, name: str, tensor: torch.Tensor, part: int | None) -> None:

@@ -46,6 +46,7 @@ from engine.worker.parallel.layers import (
     VocabParallelEmbedding,
     head_parts,
 )
+from engine.worker.parallel.pipeline import NO_LINK, PipelineLayout, present
 
 
 class GemmaRMSNorm(nn.Module):
@@ -166,7 +167,10 @@ class GemmaDecoderLayer(nn.Module):
 
 
 class GemmaModel(nn.Module):
-    """Scaled embedding, decoder layers, final norm (HF's `model.` prefix)."""
+    """Scaled embedding, decoder layers, final norm (HF's `model.` prefix); on a
+    pipeline stage (`pp`), its own layers between the stages' streams."""
+
+    pp = NO_LINK
 
     def __init__(
         self, cfg, backend, ops: LayerOps, group, qk_norm: bool, soft_cap: float | None
@@ -192,11 +196,14 @@ class GemmaModel(nn.Module):
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids, positions, kv_caches, metadata) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)  # [T, hidden_size]
-        hidden = hidden * self.normalizer.to(hidden.dtype)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        if self.pp.receives:
+            hidden = self.pp.receive(input_ids.shape[0])
+        else:
+            hidden = self.embed_tokens(input_ids)  # [T, hidden_size]
+            hidden = hidden * self.normalizer.to(hidden.dtype)
+        for layer, kv_cache in present(self.layers, kv_caches):
             hidden = layer(positions, hidden, kv_cache, metadata)
-        return self.norm(hidden)
+        return self.pp.send(hidden) if self.pp.sends else self.norm(hidden)
 
 
 class Gemma2ForCausalLM(CausalLM):
@@ -205,6 +212,9 @@ class Gemma2ForCausalLM(CausalLM):
     stacked_params = LlamaForCausalLM.stacked_params  # q/k/v and gate/up stored apart
     qk_norm = False
     caps_attention = True  # whether `attn_logit_softcapping` applies
+    pipeline_layout = PipelineLayout(
+        "model", "model.layers", ("model.embed_tokens",), ("model.norm", "lm_head")
+    )
 
     def __init__(
         self,

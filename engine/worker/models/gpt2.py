@@ -23,6 +23,7 @@ from engine.worker.parallel.layers import (
     VocabParallelEmbedding,
     head_parts,
 )
+from engine.worker.parallel.pipeline import NO_LINK, PipelineLayout, present
 
 
 class GPT2Attention(nn.Module):
@@ -81,7 +82,10 @@ class GPT2Block(nn.Module):
 
 
 class GPT2Model(nn.Module):
-    """Token + position embeddings, blocks, final LayerNorm (HF's `transformer.` prefix)."""
+    """Token + position embeddings, blocks, final LayerNorm (HF's `transformer.` prefix);
+    on a pipeline stage (`pp`), its own blocks between the stages' streams."""
+
+    pp = NO_LINK
 
     def __init__(self, cfg, backend: AttentionBackend, group: TensorParallelGroup) -> None:
         super().__init__()
@@ -91,10 +95,13 @@ class GPT2Model(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
 
     def forward(self, input_ids, positions, kv_caches, metadata) -> torch.Tensor:
-        hidden = self.wte(input_ids) + self.wpe(positions)  # [T, hidden_size]
-        for block, kv_cache in zip(self.h, kv_caches, strict=True):
+        if self.pp.receives:
+            hidden = self.pp.receive(input_ids.shape[0])
+        else:
+            hidden = self.wte(input_ids) + self.wpe(positions)  # [T, hidden_size]
+        for block, kv_cache in present(self.h, kv_caches):
             hidden = block(hidden, kv_cache, metadata)
-        return self.ln_f(hidden)
+        return self.pp.send(hidden) if self.pp.sends else self.ln_f(hidden)
 
 
 _BARE_PREFIXES = ("wte.", "wpe.", "h.", "ln_f.")
@@ -110,6 +117,12 @@ class GPT2LMHeadModel(CausalLM):
 
     # HF's causal-mask buffers; a leading dot so `c_attn.bias` is not mistaken for one.
     ignored_weight_suffixes = (".attn.bias", ".attn.masked_bias")
+    pipeline_layout = PipelineLayout(
+        "transformer",
+        "transformer.h",
+        ("transformer.wte", "transformer.wpe"),
+        ("transformer.ln_f", "lm_head"),
+    )
 
     def __init__(
         self, cfg, backend: AttentionBackend, group: TensorParallelGroup | None = None

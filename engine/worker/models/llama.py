@@ -41,6 +41,7 @@ from engine.worker.parallel.layers import (
     VocabParallelEmbedding,
     head_parts,
 )
+from engine.worker.parallel.pipeline import NO_LINK, PipelineLayout, present
 
 
 class LlamaAttention(nn.Module):
@@ -171,7 +172,10 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """Embedding, decoder layers, final norm (HF's `model.` prefix)."""
+    """Embedding, decoder layers, final norm (HF's `model.` prefix). On a pipeline stage
+    (`pp`) it runs its own layers between the previous stage's stream and the next's."""
+
+    pp = NO_LINK
 
     def __init__(self, cfg, ops: LayerOps, group, layers: Iterable[LlamaDecoderLayer]) -> None:
         super().__init__()
@@ -180,9 +184,14 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
     def forward(self, input_ids, positions, kv_caches, metadata) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(input_ids), None  # [T, hidden_size]
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        if self.pp.receives:  # the residual stream so far: the next norm's input
+            hidden, residual = self.pp.receive(input_ids.shape[0]), None
+        else:
+            hidden, residual = self.embed_tokens(input_ids), None  # [T, hidden_size]
+        for layer, kv_cache in present(self.layers, kv_caches):
             hidden, residual = layer(positions, hidden, residual, kv_cache, metadata)
+        if self.pp.sends:
+            return self.pp.send(hidden if residual is None else hidden + residual)
         if residual is None:  # no layers
             return self.norm(hidden)
         return self.norm.forward_residual(hidden, residual)[0]
@@ -200,6 +209,9 @@ class LlamaForCausalLM(CausalLM):
         ".gate_proj.": (".gate_up_proj.", 0),
         ".up_proj.": (".gate_up_proj.", 1),
     }
+    pipeline_layout = PipelineLayout(
+        "model", "model.layers", ("model.embed_tokens",), ("model.norm", "lm_head")
+    )
 
     def __init__(
         self,

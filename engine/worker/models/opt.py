@@ -24,6 +24,7 @@ from engine.worker.parallel.layers import (
     VocabParallelEmbedding,
     head_parts,
 )
+from engine.worker.parallel.pipeline import NO_LINK, PipelineLayout, present
 
 # OPT's position table has two extra rows in front: position p reads row p + 2.
 POSITION_OFFSET = 2
@@ -82,7 +83,10 @@ class OPTDecoderLayer(nn.Module):
 
 
 class OPTDecoder(nn.Module):
-    """Embeddings (projected in if narrower), layers, final norm; owns `project_out`."""
+    """Embeddings (projected in if narrower), layers, final norm; owns `project_out`. On
+    a pipeline stage (`pp`), its own layers between the stages' streams."""
+
+    pp = NO_LINK
 
     def __init__(self, cfg, backend: AttentionBackend, group: TensorParallelGroup) -> None:
         super().__init__()
@@ -104,12 +108,17 @@ class OPTDecoder(nn.Module):
         )
 
     def forward(self, input_ids, positions, kv_caches, metadata) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)  # [T, word_embed_proj_dim]
-        if self.project_in is not None:
-            hidden = self.project_in(hidden)  # [T, hidden_size]
-        hidden = hidden + self.embed_positions(positions + POSITION_OFFSET)
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        if self.pp.receives:
+            hidden = self.pp.receive(input_ids.shape[0])
+        else:
+            hidden = self.embed_tokens(input_ids)  # [T, word_embed_proj_dim]
+            if self.project_in is not None:
+                hidden = self.project_in(hidden)  # [T, hidden_size]
+            hidden = hidden + self.embed_positions(positions + POSITION_OFFSET)
+        for layer, kv_cache in present(self.layers, kv_caches):
             hidden = layer(hidden, kv_cache, metadata)
+        if self.pp.sends:
+            return self.pp.send(hidden)
         if self.final_layer_norm is not None:
             hidden = self.final_layer_norm(hidden)
         return hidden  # [T, hidden_size]; project_out runs in compute_logits
@@ -132,6 +141,13 @@ class OPTForCausalLM(CausalLM):
     `forward` returns `[T, hidden_size]`; where word_embed_proj_dim differs (OPT-350m),
     `compute_logits` applies `project_out` first, to the sampled rows only.
     """
+
+    pipeline_layout = PipelineLayout(
+        "model.decoder",
+        "model.decoder.layers",
+        ("model.decoder.embed_tokens", "model.decoder.embed_positions", "model.decoder.project_in"),
+        ("model.decoder.final_layer_norm", "model.decoder.project_out", "lm_head"),
+    )
 
     def __init__(
         self, cfg, backend: AttentionBackend, group: TensorParallelGroup | None = None

@@ -1,5 +1,11 @@
-"""`TensorParallelGroup`: this process's place among the ranks of one model, and the two
+"""`TensorParallelGroup`: this process's place among the ranks of one model, and the
 collectives tensor parallelism needs, on torch.distributed (gloo on CPUs, NCCL on GPUs).
+
+With pipeline parallelism the ranks form `pipeline_parallel_size` stages of
+`tensor_parallel_size` ranks each (engine/worker/parallel/pipeline.py): `all_reduce` and
+`all_gather` run within this rank's stage, while `broadcast`, `min_int` and
+`all_gather_int` span every rank (the sampled tokens, the block count and the table
+digests are the whole model's).
 
 Contract: every rank calls the collectives in the same order with tensors of the same
 shape (the layers guarantee it: each runs the same step plan). With one rank every
@@ -9,13 +15,14 @@ collective returns its input unchanged, so single-device code pays nothing.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from engine.config import ParallelConfig
+from engine.worker.parallel.pipeline import SINGLE_STAGE, PipelineStage
 
 COLLECTIVE_TIMEOUT_S = 60.0
 JOIN_TIMEOUT_S = 300.0  # how long ranks wait for each other to start (remote ones by hand)
@@ -31,19 +38,27 @@ def head_init_method(address: str, run_id: str) -> str:
 
 @dataclass(frozen=True)
 class TensorParallelGroup:
-    """Rank `rank` of `world_size` (0 of 1: no parallelism); `device` holds the tensors
-    its collectives exchange (NCCL's must be on the GPU). `expert_parallel`: a mixture
-    of experts places whole experts on the ranks instead of slicing every expert
-    (vLLM's `--enable-expert-parallel`; the rest of the model stays tensor-parallel)."""
+    """Tensor-parallel rank `rank` of `world_size` (0 of 1: no parallelism) within
+    pipeline stage `stage`; `global_rank` of `num_ranks` in all. `device` holds the
+    tensors its collectives exchange (NCCL's must be on the GPU). `expert_parallel`: a
+    mixture of experts places whole experts on the ranks instead of slicing every expert
+    (vLLM's `--enable-expert-parallel`; the rest of the model stays tensor-parallel).
+    `process_group`: the stage's ranks (None: every rank is in it)."""
 
     rank: int = 0
     world_size: int = 1
     device: str = "cpu"
     expert_parallel: bool = False
+    global_rank: int = 0
+    num_ranks: int = 0  # 0: world_size (one stage)
+    stage: PipelineStage = SINGLE_STAGE
+    process_group: object = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank must be in [0, {self.world_size}), got {self.rank}")
+        if not self.num_ranks:
+            object.__setattr__(self, "num_ranks", self.world_size)
 
     @classmethod
     def initialize(
@@ -55,68 +70,91 @@ class TensorParallelGroup:
         timeout_s: float = COLLECTIVE_TIMEOUT_S,
         device: str = "cpu",
         expert_parallel: bool = False,
+        pipeline_parallel_size: int = 1,
+        micro_batches: int = 0,
     ) -> TensorParallelGroup:
-        """Joins the default process group (`init_method`: `tcp://HOST:PORT`, the rank
-        0 host serving torch.distributed's TCP store; `file://PATH`; or
-        `head_init_method(...)`, a store the head serves); backend: NCCL when CUDA is
-        available, else gloo. A collective waiting longer than `timeout_s` for a rank
-        raises (a stalled rank cannot hang the others for ever)."""
-        if world_size > 1 and not dist.is_initialized():
+        """Joins the default process group of `world_size` x `pipeline_parallel_size`
+        ranks (`init_method`: `tcp://HOST:PORT`, the rank 0 host serving
+        torch.distributed's TCP store; `file://PATH`; or `head_init_method(...)`, a
+        store the head serves) as global rank `rank`, and with several stages its
+        stage's subgroup; backend: NCCL when CUDA is available, else gloo. A collective
+        waiting longer than `timeout_s` for a rank raises (a stalled rank cannot hang the
+        others for ever)."""
+        tp, num_ranks = world_size, world_size * pipeline_parallel_size
+        if num_ranks > 1 and not dist.is_initialized():
             backend = backend or ("nccl" if str(device).startswith("cuda") else "gloo")
             timeout = timedelta(seconds=timeout_s)
             where: dict = {"init_method": init_method}
             if init_method.startswith(HEAD_SCHEME):
-                where = {"store": _head_store(init_method, rank, world_size)}
+                where = {"store": _head_store(init_method, rank, num_ranks)}
             dist.init_process_group(
-                backend, rank=rank, world_size=world_size, timeout=timeout, **where
+                backend, rank=rank, world_size=num_ranks, timeout=timeout, **where
             )
-        return cls(rank, world_size, str(device), expert_parallel)
+        stage = PipelineStage.of_rank(rank, tp, pipeline_parallel_size, micro_batches)
+        process_group = None
+        if pipeline_parallel_size > 1:  # every rank creates every stage's group, in order
+            for first in range(0, num_ranks, tp):
+                members = dist.new_group(list(range(first, first + tp)))
+                if first <= rank < first + tp:
+                    process_group = members
+        return cls(
+            rank % tp, tp, str(device), expert_parallel, rank, num_ranks, stage, process_group
+        )
 
     def leave(self) -> None:
         """Leaves the process group (this process may join another one later)."""
-        if self.is_parallel and dist.is_initialized():
+        if self.has_peers and dist.is_initialized():
             dist.destroy_process_group()
 
     @property
     def is_first(self) -> bool:
-        """Rank 0: the one that samples and answers the scheduler."""
-        return self.rank == 0
+        """Global rank 0 (the last stage's first rank): the one that samples and answers
+        the scheduler."""
+        return self.global_rank == 0
 
     @property
     def is_parallel(self) -> bool:
+        """Several tensor-parallel ranks in this stage."""
         return self.world_size > 1
 
+    @property
+    def has_peers(self) -> bool:
+        """Other ranks run this model too (tensor- or pipeline-parallel)."""
+        return self.num_ranks > 1
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """The sum of `x` over the ranks, in place (every rank gets it)."""
+        """The sum of `x` over the stage's ranks, in place (each of them gets it)."""
         if self.is_parallel:
-            dist.all_reduce(x)
+            dist.all_reduce(x, group=self.process_group)
         return x
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-        """The ranks' `x` concatenated along `dim`, in rank order."""
+        """The stage's ranks' `x` concatenated along `dim`, in rank order."""
         if not self.is_parallel:
             return x
         parts = [torch.empty_like(x) for _ in range(self.world_size)]
-        dist.all_gather(parts, x.contiguous())
+        dist.all_gather(parts, x.contiguous(), group=self.process_group)
         return torch.cat(parts, dim=dim)
 
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
-        """Rank 0's `x` on every rank, in place (same shape and dtype everywhere)."""
-        if self.is_parallel:
+        """Global rank 0's `x` on every rank, in place (same shape and dtype everywhere)."""
+        if self.has_peers:
             dist.broadcast(x, src=0)
         return x
 
     def all_gather_int(self, value: int) -> list[int]:
-        """Every rank's `value`, in rank order."""
-        if not self.is_parallel:
+        """Every rank's `value`, in global rank order."""
+        if not self.has_peers:
             return [value]
         x = torch.tensor([value], dtype=torch.int64, device=self.device)
-        return [int(v) for v in self.all_gather(x, dim=0).tolist()]
+        parts = [torch.empty_like(x) for _ in range(self.num_ranks)]
+        dist.all_gather(parts, x)
+        return [int(p.item()) for p in parts]
 
     def min_int(self, value: int) -> int:
-        """The smallest of the ranks' `value`s (e.g. KV cache blocks: every rank must
+        """The smallest of every rank's `value` (e.g. KV cache blocks: every rank must
         hold the same block ids)."""
-        if not self.is_parallel:
+        if not self.has_peers:
             return value
         x = torch.tensor([value], dtype=torch.int64, device=self.device)
         dist.all_reduce(x, op=dist.ReduceOp.MIN)
@@ -147,10 +185,10 @@ def _head_store(init_method: str, rank: int, world_size: int) -> dist.Store:
 
 
 def join_group(parallel: ParallelConfig, device: str, rank: int) -> TensorParallelGroup:
-    """This process as rank `rank` of `parallel.tensor_parallel_size` (no group at all
-    with one rank). A GPU rank takes GPU `rank` of its host's; CPU ranks share the
-    host's cores (each takes its share unless OMP_NUM_THREADS says otherwise)."""
-    world = parallel.tensor_parallel_size
+    """This process as global rank `rank` of `parallel.world_size` (no group at all with
+    one rank). A GPU rank takes GPU `rank` of its host's; CPU ranks share the host's
+    cores (each takes its share unless OMP_NUM_THREADS says otherwise)."""
+    world = parallel.world_size
     if world == 1:
         return TensorParallelGroup()
     if str(device).startswith("cuda"):
@@ -160,8 +198,10 @@ def join_group(parallel: ParallelConfig, device: str, rank: int) -> TensorParall
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     return TensorParallelGroup.initialize(
         rank,
-        world,
+        parallel.tensor_parallel_size,
         parallel.init_method,
         device=device,
         expert_parallel=parallel.enable_expert_parallel,
+        pipeline_parallel_size=parallel.pipeline_parallel_size,
+        micro_batches=parallel.pipeline_micro_batches,
     )

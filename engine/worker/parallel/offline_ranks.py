@@ -1,5 +1,5 @@
-"""The offline `LLM`'s tensor-parallel group: rank 0 in the caller's process, ranks
-1..N-1 as `engine.worker.parallel.follower` processes fed by a `PlanRelay`.
+"""The offline `LLM`'s ranks (tensor- and pipeline-parallel): rank 0 in the caller's
+process, ranks 1..N-1 as `engine.worker.parallel.follower` processes fed by a `PlanRelay`.
 
 `OfflineRanks.start(args)` picks a private `file://` rendezvous, spawns the followers
 and returns the args rank 0 builds with; `RelayingWorker` is rank 0's worker as the
@@ -46,7 +46,7 @@ class OfflineRanks:
             start_module(
                 "engine.worker.parallel.follower", ["--engine-args", payload, "--rank", str(rank)]
             )
-            for rank in range(1, args.tensor_parallel_size)
+            for rank in range(1, args.tensor_parallel_size * args.pipeline_parallel_size)
         ]
         logger.info("spawned ranks 1..%d (pids %s)", len(processes), [p.pid for p in processes])
         return args, cls(processes, run_dir)
