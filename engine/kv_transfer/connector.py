@@ -1,0 +1,82 @@
+"""The KV connector: the one seam between an engine and however KV blocks travel.
+
+vLLM's shape, narrowed to what a prefill/decode pair needs. One object per worker
+(each tensor-parallel rank moves its own heads), built over that worker's KV cache; its
+`kv_role` says which half it does (`KVRole.BOTH`: both).
+
+Producer half (the prefill instance):
+  1. `save_request(request_id, block_ids)` once the request's prompt is in its blocks
+     (after the step that computed it): the blocks are copied out and held for a
+     consumer, so the scheduler may free or reuse them at once.
+  2. `request_finished(request_id, block_ids)` -> the `KVTransferParams` to hand back in
+     the response (where the blocks are held, under which ids).
+Held blocks go once fetched, or after `hold_timeout_s`, or, oldest first, when
+`kv_buffer_size` bytes would be exceeded.
+
+Consumer half (the decode instance):
+  1. `start_load(request_id, params, local_block_ids)` once blocks are allocated for the
+     request: returns at once, the fetch goes on in the background. With fewer local
+     blocks than remote ones, the last `len(local_block_ids)` remote blocks are loaded
+     (the front is in the local prefix cache).
+  2. `poll()` between steps: writes the loads that arrived into the cache (in the
+     caller's thread, so never under a running step) and returns one `LoadResult` per
+     load that ended since the last call, ok or failed with the reason. A load ends
+     within `fetch_timeout_s`, whatever the producer does. The scheduler runs a
+     request only after its load is ok, and recomputes its prompt (or fails it) if not.
+
+`close()` stops the transfers: loads in flight end failed at the next `poll()`.
+Methods of the other half raise RuntimeError naming the role.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from engine.kv_transfer.config import KVRole
+from engine.kv_transfer.params import KVTransferParams
+
+
+class KVTransferError(RuntimeError):
+    """A transfer that cannot be done; the message says why and, where it can, what to do."""
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    """How one load ended: `error` None if the request's blocks are in the cache."""
+
+    request_id: str
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+class KVConnector(Protocol):
+    """Saves finished prompts' blocks for another instance, or loads them from one (see
+    the module doc for the call order and its guarantees)."""
+
+    @property
+    def role(self) -> KVRole: ...
+
+    def save_request(self, request_id: str, block_ids: Sequence[int]) -> None: ...
+
+    def request_finished(self, request_id: str, block_ids: Sequence[int]) -> KVTransferParams: ...
+
+    def start_load(
+        self, request_id: str, params: KVTransferParams, local_block_ids: Sequence[int]
+    ) -> None: ...
+
+    def poll(self) -> list[LoadResult]: ...
+
+    def close(self) -> None: ...
+
+
+def require_role(role: KVRole, producer: bool, what: str) -> None:
+    """RuntimeError unless `role` does the producer (or consumer) half."""
+    if role.produces if producer else role.consumes:
+        return
+    half = "kv_producer or kv_both" if producer else "kv_consumer or kv_both"
+    raise RuntimeError(f"{what} needs kv_role {half}; this instance is {role.value}")

@@ -1,0 +1,119 @@
+"""One worker's end of KV transfer: what every connector does with the cache, whatever
+carries the bytes."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+from engine.kv_transfer.blocks import TOKEN_MAJOR, KVCache, KVLayout, gather_blocks, scatter_blocks
+from engine.kv_transfer.config import KVRole, KVTransferConfig
+from engine.kv_transfer.connector import LoadResult, require_role
+from engine.kv_transfer.held_blocks import HeldBlocks
+from engine.kv_transfer.params import KVTransferParams
+from engine.kv_transfer.payload import KVPayload
+
+
+class KVEndpoint:
+    """The cache a connector saves from and loads into (tensors in `layout`), the blocks
+    it holds for consumers (`held`), and its loads in flight.
+
+    A connector calls `save` and `params` for the producer half; for the consumer half,
+    `begin_load` (which remote blocks to fetch), then `arrived` or `failed` when the
+    transfer ends (from any thread), and `poll` returns what ended, having written what
+    arrived into the cache in the caller's thread. Each load ends exactly once."""
+
+    def __init__(
+        self,
+        config: KVTransferConfig,
+        kv_cache: KVCache,
+        layout: KVLayout = TOKEN_MAJOR,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.kv_cache = kv_cache
+        self.layout = layout
+        self.held = HeldBlocks(config.kv_buffer_size, config.hold_timeout_s, clock)
+        self._loading: dict[str, tuple[int, ...]] = {}  # request id -> local block ids
+        self._ended: list[tuple[str, KVPayload | None, str | None]] = []
+        self._lock = threading.Lock()
+
+    @property
+    def role(self) -> KVRole:
+        return self.config.kv_role
+
+    @property
+    def num_loading(self) -> int:
+        return len(self._loading)
+
+    def save(self, request_id: str, block_ids: Sequence[int]) -> None:
+        require_role(self.role, True, "save_request")
+        self.held.put(request_id, block_ids, gather_blocks(self.kv_cache, block_ids, self.layout))
+
+    def params(self, request_id: str, block_ids: Sequence[int], port: int) -> KVTransferParams:
+        """Where the blocks `block_ids` of `request_id` are held (served on `port`)."""
+        require_role(self.role, True, "request_finished")
+        return KVTransferParams(
+            do_remote_prefill=True,
+            remote_engine_id=self.config.engine_id,
+            remote_block_ids=tuple(block_ids),
+            remote_host=self.config.kv_ip,
+            remote_port=port,
+            remote_request_id=request_id,
+        )
+
+    def begin_load(
+        self, request_id: str, params: KVTransferParams, local_block_ids: Sequence[int]
+    ) -> tuple[int, ...] | None:
+        """The remote block ids to fetch into `local_block_ids` (the last ones, when the
+        front is cached here), or None when the load has already failed (`params` do not
+        describe a load that fits)."""
+        require_role(self.role, False, "start_load")
+        with self._lock:
+            if request_id in self._loading:
+                raise ValueError(f"a load for request {request_id!r} is already in flight")
+            self._loading[request_id] = tuple(local_block_ids)
+        remote = params.remote_block_ids or ()
+        if not params.do_remote_prefill:
+            self.failed(request_id, "its kv_transfer_params do not say do_remote_prefill")
+            return None
+        if len(local_block_ids) > len(remote):
+            self.failed(
+                request_id,
+                f"{len(local_block_ids)} blocks were allocated for it here but the producer "
+                f"saved {len(remote)}; both instances must run the same block_size",
+            )
+            return None
+        return remote[len(remote) - len(local_block_ids) :]
+
+    def arrived(self, request_id: str, payload: KVPayload) -> None:
+        with self._lock:
+            self._ended.append((request_id, payload, None))
+
+    def failed(self, request_id: str, error: str) -> None:
+        with self._lock:
+            self._ended.append((request_id, None, error))
+
+    def poll(self) -> list[LoadResult]:
+        """The loads that ended since the last call; those that arrived are in the cache."""
+        with self._lock:
+            ended, self._ended = self._ended, []
+        results = []
+        for request_id, payload, error in ended:
+            local = self._loading.pop(request_id, None)
+            if local is None:  # ended twice (a late answer after a failure): once counts
+                continue
+            if payload is not None:
+                try:
+                    scatter_blocks(self.kv_cache, local, payload, self.layout)
+                except ValueError as exc:
+                    error = str(exc)
+            results.append(LoadResult(request_id, error))
+        self.held.expire()
+        return results
+
+    def fail_all(self, error: str) -> None:
+        """Ends every load in flight with `error` (the connector is closing)."""
+        for request_id in list(self._loading):
+            self.failed(request_id, error)

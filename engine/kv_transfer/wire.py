@@ -1,0 +1,56 @@
+"""The messages a KV consumer and producer exchange (msgpack through `engine.codec`).
+
+One fetch, one answer, over a DEALER (consumer) -> ROUTER (producer) connection; every
+msgpack frame sealed with the cluster secret (`actors.frame_auth`):
+
+    consumer -> producer   [FetchBlocks]
+    producer -> consumer   [BlocksSent, raw bytes of header.num_bytes]   or   [FetchFailed]
+
+The raw bytes frame is not sealed (that would copy it): the sealed `BlocksSent` carries
+its SHA-256, which the consumer checks before using a byte. Field order is the wire
+format: append new fields at the end.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.kv_transfer.payload import BlocksHeader
+
+FETCH_CHANNEL = "kv-transfer/fetch"  # what a producer's requests are sealed for
+BLOCKS_CHANNEL = "kv-transfer/blocks"  # what a consumer's answers are sealed for
+
+
+@dataclass(frozen=True)
+class FetchBlocks:
+    """Consumer -> producer: send the blocks `block_ids` (the producer's ids, in this
+    order) held for `request_id` (the producer's request id) at engine `engine_id`.
+    `fetch_id` is fresh for each fetch and comes back in the answer: a consumer takes
+    only answers to fetches it is waiting for."""
+
+    request_id: str
+    block_ids: tuple[int, ...]
+    engine_id: str
+    fetch_id: str
+
+
+@dataclass(frozen=True)
+class BlocksSent:
+    """Producer -> consumer: the blocks follow in the next frame, `header.num_bytes` raw
+    bytes whose SHA-256 is `sha256`."""
+
+    fetch_id: str
+    header: BlocksHeader
+    sha256: bytes
+
+
+@dataclass(frozen=True)
+class FetchFailed:
+    """Producer -> consumer: the fetch cannot be served (`error` says why)."""
+
+    fetch_id: str
+    error: str
+
+
+PRODUCER_INBOX = (FetchBlocks,)
+CONSUMER_INBOX = (BlocksSent, FetchFailed)
