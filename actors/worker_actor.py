@@ -45,6 +45,7 @@ from actors.transport import Inbox, Outbox, zmq_inbox, zmq_outbox
 from engine.codec import encode
 from engine.engine_args import EngineArgs
 from engine.messages import StepPlan, WorkerHeartbeat, WorkerReady
+from engine.worker.kv_transfer_steps import KVTransferSteps
 from engine.worker.worker import Worker, build_null_worker, build_worker
 
 logger = logging.getLogger(__name__)
@@ -191,7 +192,25 @@ def _build(
     logger.info("engine config built")
     worker, ready = build_worker(args, worker_id, config, rank)
     logger.info("ready: %d KV cache blocks of %d tokens", ready.num_blocks, ready.block_size)
+    if config.kv_transfer is not None:
+        worker.kv_transfer = kv_transfer_steps(worker, config)
     return worker, ready
+
+
+def kv_transfer_steps(worker: Worker, config) -> KVTransferSteps:
+    """The worker's KV transfer over ZeroMQ (its role from `config.kv_transfer`), frames
+    sealed with the cluster secret ($PAGEDSERVE_CLUSTER_SECRET)."""
+    from actors.cluster_secret import load_cluster_secret
+    from actors.kv_transfer_connector import ZmqConnector
+    from engine.kv_transfer.blocks import KVLayout
+    from engine.kv_transfer.endpoint import KVEndpoint
+
+    runner = worker.runner
+    layout = KVLayout.of(runner.backend.kv_cache_shape)
+    endpoint = KVEndpoint(config.kv_transfer, runner.kv_cache, layout)
+    connector = ZmqConnector(endpoint, load_cluster_secret(None))
+    logger.info("KV transfer: %s", config.kv_transfer.kv_role.value)
+    return KVTransferSteps(connector, config.cache.block_size)
 
 
 def _parent_gone(parent: int) -> Callable[[], Awaitable[str | None]]:

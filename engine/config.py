@@ -12,6 +12,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
 from engine.kv.kv_cache_groups import KVCacheLayout
+from engine.kv_transfer.config import KVTransferConfig
 from engine.speculative_config import SpeculativeConfig
 
 if TYPE_CHECKING:
@@ -340,6 +341,8 @@ class EngineConfig:
     # draft tokens proposed and verified per step (None: no speculative decoding)
     speculative: SpeculativeConfig | None = None
     draft_model: ModelConfig | None = None  # speculative.model's, for method draft_model
+    # prefill/decode disaggregation: this instance's role and where it serves KV (None: off)
+    kv_transfer: KVTransferConfig | None = None
 
     def __post_init__(self) -> None:
         size = self.grammar_cache_size

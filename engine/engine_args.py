@@ -7,6 +7,7 @@ import dataclasses
 import importlib.util
 import json
 import logging
+import uuid
 from dataclasses import dataclass
 
 from engine.config import (
@@ -19,6 +20,7 @@ from engine.config import (
     SchedulerConfig,
     linear_attention_layers,
 )
+from engine.kv_transfer.config import KVTransferConfig
 from engine.speculative_config import SpeculativeConfig, SpeculativeMethod
 
 logger = logging.getLogger(__name__)
@@ -71,6 +73,23 @@ class EngineArgs:
     grammar_cache_size: int = 128  # compiled structured-output grammars kept (LRU)
     # {"method": "ngram", "num_speculative_tokens": k, ...} (or its JSON text); None: off
     speculative_config: dict | str | None = None
+    # prefill/decode disaggregation, vLLM's {"kv_connector": ..., "kv_role": ...} (or its
+    # JSON text); None: this instance transfers no KV
+    kv_transfer_config: dict | str | None = None
+
+    def __post_init__(self) -> None:
+        """A kv_transfer_config without an engine_id gets one now, so every process
+        built from these args (the engine's, each worker's) names the same engine."""
+        given = self.kv_transfer_config
+        if given is None:
+            return
+        if isinstance(given, str):
+            try:
+                given = json.loads(given)
+            except ValueError as exc:
+                raise ValueError(f"kv_transfer_config is not valid JSON: {exc}") from None
+        if isinstance(given, dict) and given.get("engine_id") is None:
+            object.__setattr__(self, "kv_transfer_config", {**given, "engine_id": uuid.uuid4().hex})
 
     @property
     def world_size(self) -> int:
@@ -137,7 +156,33 @@ class EngineArgs:
             grammar_cache_size=self.grammar_cache_size,
             speculative=speculative,
             draft_model=self._draft_model(speculative, model_config, device, parallel),
+            kv_transfer=self._kv_transfer(model_config, parallel),
         )
+
+    def _kv_transfer(self, model_config, parallel: ParallelConfig) -> KVTransferConfig | None:
+        """`kv_transfer_config`, parsed; refused where this instance cannot move its KV
+        whole (several ranks, a hybrid cache layout, a foreign connector)."""
+        given = self.kv_transfer_config
+        if given is None:
+            return None
+        if isinstance(given, str):
+            config = KVTransferConfig.from_json(given)
+        else:
+            config = KVTransferConfig.parse(given)
+        problem = None
+        if config.kv_connector != "PagedServeConnector":
+            problem = (
+                f"kv_connector {config.kv_connector!r} is not built here (PagedServeConnector)"
+            )
+        elif parallel.world_size > 1:
+            problem = "one rank per instance (tensor_parallel_size and pipeline_parallel_size 1)"
+        elif model_config.kv_cache_layout.is_hybrid:
+            problem = "sliding-window or linear-attention layers share cache tensors"
+        elif config.kv_role.produces and not config.kv_port:
+            problem = "kv_port: a producer needs a fixed port (its answers tell decode instances)"
+        if problem is not None:
+            raise ValueError(f"kv_transfer_config: {problem}")
+        return config
 
     def _speculative(self, model_config) -> SpeculativeConfig | None:
         """`speculative_config`, parsed; refused for what cannot verify drafts here.

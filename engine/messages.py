@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import StrEnum
 
+from engine.kv_transfer.params import KVTransferParams
 from engine.sampling_params import SamplingParams
 from engine.structured_outputs import StructuredOutputsParams
 
@@ -346,15 +347,19 @@ class TokenDelta:
     stop_reason: int | str | None
     logprobs: tuple[LogprobRow, ...] | None = None
     prompt_logprobs: tuple[LogprobRow, ...] | None = None
+    kv_transfer_params: KVTransferParams | None = None  # RequestFinish's, on the last delta
 
 
 @dataclass(frozen=True)
 class RequestFinish:
-    """Why a request ended: finish reason, and the stop token or string that ended it."""
+    """Why a request ended: finish reason, and the stop token or string that ended it;
+    a prefill instance's `kv_transfer_params`: where the prompt's KV waits for a decode
+    instance."""
 
     request_id: str
     finish_reason: str
     stop_reason: int | str | None
+    kv_transfer_params: KVTransferParams | None = None
 
 
 @dataclass(frozen=True)
@@ -417,6 +422,7 @@ class TokenDeltas:
                 stop_reason=None if f is None else f.stop_reason,
                 logprobs=None if rows is None else rows[n : n + 1],
                 prompt_logprobs=prompt.get(request_id) if n == 0 else None,
+                kv_transfer_params=None if f is None else f.kv_transfer_params,
             )
 
 
@@ -699,6 +705,7 @@ class OutputDelta:
     prompt_logprobs: tuple[LogprobRow, ...] | None = None
     index: int = 0  # which sequence of an n > 1 request; -1: the whole request (abort, error)
     error_kind: ErrorKind | None = None  # set with `error`
+    kv_transfer_params: KVTransferParams | None = None  # a prefill instance's, when it ends
 
     @classmethod
     def failed(cls, request_id: str, error: str, kind: ErrorKind = ErrorKind.ENGINE) -> OutputDelta:

@@ -95,6 +95,8 @@ class OutputAssembler:
         c.text += delta.text
         c.token_ids += delta.token_ids
         c.finish_reason, c.stop_reason = delta.finish_reason, delta.stop_reason
+        if delta.kv_transfer_params is not None:
+            pending.output.kv_transfer_params = delta.kv_transfer_params.to_dict()
         rows = delta.logprobs or ()
         if rows and c.cumulative_logprob is not None:
             c.cumulative_logprob += sum(row[0].logprob for row in rows)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -62,3 +63,5 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     error: str | None = None
     num_cached_tokens: int = field(default=0)
+    # a prefill instance's answer to do_remote_decode: where the prompt's KV waits
+    kv_transfer_params: dict[str, Any] | None = None

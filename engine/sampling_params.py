@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.kv_transfer.params import KVTransferParams
 from engine.structured_outputs import StructuredOutputsError, StructuredOutputsParams
 from engine.text.text_checks import check_text
 
@@ -104,6 +105,9 @@ class SamplingParams:
     length_penalty: float = 1.0  # beam score = sum logprob / generated length ** this
     early_stopping: bool | str = False  # True, False (a heuristic) or "never", as in HF
     structured_outputs: StructuredOutputsParams | None = None  # what the output must match
+    # prefill/decode disaggregation (vLLM's kv_transfer_params): save this prompt's KV for
+    # a decode instance, or load it from a prefill instance (a dict of its keys is converted)
+    kv_transfer_params: KVTransferParams | None = None
 
     def __post_init__(self) -> None:
         self._check_floats()
@@ -113,6 +117,7 @@ class SamplingParams:
         self._set("stop_token_ids", _normalize_stop_token_ids(self.stop_token_ids))
         self._set("logit_bias", _normalize_logit_bias(self.logit_bias))
         self._set("structured_outputs", _normalize_structured(self.structured_outputs))
+        self._set("kv_transfer_params", _normalize_kv_transfer(self.kv_transfer_params))
         self._check_beam_search()
         self._check_structured()
 
@@ -293,6 +298,22 @@ def _token_id_key(key: Any) -> int:
         rule = f"keyed by token ids (ints in [0, {MAX_COUNT}] or strings of their digits)"
         _fail("logit_bias", rule, key)
     return key
+
+
+def _normalize_kv_transfer(value: Any) -> KVTransferParams | None:
+    """None, or KVTransferParams (a dict of vLLM's keys is converted and checked)."""
+    if value is None or isinstance(value, KVTransferParams):
+        return value
+    if not isinstance(value, dict):
+        _fail("kv_transfer_params", "an object of vLLM's kv_transfer_params keys", value)
+    try:
+        params = KVTransferParams.from_dict(value)
+    except (ValueError, TypeError) as exc:
+        message = str(exc)
+        if not message.startswith("kv_transfer_params"):
+            message = f"kv_transfer_params: {message}"
+        raise SamplingParamsError(message) from None
+    return None if not (params.do_remote_decode or params.do_remote_prefill) else params
 
 
 def _normalize_structured(value: Any) -> StructuredOutputsParams | None:

@@ -17,6 +17,7 @@ from engine.core.stats import MemoryReport
 from engine.kv.block_ledger import BlockLedger, HybridBlockLedger
 from engine.kv.block_manager import BlockManager, block_tables_for
 from engine.kv.block_tables import BlockTables
+from engine.kv_transfer.config import KVTransferConfig
 from engine.messages import WorkerReady
 from engine.speculative_config import SpeculativeConfig
 from engine.text.request_validation import RequestLimits
@@ -46,6 +47,7 @@ def build_core(
     attention_backend: str = "",
     memory: MemoryReport | None = None,
     speculative: SpeculativeConfig | None = None,
+    kv_transfer: KVTransferConfig | None = None,
 ) -> EngineCore:
     """The one place an `EngineCore` is built: for the engines (`build_engine`) and for
     the simulator (`engine.sim`, its block tables paged or contiguous)."""
@@ -55,7 +57,14 @@ def build_core(
             speculative.num_speculative_tokens, max_batch=speculative.disable_by_batch_size
         )
     return EngineCore(
-        scheduler, blocks, eos_token_ids, preemption_mode, attention_backend, memory, lookahead
+        scheduler,
+        blocks,
+        eos_token_ids,
+        preemption_mode,
+        attention_backend,
+        memory,
+        lookahead,
+        kv_transfer,
     )
 
 
@@ -89,6 +98,7 @@ def build_engine(
         ready.attention_backend,
         MemoryReport.from_ready(ready),
         config.speculative,
+        config.kv_transfer,
     )
     if tokenizer is None:
         tokenizer = load_engine_tokenizer(config)
@@ -103,6 +113,7 @@ def build_engine(
         max_tokens_per_request=config.max_tokens_per_request,
         kv_layout=layout,
         max_chunk=config.scheduler.max_num_batched_tokens,
+        kv_role=config.kv_transfer.kv_role if config.kv_transfer is not None else None,
     )
     manager = BlockManager(layout=layout, **tables) if with_block_manager else None
     grammar_backend = functools.partial(

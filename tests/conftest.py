@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.network_namespace import two_hosts  # noqa: F401 - a fixture for every test
+
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
 

@@ -65,6 +65,14 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "Ray placement group (a cluster at RAY_ADDRESS, else a local Ray instance)",
     )
     p.add_argument(
+        "--kv-transfer-config",
+        default=None,
+        help="prefill/decode disaggregation, vLLM's JSON: "
+        '{"kv_connector": "PagedServeConnector", "kv_role": "kv_producer" | "kv_consumer" | '
+        '"kv_both", "kv_ip": ..., "kv_port": ...}; frames sealed with $PAGEDSERVE_CLUSTER_SECRET '
+        "(docs/kv_transfer.md)",
+    )
+    p.add_argument(
         "--enable-expert-parallel",
         action="store_true",
         help="with -tp N, place whole experts of a mixture of experts on the ranks (a "
@@ -451,6 +459,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         "max_tokens_per_request": args.max_tokens_per_request,
         "grammar_cache_size": args.grammar_cache_size,
         "speculative_config": args.speculative_config,
+        "kv_transfer_config": args.kv_transfer_config,
     }
 
 

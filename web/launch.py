@@ -28,7 +28,9 @@ class ServerProcess:
     tail when `log` is a file, if the process exits or the timeout passes); `stop()`
     sends SIGTERM (the server's graceful shutdown), then SIGKILL after 30 s.
     `own_group`: the server leads a process group of its own (with its worker), as a
-    server started from a terminal does; a terminal's Ctrl-C is SIGINT to that group."""
+    server started from a terminal does; a terminal's Ctrl-C is SIGINT to that group.
+    `prefix`: a command the server runs under (`ip netns exec NS`: another network
+    namespace, which `host` reaches)."""
 
     def __init__(
         self,
@@ -37,9 +39,13 @@ class ServerProcess:
         env: dict[str, str] | None = None,
         log: IO[bytes] | None = None,
         own_group: bool = False,
+        prefix: tuple[str, ...] = (),
+        host: str = "127.0.0.1",
     ) -> None:
         self.port = port or free_port()
-        self.cmd = [sys.executable, "-m", "web.cli", "serve", "--port", str(self.port), *args]
+        self.host = host
+        serve = [sys.executable, "-m", "web.cli", "serve", "--port", str(self.port), *args]
+        self.cmd = [*prefix, *serve]
         self.env = dict(os.environ, PYTHONPATH=str(REPO), **(env or {}))
         self.log = log
         self.own_group = own_group
@@ -47,7 +53,7 @@ class ServerProcess:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def start(self, timeout: float = 120.0) -> None:
         out = self.log if self.log is not None else None

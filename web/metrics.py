@@ -406,6 +406,15 @@ ENGINE_COUNTERS: dict[str, tuple[str, str]] = {
         "prefix_cache_hit_tokens",
     ),
     "pagedserve_prefix_cache_evictions": ("Cached blocks evicted so far", "num_cache_evictions"),
+    "pagedserve_prompt_tokens_computed": (
+        "Prompt tokens computed here so far (not found in the prefix cache nor loaded from "
+        "a prefill instance; recomputed ones count again)",
+        "num_prompt_tokens_computed",
+    ),
+    "pagedserve_kv_transfer_loaded_tokens": (
+        "Prompt tokens whose KV a prefill instance computed, loaded here so far",
+        "kv_transfer_loaded_tokens",
+    ),
     "pagedserve_num_swaps": ("Preemptions by swapping out so far", "num_swaps"),
     "pagedserve_spec_decode_num_drafts": (
         "Speculative decoding: verifications so far (a sequence's drafts in one step)",

@@ -201,6 +201,13 @@ COMMON = [
     _refused("return_tokens_as_token_ids", "not implemented", True, _V),
     _refused("logits_processors", "no custom logits processors", ["p"], _V),
     _refused("cache_salt", "the prefix cache is shared by every request", "salt", _V),
+    _supported(
+        "kv_transfer_params",
+        "prefill/decode disaggregation, vLLM's keys (`do_remote_decode` to a prefill "
+        "instance, `do_remote_prefill` and where the KV waits to a decode instance); needs "
+        "`--kv-transfer-config` ([kv_transfer.md](kv_transfer.md))",
+        _V,
+    ),
     _some(
         "no_stop_trim",
         "`false`",

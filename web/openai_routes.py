@@ -256,7 +256,7 @@ class OpenAIRoutes:
             p = index // job.params.n
             echo = None if echoes is None else (echoes[p], prompt_rows.get(p, ()))
             choices.append(self._choice(index, tallies[index], chat, job, echo))
-        return {
+        reply = {
             "id": job.request_id,
             "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()),
@@ -264,6 +264,10 @@ class OpenAIRoutes:
             "choices": choices,
             "usage": usage(tallies, job.params.n),
         }
+        handoff = next((t.final.kv_transfer_params for t in tallies.values()), None)
+        if handoff is not None:  # a prefill instance: where the decode instance finds the KV
+            reply["kv_transfer_params"] = handoff.to_dict()
+        return reply
 
     def _aborted(self, tallies: dict[int, ChoiceTally]) -> ApiError:
         done = sum(t.num_output_tokens for t in tallies.values())

@@ -47,6 +47,8 @@ def sampling_params(body: dict[str, Any], *, chat: bool, default_max_tokens: int
         kwargs["logit_bias"] = _logit_bias(body["logit_bias"])
     kwargs.update(_logprobs(body, chat))
     kwargs["structured_outputs"] = structured_outputs(body)
+    if body.get("kv_transfer_params") is not None:
+        kwargs["kv_transfer_params"] = body["kv_transfer_params"]
     try:
         params = SamplingParams(**kwargs)
     except ValueError as exc:

@@ -49,6 +49,8 @@ from engine.core.step_plan_builder import StepPlanBuilder
 from engine.core.stop_checker import StopChecker
 from engine.kv.block_ledger import BlockLedger
 from engine.kv.block_tables import BlockTables
+from engine.kv_transfer.config import KVTransferConfig
+from engine.kv_transfer.params import KVTransferParams
 from engine.messages import (
     AddRequest,
     ApplyBlockOps,
@@ -81,6 +83,7 @@ class EngineCore:
         attention_backend: str = "",
         memory: MemoryReport | None = None,
         lookahead: LookaheadPolicy | None = None,
+        kv_transfer: KVTransferConfig | None = None,
     ) -> None:
         self.blocks = blocks
         self.attention_backend = attention_backend  # the workers' (reported in stats)
@@ -101,6 +104,7 @@ class EngineCore:
         self.num_steps = 0
         self.utilization = SlotUtilization()
         self.sharing = SharingSaving()
+        self.kv_transfer = kv_transfer  # a producer answers with where its prompts' KV waits
 
     @property
     def has_unfinished(self) -> bool:
@@ -149,21 +153,26 @@ class EngineCore:
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
     ) -> Request:
         self._arrival += 1
+        kv = params.kv_transfer_params
+        remote = len(prompt_token_ids) - 1 if kv is not None and kv.do_remote_prefill else 0
         return Request(
             request_id,
             list(prompt_token_ids),
             params,
             self._arrival,
             eos_token_ids=self.eos_token_ids,
+            num_remote_tokens=remote,  # its first step loads them, computing the last
         )
 
-    def abort(self, request_id: str) -> None:
+    def abort(
+        self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED
+    ) -> None:
         """Ends a request (every sequence of it) or one sequence (its own stop string)."""
         group = self._groups.pop(request_id, None)
         ids = [s.request_id for s in group.sequences] if group else [request_id]
         for seq_id in ids:
             self._prompt_rows.pop(seq_id, None)
-            request = self.scheduler.finish_request(seq_id, RequestStatus.FINISHED_ABORTED)
+            request = self.scheduler.finish_request(seq_id, status)
             if request is None:
                 continue
             self._finished_ids.append(seq_id)
@@ -178,7 +187,7 @@ class EngineCore:
             request_id = request.group.request_id
         elif request is None and request_id not in self._groups:
             return None
-        self.abort(request_id)
+        self.abort(request_id, RequestStatus.FINISHED_ERROR)  # its blocks cache nothing
         return request_id
 
     def schedule(self) -> SchedulerOutput | None:
@@ -236,6 +245,8 @@ class EngineCore:
             num_cache_evictions=blocks.num_cache_evictions,
             num_swaps=scheduler.num_swaps,
             num_swapped_blocks=blocks.num_swapped_blocks,
+            num_prompt_tokens_computed=scheduler.num_prompt_tokens_computed,
+            kv_transfer_loaded_tokens=scheduler.num_remote_tokens,
             kv_sharing_saving=self.sharing.last,
             mean_kv_sharing_saving=self.sharing.mean,
             attention_backend=self.attention_backend,
@@ -386,9 +397,26 @@ class EngineCore:
             return None
         del request.output_token_ids[num_outputs:]
         request.num_pending_outputs = 0
+        handoff = self._kv_handoff(request)
         self.scheduler.finish_request(request.request_id, status)
         self._finished_ids.append(request.request_id)
         group = request.group
         if group is not None and group.is_finished:
             self._groups.pop(group.request_id, None)
-        return RequestFinish(request.request_id, status.finish_reason, stop_reason)
+        return RequestFinish(request.request_id, status.finish_reason, stop_reason, handoff)
+
+    def _kv_handoff(self, request: Request) -> KVTransferParams | None:
+        """A producer's answer to `do_remote_decode`: where the prompt's blocks wait (its
+        worker saved them when the prompt was computed)."""
+        kv, config = request.params.kv_transfer_params, self.kv_transfer
+        if kv is None or not kv.do_remote_decode or config is None:
+            return None
+        table = self.blocks.block_table(request.request_id)
+        return KVTransferParams(
+            do_remote_prefill=True,
+            remote_engine_id=config.engine_id,
+            remote_block_ids=tuple(table[: self.blocks.blocks_for(request.num_prompt_tokens)]),
+            remote_host=config.kv_ip,
+            remote_port=config.kv_port,
+            remote_request_id=request.request_id,
+        )

@@ -119,6 +119,9 @@ class Request(KnownTokens):
     # KV slots reserved past num_computed_tokens for draft tokens of steps in flight
     num_lookahead_tokens: int = 0
     group: RequestGroup | None = None  # set when this is one sequence of several
+    # tokens of its prompt a prefill instance computed, whose KV its first step loads
+    # (prefill/decode disaggregation); 0 once admitted, or for a prompt computed here
+    num_remote_tokens: int = 0
 
     @property
     def is_finished(self) -> bool:

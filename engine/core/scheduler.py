@@ -66,6 +66,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self.num_swaps = 0
+        self.num_remote_tokens = 0  # prompt tokens loaded from prefill instances
+        self.num_prompt_tokens_computed = 0  # prompt tokens planned to be computed here
         self.prefix_stats = PrefixCacheStats()
         self._step_id = 0
         self._copies: list[tuple[int, int]] = []  # this step's copy-on-write copies
@@ -238,7 +240,7 @@ class Scheduler:
             forked = self._fork_from_leader(request)
             if forked is None:
                 break  # no blocks for its copy of the prompt's last block
-            computed = forked or self._match_prefix(request)
+            computed = forked or request.num_remote_tokens or self._match_prefix(request)
             n = min(request.num_tokens - computed, budget)
             self.kv_cache.slide(request.request_id, computed)
             table = self.kv_cache.grow(request.request_id, computed + n)
@@ -246,8 +248,9 @@ class Scheduler:
                 self.kv_cache.free(request.request_id)  # gives the prefix hits back
                 break
             self.waiting.popleft()
-            if self.kv_cache.enable_prefix_caching and not forked:
+            if self.kv_cache.enable_prefix_caching and not (forked or request.num_remote_tokens):
                 self.prefix_stats.record(request.num_tokens, computed)
+            self.num_remote_tokens += request.num_remote_tokens  # loaded by this step
             request.num_computed_tokens = computed
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=lambda r: r.arrival_index)
@@ -332,13 +335,14 @@ class Scheduler:
         return request.num_tokens >= request.max_num_tokens
 
     def _free_blocks(self, request: Request) -> None:
-        """Frees the request's blocks, first caching the full ones of known tokens; the
-        lookahead of its steps in flight goes with them (their results still count
-        the tokens they accepted as known, not as computed)."""
+        """Frees the request's blocks, first caching the full ones of known tokens (not
+        those of a request that failed: a failed step or KV load may have left them
+        unwritten); the lookahead of its steps in flight goes with them (their results
+        still count the tokens they accepted as known, not as computed)."""
         self._cow_pending.discard(request.request_id)
         if request.num_lookahead_tokens or self._trimmed:
             self._drop_lookahead(request)
-        if self.kv_cache.enable_prefix_caching:
+        if self.kv_cache.enable_prefix_caching and request.status != RequestStatus.FINISHED_ERROR:
             known = request.num_tokens - request.num_pending_outputs
             computed = min(request.num_computed_tokens, known)
             self.kv_cache.cache_computed(request.request_id, request.token_ids, computed)
@@ -413,7 +417,13 @@ class Scheduler:
             if request.status == running:
                 request.num_computed_tokens = computed + n
                 if computed < len(request.prompt_token_ids):
-                    self._prompt_computed(request, computed + n)
+                    self.num_prompt_tokens_computed += min(
+                        n, len(request.prompt_token_ids) - computed
+                    )
+                    if request.num_remote_tokens:  # cached once finished: the load may fail
+                        request.num_remote_tokens = 0  # after a preemption: computed here
+                    else:
+                        self._prompt_computed(request, computed + n)
                 if k:
                     request.num_lookahead_tokens += k
                     self._lookahead_steps.setdefault(plan.step_id, {})[request.request_id] = k

@@ -45,6 +45,10 @@ class EngineStats:
     num_cache_evictions: int = 0
     num_swaps: int = 0  # preemptions by swapping out (the rest recomputed)
     num_swapped_blocks: int = 0  # CPU swap blocks in use now
+    # prompt tokens computed here (a recomputation after preemption counts again), and
+    # those whose KV a prefill instance computed and this one loaded (P/D)
+    num_prompt_tokens_computed: int = 0
+    kv_transfer_loaded_tokens: int = 0
     kv_sharing_saving: float = 0.0  # now: 1 - blocks owned / blocks the tables hold
     mean_kv_sharing_saving: float = 0.0  # the same, summed over all steps
     attention_backend: str = ""  # the workers' attention backend ("native", "sdpa", ...)

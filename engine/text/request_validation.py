@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from engine.core.beam_group import beam_params, beam_search_for
 from engine.kv.block_count import cdiv
 from engine.kv.kv_cache_groups import KVCacheLayout
+from engine.kv_transfer.config import KVRole
 from engine.sampling_params import SamplingParams
 
 
@@ -30,6 +31,7 @@ class RequestLimits:
     max_tokens_per_request: int | None = None
     kv_layout: KVCacheLayout | None = None
     max_chunk: int | None = None
+    kv_role: KVRole | None = None  # prefill/decode disaggregation (None: no KV transfer)
 
 
 def validate_request(
@@ -63,8 +65,36 @@ def validate_request(
     if strict_max_tokens:
         _check_max_tokens(len(token_ids), params, max_model_len, field)
     _check_total_output(len(token_ids), params, limits)
+    if params.kv_transfer_params is not None:
+        _check_kv_transfer(params, limits.kv_role)
     if params.use_beam_search:
         _check_beam_search(token_ids, params, limits)
+
+
+def _check_kv_transfer(params: SamplingParams, role: KVRole | None) -> None:
+    """kv_transfer_params this instance can honour (its role, one sequence)."""
+    kv = params.kv_transfer_params
+    wanted, direction = (
+        ("produces", "do_remote_decode")
+        if kv.do_remote_decode
+        else (
+            "consumes",
+            "do_remote_prefill",
+        )
+    )
+    if role is None:
+        raise ValueError(
+            f"kv_transfer_params: {direction} needs a server started with "
+            "--kv-transfer-config; this one transfers no KV"
+        )
+    if not getattr(role, wanted):
+        raise ValueError(f"kv_transfer_params: {direction} is not for a {role.value} instance")
+    if params.num_sequences > 1 or params.use_beam_search:
+        raise ValueError("kv_transfer_params: one sequence per request (n=1, no best_of or beams)")
+    if kv.do_remote_prefill and params.prompt_logprobs is not None:
+        raise ValueError(
+            "kv_transfer_params: prompt_logprobs cannot be given for a prompt computed elsewhere"
+        )
 
 
 def _check_max_tokens(

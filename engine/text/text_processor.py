@@ -370,6 +370,7 @@ class TextProcessor:
             logprobs=self._decode_rows(delta.logprobs),
             prompt_logprobs=self._decode_rows(delta.prompt_logprobs),
             index=state.index,
+            kv_transfer_params=delta.kv_transfer_params,
         )
         if state.ranked:
             return self._hold_back(state, delta, out), abort

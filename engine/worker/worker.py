@@ -34,6 +34,7 @@ from engine.worker.worker_request import WorkerRequest
 if TYPE_CHECKING:
     from engine.worker.grammar.backend import GrammarMatcher
     from engine.worker.grammar.matchers import GrammarMatchers
+    from engine.worker.kv_transfer_steps import KVTransferSteps
     from engine.worker.model_runner import ModelRunner
     from engine.worker.speculative.proposer import Proposer
 
@@ -84,6 +85,8 @@ class Worker:
         self._table_groups = runner.num_table_groups if runner else 1
         self._block_size = runner.cache_config.block_size if runner else 1
         self.num_rank_checks = 0  # steps whose block tables all ranks compared
+        # prefill/decode disaggregation: saves and loads prompts' KV (None: neither)
+        self.kv_transfer: KVTransferSteps | None = None
 
     def execute(self, plan: StepPlan) -> StepResult:
         failures: dict[str, str] = {}
@@ -94,6 +97,8 @@ class Worker:
         swap_out = tuple(zip(plan.swap_out_src, plan.swap_out_dst, strict=True))
         swap_in = tuple(zip(plan.swap_in_src, plan.swap_in_dst, strict=True))
         runnable = self._runnable(plan, failures)
+        if self.kv_transfer is not None and runnable:
+            runnable = self._load_prompts(runnable, failures)
         if not runnable:  # a plan may only carry finished ids (and block moves)
             if self.runner is not None:
                 self.runner.move_blocks(
@@ -120,7 +125,21 @@ class Worker:
                 raise  # a group's rank cannot fail alone: the ranks' caches would differ
             self._forget([rid for rid, _ in runnable], describe(exc), failures)
             return self._result(StepResult.empty(plan.step_id, self.worker_id), failures)
+        if self.kv_transfer is not None:
+            rows = [(s.request, s.block_table, s.num_computed_tokens) for s in scheduled]
+            self.kv_transfer.save(rows)
         return self._result(result, failures)
+
+    def _load_prompts(
+        self, runnable: list[tuple[str, int]], failures: dict[str, str]
+    ) -> list[tuple[str, int]]:
+        """Loads the KV of the rows whose prompt a prefill instance computed; those whose
+        load failed are failed and dropped from the step."""
+        rows = [(self.requests[rid], self.block_tables[rid]) for rid, _ in runnable]
+        errors = self.kv_transfer.load(rows)
+        for request_id, error in errors.items():
+            self._forget([request_id], error, failures)
+        return [(rid, n) for rid, n in runnable if rid not in errors]
 
     def expert_load(self) -> tuple[int, ...]:
         """Each expert's assignments so far, summed over the MoE layers (empty: no experts)."""
@@ -268,6 +287,8 @@ class Worker:
             self.requests.pop(request_id, None)
             self.block_tables.pop(request_id, None)
             self.failed.discard(request_id)
+        if self.kv_transfer is not None:
+            self.kv_transfer.forget(plan.finished_ids)
         diffs = [(new.request_id, self._add, new) for new in plan.new_requests]
         diffs += [(cached.request_id, self._update, cached) for cached in plan.cached_requests]
         for request_id, apply, diff in diffs:

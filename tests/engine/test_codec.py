@@ -11,6 +11,7 @@ import pytest
 
 from engine import messages as m
 from engine.codec import DecodeError, InboxDecoder, encode
+from engine.kv_transfer.params import KVTransferParams
 from engine.sampling_params import SamplingParams
 from engine.structured_outputs import StructuredOutputsParams
 
@@ -129,6 +130,28 @@ SAMPLES = [
         finished=(m.RequestFinish("r1", "length", None),),
         logprobs=(m.RequestLogprobs("r1", (ROW,)),),
         prompt_logprobs=(m.RequestLogprobs("r1", (ROW, ROW)),),
+    ),
+    m.TokenDeltas(  # a prefill instance's answer: where the prompt's KV waits
+        step_id=8,
+        request_ids=("r1",),
+        token_ids=(42,),
+        finished=(
+            m.RequestFinish(
+                "r1",
+                "length",
+                None,
+                KVTransferParams(
+                    do_remote_prefill=True,
+                    remote_engine_id="prefill-0",
+                    remote_block_ids=(3, 4),
+                    remote_host="10.0.0.5",
+                    remote_port=14579,
+                    remote_request_id="r1",
+                ),
+            ),
+        ),
+        logprobs=(),
+        prompt_logprobs=(),
     ),
     m.TokenDeltas(  # a beam search's ranked outputs
         step_id=9,
@@ -310,8 +333,9 @@ FIELD_ORDER = {
         "stop_reason",
         "logprobs",
         "prompt_logprobs",
+        "kv_transfer_params",
     ],
-    "RequestFinish": ["request_id", "finish_reason", "stop_reason"],
+    "RequestFinish": ["request_id", "finish_reason", "stop_reason", "kv_transfer_params"],
     "TokenDeltas": [
         "step_id",
         "request_ids",
@@ -416,6 +440,7 @@ FIELD_ORDER = {
         "prompt_logprobs",
         "index",
         "error_kind",
+        "kv_transfer_params",
     ],
     "SamplingParams": [
         "n",
@@ -443,6 +468,16 @@ FIELD_ORDER = {
         "length_penalty",
         "early_stopping",
         "structured_outputs",
+        "kv_transfer_params",
+    ],
+    "KVTransferParams": [
+        "do_remote_decode",
+        "do_remote_prefill",
+        "remote_engine_id",
+        "remote_block_ids",
+        "remote_host",
+        "remote_port",
+        "remote_request_id",
     ],
     "StructuredOutputsParams": [
         "json",
@@ -483,6 +518,7 @@ def test_field_order_is_pinned():
     }
     classes["SamplingParams"] = SamplingParams
     classes["StructuredOutputsParams"] = StructuredOutputsParams
+    classes["KVTransferParams"] = KVTransferParams
     assert set(classes) == set(FIELD_ORDER)
     for name, cls in classes.items():
         assert [f.name for f in dataclasses.fields(cls)] == FIELD_ORDER[name], name

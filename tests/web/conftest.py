@@ -3,6 +3,7 @@ configuration)."""
 
 from __future__ import annotations
 
+import json
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -63,6 +64,25 @@ def start_server(
     process.start(timeout=120)
     name = "pagedserve-builtin-tiny" if model_dir is None else "test-model"
     return RunningServer(process.port, name, model_dir, api_key, process)
+
+
+def assert_completions_match_offline(server: RunningServer, prompts: list[str]) -> None:
+    """The server's greedy 16-token completion of each prompt is the built-in model's
+    offline text."""
+    from engine import LLM, SamplingParams
+
+    with LLM("builtin:tiny", kv_cache_memory=32 << 20) as offline:
+        params = SamplingParams(temperature=0, max_tokens=16)
+        wants = [o.outputs[0].text for o in offline.generate(prompts, params, use_tqdm=False)]
+    for prompt, want in zip(prompts, wants, strict=True):
+        body = {"model": server.model, "prompt": prompt, "max_tokens": 16, "temperature": 0}
+        request = urllib.request.Request(
+            f"{server.http}/v1/completions",
+            json.dumps(body).encode(),
+            {"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=60) as reply:
+            assert json.load(reply)["choices"][0]["text"] == want
 
 
 def stop_server(server: RunningServer) -> None:

@@ -5,14 +5,11 @@ workers are gone after it stops. Skips, saying so, where `ray` is not installed.
 
 from __future__ import annotations
 
-import json
-import urllib.request
 from pathlib import Path
 
 import pytest
 
-from engine import LLM, SamplingParams
-from tests.web.conftest import start_server, stop_server
+from tests.web.conftest import assert_completions_match_offline, start_server, stop_server
 from tests.web.processes import alive, workers_of
 
 pytestmark = pytest.mark.timeout(240)
@@ -47,18 +44,7 @@ def test_ranks_placed_by_ray_answer_as_one_device() -> None:
         ranks = [pid for pid in worker_pids() if b"ray::" in parent_command(pid)]
         assert len(ranks) == 2  # each a child of a Ray actor, not of the server
         assert not workers_of(server.process.proc.pid)
-        offline = LLM("builtin:tiny", kv_cache_memory=32 << 20)
-        params = SamplingParams(temperature=0, max_tokens=16)
-        for prompt in PROMPTS:
-            body = {"model": server.model, "prompt": prompt, "max_tokens": 16, "temperature": 0}
-            data = json.dumps(body).encode()
-            request = urllib.request.Request(
-                f"{server.http}/v1/completions", data, {"Content-Type": "application/json"}
-            )
-            with urllib.request.urlopen(request, timeout=60) as reply:
-                text = json.load(reply)["choices"][0]["text"]
-            [want] = offline.generate(prompt, params, use_tqdm=False)
-            assert text == want.outputs[0].text
+        assert_completions_match_offline(server, PROMPTS)
     finally:
         stop_server(server)
     assert not any(alive(pid) for pid in ranks)

@@ -73,7 +73,8 @@ def routed():
     workers = [r.http for r in replicas]
     router = subprocess.Popen(
         [binary, "--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin"]
-        + ["--worker-urls", *workers, "--worker-startup-timeout-secs", "60"],
+        + ["--worker-urls", *workers, "--worker-startup-timeout-secs", "60"]
+        + ["--prometheus-port", str(free_port())],  # its own, beside other routers
         stdout=subprocess.DEVNULL,
         stderr=subprocess.STDOUT,
     )

@@ -1,0 +1,165 @@
+"""Prefill/decode disaggregation through the engine, in one process: a `kv_producer`
+engine computes prompts (max_tokens=1, `do_remote_decode`) and saves their KV blocks,
+a `kv_consumer` engine loads them (`do_remote_prefill`, the producer's answer) into
+blocks of its own, computes only each prompt's last token and decodes. The connector is
+the in-memory one (the served tests run the ZeroMQ one). Outputs equal one engine's,
+through prompts of any length against the block size, seeded sampling and preemption
+after the load; a failed load fails its request and leaves nothing in the prefix
+cache."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.kv_transfer.blocks import KVLayout
+from engine.kv_transfer.endpoint import KVEndpoint
+from engine.kv_transfer.in_memory import InMemoryConnector, InMemoryFabric
+from engine.worker.kv_transfer_steps import KVTransferSteps
+from tests.engine.tiny_models import save_hf_model
+
+ENGINE = dict(skip_tokenizer_init=True, block_size=4, max_model_len=64, seed=0)
+PRODUCER = {"kv_connector": "PagedServeConnector", "kv_role": "kv_producer", "kv_port": 1}
+CONSUMER = {"kv_connector": "PagedServeConnector", "kv_role": "kv_consumer"}
+PROMPTS = [[7, 3], [7, 3, 9, 12], [5, 1, 4, 1, 5], [2] * 9, list(range(1, 17)), list(range(3, 20))]
+HANDOFF = SamplingParams(max_tokens=1, temperature=0, kv_transfer_params={"do_remote_decode": True})
+
+
+def attach(llm: LLM, fabric: InMemoryFabric) -> None:
+    """The engine's worker saves and loads through `fabric` (the worker actor wires the
+    ZeroMQ connector the same way)."""
+    worker = llm.engine.worker
+    runner = worker.runner
+    layout = KVLayout.of(runner.backend.kv_cache_shape)
+    endpoint = KVEndpoint(llm.config.kv_transfer, runner.kv_cache, layout)
+    worker.kv_transfer = KVTransferSteps(
+        InMemoryConnector(endpoint, fabric), llm.config.cache.block_size
+    )
+
+
+def decode_params(handoff, params: SamplingParams) -> SamplingParams:
+    """`params` carrying the producer's answer for one prompt."""
+    import dataclasses
+
+    return dataclasses.replace(params, kv_transfer_params=handoff.kv_transfer_params)
+
+
+def tokens(outputs) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("name", ["llama", "qwen3", "gpt2"])
+def test_handed_off_prompts_decode_as_one_engine(name, tmp_path):
+    save_hf_model(name, tmp_path)
+    params = [
+        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=12, temperature=0.8, seed=7, ignore_eos=True, logprobs=1),
+    ]
+    wanted = [params[i % 2] for i in range(len(PROMPTS))]
+    with LLM(str(tmp_path), kv_cache_memory=8 << 20, **ENGINE) as lone:
+        expected = tokens(lone.generate(PROMPTS, wanted, use_tqdm=False))
+    fabric = InMemoryFabric()
+    with (
+        LLM(
+            str(tmp_path), kv_cache_memory=8 << 20, kv_transfer_config=PRODUCER, **ENGINE
+        ) as prefill,
+        LLM(
+            str(tmp_path), kv_cache_memory=8 << 20, kv_transfer_config=CONSUMER, **ENGINE
+        ) as decode,
+    ):
+        attach(prefill, fabric)
+        attach(decode, fabric)
+        handoffs = prefill.generate(PROMPTS, HANDOFF, use_tqdm=False)
+        assert all(h.kv_transfer_params["do_remote_prefill"] for h in handoffs)
+        moved = [decode_params(h, p) for h, p in zip(handoffs, wanted, strict=True)]
+        got = decode.generate(PROMPTS, moved, use_tqdm=False)
+        stats = decode.stats()
+        decode.engine.check_integrity()
+    assert tokens(got) == expected
+    assert stats.num_prompt_tokens_computed == len(PROMPTS)  # each prompt's last token
+    assert stats.kv_transfer_loaded_tokens == sum(len(p) - 1 for p in PROMPTS)
+
+
+@pytest.mark.timeout(180)
+def test_a_consumer_that_preempts_after_the_load_recomputes_as_usual(tmp_path):
+    save_hf_model("llama", tmp_path)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    fabric = InMemoryFabric()
+    with LLM(str(tmp_path), kv_cache_memory=8 << 20, **ENGINE) as lone:
+        expected = tokens(lone.generate(PROMPTS, params, use_tqdm=False))
+        per_block = lone.engine.worker.runner._block_bytes()
+    with (
+        LLM(
+            str(tmp_path), kv_cache_memory=8 << 20, kv_transfer_config=PRODUCER, **ENGINE
+        ) as prefill,
+        LLM(
+            str(tmp_path), kv_cache_memory=24 * per_block, kv_transfer_config=CONSUMER, **ENGINE
+        ) as decode,
+    ):
+        attach(prefill, fabric)
+        attach(decode, fabric)
+        handoffs = prefill.generate(PROMPTS, HANDOFF, use_tqdm=False)
+        moved = [decode_params(h, params) for h in handoffs]
+        got = decode.generate(PROMPTS, moved, use_tqdm=False)
+        stats = decode.stats()
+        decode.engine.check_integrity()
+    assert tokens(got) == expected
+    assert stats.num_preemptions > 0
+
+
+@pytest.mark.timeout(180)
+def test_a_failed_load_fails_its_request_and_caches_nothing(tmp_path):
+    save_hf_model("llama", tmp_path)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    prompt = list(range(1, 17))  # four full blocks: what a prefix cache would keep
+    with LLM(str(tmp_path), kv_cache_memory=8 << 20, **ENGINE) as lone:
+        [expected] = tokens(lone.generate([prompt], params, use_tqdm=False))
+    nowhere = {
+        "do_remote_prefill": True,
+        "remote_engine_id": "gone",
+        "remote_block_ids": [0, 1, 2, 3],
+        "remote_host": "127.0.0.1",
+        "remote_port": 9,
+        "remote_request_id": "never-saved",
+    }
+    with LLM(
+        str(tmp_path), kv_cache_memory=8 << 20, kv_transfer_config=CONSUMER, **ENGINE
+    ) as decode:
+        attach(decode, InMemoryFabric())
+        moved = SamplingParams(
+            max_tokens=8, temperature=0, ignore_eos=True, kv_transfer_params=nowhere
+        )
+        [failed] = decode.generate([prompt], moved, use_tqdm=False)
+        assert "loading its KV cache failed: no producer engine 'gone'" in failed.error
+        [again] = tokens(decode.generate([prompt], params, use_tqdm=False))
+        assert decode.stats().prefix_cache_hit_tokens == 0
+        decode.engine.check_integrity()
+    assert again == expected
+
+
+def test_kv_transfer_params_are_refused_where_they_cannot_be_honoured(tmp_path):
+    save_hf_model("llama", tmp_path)
+    with LLM(str(tmp_path), kv_cache_memory=8 << 20, **ENGINE) as plain:
+        with pytest.raises(ValueError, match="do_remote_decode needs a server started with"):
+            plain.generate([[1, 2, 3]], HANDOFF, use_tqdm=False)
+    with LLM(
+        str(tmp_path), kv_cache_memory=8 << 20, kv_transfer_config=CONSUMER, **ENGINE
+    ) as decode:
+        with pytest.raises(ValueError, match="do_remote_decode is not for a kv_consumer"):
+            decode.generate([[1, 2, 3]], HANDOFF, use_tqdm=False)
+        remote = {
+            "do_remote_prefill": True,
+            "remote_engine_id": "p",
+            "remote_block_ids": [0],
+            "remote_host": "127.0.0.1",
+            "remote_port": 9,
+            "remote_request_id": "r",
+        }
+        n2 = SamplingParams(n=2, max_tokens=2, kv_transfer_params=remote)
+        with pytest.raises(ValueError, match="one sequence per request"):
+            decode.generate([[1, 2, 3]], n2, use_tqdm=False)
+    with pytest.raises(ValueError, match="kv_port: a producer needs a fixed port"):
+        LLM(str(tmp_path), kv_transfer_config={**PRODUCER, "kv_port": 0}, **ENGINE)
+    with pytest.raises(ValueError, match="one rank per instance"):
+        LLM(str(tmp_path), tensor_parallel_size=2, kv_transfer_config=CONSUMER, **ENGINE)
