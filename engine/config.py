@@ -278,9 +278,10 @@ class ParallelConfig:
     enable_expert_parallel: bool = False  # whole experts per rank (mixtures of experts)
     pipeline_parallel_size: int = 1  # stages, each a contiguous share of the layers
     pipeline_micro_batches: int = 0  # parts a step's rows split into (0: one per stage)
+    context_parallel_size: int = 1  # ranks sharing each step's tokens (whole model each)
 
     def __post_init__(self) -> None:
-        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size"):
             size = getattr(self, name)
             if not isinstance(size, int) or not 1 <= size <= MAX_TENSOR_PARALLEL_SIZE:
                 raise ValueError(
@@ -290,6 +291,11 @@ class ParallelConfig:
             raise ValueError(
                 "pipeline_micro_batches must be an integer >= 0 (0: one per stage), "
                 f"got {self.pipeline_micro_batches!r}"
+            )
+        if self.context_parallel_size > 1 and self.world_size != self.context_parallel_size:
+            raise ValueError(
+                "context_parallel_size > 1 runs alone: tensor_parallel_size and "
+                "pipeline_parallel_size must be 1 with it"
             )
         if self.world_size > MAX_TENSOR_PARALLEL_SIZE:
             raise ValueError(
@@ -306,8 +312,10 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        """Ranks in all: tensor_parallel_size per stage, pipeline_parallel_size stages."""
-        return self.tensor_parallel_size * self.pipeline_parallel_size
+        """Ranks in all: tensor_parallel_size per stage, pipeline_parallel_size stages (or
+        context_parallel_size ranks)."""
+        tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
+        return tp * pp * self.context_parallel_size
 
     @property
     def init_method(self) -> str:

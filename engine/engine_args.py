@@ -65,6 +65,7 @@ class EngineArgs:
     enable_expert_parallel: bool = False  # experts placed whole on the ranks, not sliced
     pipeline_parallel_size: int = 1  # stages of layers, tensor_parallel_size ranks each
     pipeline_micro_batches: int = 0  # parts of a step in flight across stages (0: one each)
+    context_parallel_size: int = 1  # ranks splitting each step's tokens (whole model each)
     distributed_executor_backend: str = "mp"  # mp: ranks as local processes; ray: Ray places
     distributed_address: str | None = None  # HOST:PORT of rank 0's torch.distributed store
     distributed_init_method: str | None = None  # set by launchers: a file:// rendezvous
@@ -93,15 +94,21 @@ class EngineArgs:
 
     @property
     def world_size(self) -> int:
-        """Ranks (worker processes) in all: tensor_parallel_size x pipeline_parallel_size."""
-        return self.tensor_parallel_size * self.pipeline_parallel_size
+        """Ranks (worker processes) in all: tensor_parallel_size x pipeline_parallel_size
+        x context_parallel_size."""
+        tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
+        return tp * pp * self.context_parallel_size
 
     def build(self) -> EngineConfig:
         import torch  # here, not at import: the server's CLI imports this module first
 
         from engine.text.tokenizer import resolve_chat_template
         from engine.worker.model_loader import build_model_config  # loads model code: on demand
-        from engine.worker.parallel.shardable import check_shardable, check_stageable
+        from engine.worker.parallel.shardable import (
+            check_context_parallel,
+            check_shardable,
+            check_stageable,
+        )
 
         parallel = ParallelConfig(
             tensor_parallel_size=self.tensor_parallel_size,
@@ -110,6 +117,7 @@ class EngineArgs:
             enable_expert_parallel=self.enable_expert_parallel,
             pipeline_parallel_size=self.pipeline_parallel_size,
             pipeline_micro_batches=self.pipeline_micro_batches,
+            context_parallel_size=self.context_parallel_size,
         )
         device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
         self._check_executor()
@@ -120,6 +128,7 @@ class EngineArgs:
             )
         check_shardable(model_config, parallel.tensor_parallel_size)
         check_stageable(model_config, parallel.pipeline_parallel_size)
+        check_context_parallel(model_config, parallel.context_parallel_size)
         max_len = model_config.max_model_len
         scheduler = SchedulerConfig(
             max_num_seqs=self.max_num_seqs,
@@ -127,10 +136,10 @@ class EngineArgs:
             max_model_len=max_len,
         )
         speculative = self._speculative(model_config)
-        if speculative is not None and parallel.pipeline_parallel_size > 1:
+        if speculative is not None and parallel.world_size > parallel.tensor_parallel_size:
             raise ValueError(
-                "speculative_config: not supported with pipeline_parallel_size > 1 (drafts "
-                "would be verified on the last stage only)"
+                "speculative_config: not supported with pipeline or context parallelism "
+                "(drafts are verified by one rank's batch)"
             )
         return EngineConfig(
             model=model_config,

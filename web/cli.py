@@ -58,6 +58,14 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "processes in all); 1..64, at most the model's layers",
     )
     p.add_argument(
+        "--context-parallel-size",
+        "-cp",
+        type=int,
+        default=1,
+        help="ranks that split each step's tokens (a long prompt's prefill among them), each "
+        "holding the whole model and KV cache; 1..64, without -tp or -pp",
+    )
+    p.add_argument(
         "--distributed-executor-backend",
         choices=["mp", "ray"],
         default="mp",
@@ -453,6 +461,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         "parse_special_tokens_in_content": args.parse_special_tokens_in_content,
         "tensor_parallel_size": args.tensor_parallel_size,
         "pipeline_parallel_size": args.pipeline_parallel_size,
+        "context_parallel_size": args.context_parallel_size,
         "enable_expert_parallel": args.enable_expert_parallel,
         "distributed_executor_backend": args.distributed_executor_backend,
         "distributed_address": args.distributed_address,

@@ -50,14 +50,16 @@ def build_model_input(
     block_size: int,
     device: str | torch.device,
     layout: KVCacheLayout | None = None,
+    ordered: bool = False,
 ) -> ModelInput:
     """The flattened batch of `scheduled`. With a hybrid `layout` each table interleaves
     one table per KV cache group (entry `i * G + g`: group g's block i), and the batch
     carries every group's metadata. A row whose request holds `draft_token_ids` computes
     them after its known tokens (its `num_scheduled_tokens` counts them) and has a
-    logit row for each."""
+    logit row for each. `ordered`: the rows are in batch order already (a shard of a
+    step's rows, kept as given)."""
     num_groups = layout.num_groups if layout is not None and layout.is_hybrid else 1
-    rows = batch_order(scheduled)
+    rows = list(scheduled) if ordered else batch_order(scheduled)
     ids: list[int] = []
     positions: list[int] = []
     slots: list[list[int]] = [[] for _ in range(num_groups)]  # per group
@@ -128,11 +130,22 @@ def _metadata(rows, starts, slots, device, num_groups, block_size) -> tuple[Atte
             slot_mapping=torch.tensor(slots[g], dtype=torch.int64, device=device),
             query_lens_cpu=tuple(r.num_scheduled_tokens for r in rows),
             seq_lens_cpu=tuple(seq_lens),
-            num_decodes=sum(1 for r in rows if r.num_scheduled_tokens == 1),
+            num_decodes=_leading_decodes(rows),
             block_size=block_size,
         )
         for g in range(num_groups)
     )
+
+
+def _leading_decodes(rows) -> int:
+    """The rows of one token before the first longer one (in a batch's order, every
+    decode; a shard's trailing one-token piece of a prompt runs as a prefill row)."""
+    count = 0
+    for row in rows:
+        if row.num_scheduled_tokens != 1:
+            break
+        count += 1
+    return count
 
 
 def _prompt_logprob_span(row: Row, start: int) -> PromptLogprobSpan | None:

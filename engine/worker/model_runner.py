@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -29,6 +30,7 @@ from engine.worker.logprobs import TokenLogprobs, compute_token_logprobs, to_dic
 from engine.worker.model_loader import load_model
 from engine.worker.model_output import LogprobDict, ModelOutput, Verified
 from engine.worker.models.prepack import prepack_linears
+from engine.worker.parallel.context import ContextShards
 from engine.worker.parallel.group import TensorParallelGroup
 from engine.worker.parallel.layers import kv_heads_per_rank
 from engine.worker.parallel.pipeline import split_rows
@@ -245,7 +247,10 @@ class ModelRunner:
             self.device,
             self.kv_layout,
         )
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_cache, batch.metadata)
+        if self.group.context.splits(batch.metadata.num_tokens):
+            hidden = self._forward_shard(batch)
+        else:
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_cache, batch.metadata)
         prompt_lp = self._prompt_logprobs(batch, hidden)
         if not sample or not batch.sample_rows:
             return ModelOutput({}, prompt_logprobs=prompt_lp)
@@ -255,6 +260,21 @@ class ModelRunner:
             return self._sample_with_drafts(batch, logits, prompt_lp)
         sampled, rows = self._sample(batch.sample_rows, logits)
         return ModelOutput(sampled, rows, prompt_lp)
+
+    def _forward_shard(self, batch: ModelInput) -> torch.Tensor:  # [T, hidden]
+        """Context parallelism: this rank's shard of the step's tokens through the model
+        (each attention layer gathering every shard's K/V), then every shard's hidden
+        states gathered, in the step's token order."""
+        context, num_tokens = self.group.context, batch.metadata.num_tokens
+        pieces = context.shard(batch.rows, num_tokens)
+        shard = build_model_input(
+            pieces, self.cache_config.block_size, self.device, self.kv_layout, ordered=True
+        )
+        sizes = tuple(end - start for start, end in context.bounds(num_tokens))
+        shards = ContextShards(sizes, batch.metadata.slot_mapping)
+        metadata = dataclasses.replace(shard.metadata, context=shards)
+        hidden = self.model(shard.input_ids, shard.positions, self.kv_cache, metadata)
+        return shards.gather(hidden)
 
     def _execute_stage(self, plan: SchedulerOutput, sample: bool) -> ModelOutput:
         """A pipeline stage's step: each micro-batch through this stage's layers in turn

@@ -1,6 +1,7 @@
-"""Tensor and pipeline parallelism served: `AsyncEngine` with two worker processes, one
-per rank (two tensor-parallel ranks, or two pipeline stages); the scheduler sends every
-plan to both and takes results from rank 0. Outputs match the one-device offline `LLM`;
+"""Tensor, pipeline and context parallelism served: `AsyncEngine` with two worker
+processes, one per rank (two tensor-parallel ranks, two pipeline stages, or two ranks
+sharing each step's tokens); the scheduler sends every plan to both and takes results
+from rank 0. Outputs match the one-device offline `LLM`;
 losing a rank ends every request with an error within 10 s and leaves no process behind."""
 
 from __future__ import annotations
@@ -29,11 +30,15 @@ PARAMS = [
 ]
 
 
-SPLITS = [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)]
+SPLITS = [
+    dict(tensor_parallel_size=2),
+    dict(pipeline_parallel_size=2),
+    dict(context_parallel_size=2),
+]
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("split", SPLITS, ids=["tp2", "pp2"])
+@pytest.mark.parametrize("split", SPLITS, ids=["tp2", "pp2", "cp2"])
 async def test_two_served_ranks_match_one_device(split):
     with LLM("builtin:tiny", **KWARGS) as llm:
         expected = [
@@ -62,7 +67,7 @@ async def test_two_served_ranks_match_one_device(split):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("split", SPLITS, ids=["tp2", "pp2"])
+@pytest.mark.parametrize("split", SPLITS, ids=["tp2", "pp2", "cp2"])
 async def test_losing_a_rank_fails_every_request_within_ten_seconds(split):
     engine = await AsyncEngine.start(
         EngineArgs(model="builtin:tiny", **split, **KWARGS),

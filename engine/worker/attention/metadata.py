@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from engine.worker.parallel.context import ContextShards
 
 
 @dataclass(frozen=True)
@@ -24,6 +28,9 @@ class AttentionMetadata:
     seq_lens_cpu: tuple[int, ...]
     num_decodes: int
     block_size: int = 0  # tokens per page (0: not given; linear-attention layers need it)
+    # a context-parallel step: this rank's queries are one shard of the step's tokens,
+    # whose K/V every layer gathers from all shards first (engine/worker/parallel/context.py)
+    context: ContextShards | None = None
 
     @property
     def num_seqs(self) -> int:

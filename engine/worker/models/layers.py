@@ -292,7 +292,14 @@ class PagedAttention(nn.Module):
         sinks: torch.Tensor | None = None,  # [num_heads] when the spec has sinks
     ) -> torch.Tensor:  # [T, num_heads * head_size]
         metadata = metadata.for_layer(self.layer_index)
-        out = self.backend.forward(q, k, v, kv_cache, metadata, self.spec, sinks)
+        shards = metadata.context
+        if shards is None:
+            out = self.backend.forward(q, k, v, kv_cache, metadata, self.spec, sinks)
+        else:  # every shard's new K/V written here, then this shard's queries attend
+            key_cache, value_cache = kv_cache
+            k, v = shards.gather(k), shards.gather(v)  # [T, num_kv_heads, head_size]
+            self.backend.write(k, v, key_cache, value_cache, shards.slot_mapping)
+            out = self.backend.attend(q, key_cache, value_cache, metadata, self.spec, sinks)
         return out.reshape(q.shape[0], self.num_heads * self.head_size)
 
 

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from engine.config import ParallelConfig
+from engine.worker.parallel.context import ContextParallel
 from engine.worker.parallel.pipeline import SINGLE_STAGE, PipelineStage
 
 COLLECTIVE_TIMEOUT_S = 60.0
@@ -53,6 +54,7 @@ class TensorParallelGroup:
     num_ranks: int = 0  # 0: world_size (one stage)
     stage: PipelineStage = SINGLE_STAGE
     process_group: object = field(default=None, compare=False)
+    context: ContextParallel = ContextParallel()
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
@@ -72,6 +74,7 @@ class TensorParallelGroup:
         expert_parallel: bool = False,
         pipeline_parallel_size: int = 1,
         micro_batches: int = 0,
+        context_parallel_size: int = 1,
     ) -> TensorParallelGroup:
         """Joins the default process group of `world_size` x `pipeline_parallel_size`
         ranks (`init_method`: `tcp://HOST:PORT`, the rank 0 host serving
@@ -80,7 +83,7 @@ class TensorParallelGroup:
         stage's subgroup; backend: NCCL when CUDA is available, else gloo. A collective
         waiting longer than `timeout_s` for a rank raises (a stalled rank cannot hang the
         others for ever)."""
-        tp, num_ranks = world_size, world_size * pipeline_parallel_size
+        tp, num_ranks = world_size, world_size * pipeline_parallel_size * context_parallel_size
         if num_ranks > 1 and not dist.is_initialized():
             backend = backend or ("nccl" if str(device).startswith("cuda") else "gloo")
             timeout = timedelta(seconds=timeout_s)
@@ -90,15 +93,26 @@ class TensorParallelGroup:
             dist.init_process_group(
                 backend, rank=rank, world_size=num_ranks, timeout=timeout, **where
             )
-        stage = PipelineStage.of_rank(rank, tp, pipeline_parallel_size, micro_batches)
+        stage = SINGLE_STAGE
+        if pipeline_parallel_size > 1:
+            stage = PipelineStage.of_rank(rank, tp, pipeline_parallel_size, micro_batches)
         process_group = None
         if pipeline_parallel_size > 1:  # every rank creates every stage's group, in order
             for first in range(0, num_ranks, tp):
                 members = dist.new_group(list(range(first, first + tp)))
                 if first <= rank < first + tp:
                     process_group = members
+        context = ContextParallel(rank, context_parallel_size)
         return cls(
-            rank % tp, tp, str(device), expert_parallel, rank, num_ranks, stage, process_group
+            rank % tp,
+            tp,
+            str(device),
+            expert_parallel,
+            rank,
+            num_ranks,
+            stage,
+            process_group,
+            context,
         )
 
     def leave(self) -> None:
@@ -204,4 +218,5 @@ def join_group(parallel: ParallelConfig, device: str, rank: int) -> TensorParall
         expert_parallel=parallel.enable_expert_parallel,
         pipeline_parallel_size=parallel.pipeline_parallel_size,
         micro_batches=parallel.pipeline_micro_batches,
+        context_parallel_size=parallel.context_parallel_size,
     )

@@ -46,7 +46,7 @@ class OfflineRanks:
             start_module(
                 "engine.worker.parallel.follower", ["--engine-args", payload, "--rank", str(rank)]
             )
-            for rank in range(1, args.tensor_parallel_size * args.pipeline_parallel_size)
+            for rank in range(1, args.world_size)
         ]
         logger.info("spawned ranks 1..%d (pids %s)", len(processes), [p.pid for p in processes])
         return args, cls(processes, run_dir)

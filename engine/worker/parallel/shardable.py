@@ -53,3 +53,14 @@ def check_stageable(model: ModelConfig, pipeline_parallel_size: int) -> None:
             f"pipeline_parallel_size={pipeline_parallel_size}: {model.architecture} cannot be "
             f"split into stages: {problem}"
         )
+
+
+def check_context_parallel(model: ModelConfig, context_parallel_size: int) -> None:
+    """ValueError naming why the model's steps cannot be split over ranks by tokens: a
+    KV layout of several groups or linear-attention layers (their state runs token by
+    token through one rank)."""
+    if context_parallel_size > 1 and model.kv_cache_layout.is_hybrid:
+        raise ValueError(
+            f"context_parallel_size={context_parallel_size}: {model.architecture}'s layers fall "
+            "into several KV cache groups (sliding windows or linear attention)"
+        )
