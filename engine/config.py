@@ -262,6 +262,7 @@ class DeviceConfig:
 
 
 MAX_TENSOR_PARALLEL_SIZE = 64
+EXPERT_DISPATCHES = ("all_reduce", "all_to_all")
 
 
 @dataclass(frozen=True)
@@ -279,6 +280,9 @@ class ParallelConfig:
     pipeline_parallel_size: int = 1  # stages, each a contiguous share of the layers
     pipeline_micro_batches: int = 0  # parts a step's rows split into (0: one per stage)
     context_parallel_size: int = 1  # ranks sharing each step's tokens (whole model each)
+    # with expert parallelism: "all_reduce" (every rank routes every token) or
+    # "all_to_all" (each rank's share of the tokens dispatched to the experts' ranks)
+    expert_dispatch: str = "all_reduce"
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size"):
@@ -291,6 +295,10 @@ class ParallelConfig:
             raise ValueError(
                 "pipeline_micro_batches must be an integer >= 0 (0: one per stage), "
                 f"got {self.pipeline_micro_batches!r}"
+            )
+        if self.expert_dispatch not in EXPERT_DISPATCHES:
+            raise ValueError(
+                f"expert_dispatch must be one of {EXPERT_DISPATCHES}, got {self.expert_dispatch!r}"
             )
         if self.context_parallel_size > 1 and self.world_size != self.context_parallel_size:
             raise ValueError(

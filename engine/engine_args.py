@@ -66,6 +66,7 @@ class EngineArgs:
     pipeline_parallel_size: int = 1  # stages of layers, tensor_parallel_size ranks each
     pipeline_micro_batches: int = 0  # parts of a step in flight across stages (0: one each)
     context_parallel_size: int = 1  # ranks splitting each step's tokens (whole model each)
+    expert_dispatch: str = "all_reduce"  # or all_to_all: tokens sent to the experts' ranks
     distributed_executor_backend: str = "mp"  # mp: ranks as local processes; ray: Ray places
     distributed_address: str | None = None  # HOST:PORT of rank 0's torch.distributed store
     distributed_init_method: str | None = None  # set by launchers: a file:// rendezvous
@@ -118,6 +119,7 @@ class EngineArgs:
             pipeline_parallel_size=self.pipeline_parallel_size,
             pipeline_micro_batches=self.pipeline_micro_batches,
             context_parallel_size=self.context_parallel_size,
+            expert_dispatch=self.expert_dispatch,
         )
         device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
         self._check_executor()

@@ -73,6 +73,14 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "Ray placement group (a cluster at RAY_ADDRESS, else a local Ray instance)",
     )
     p.add_argument(
+        "--expert-dispatch",
+        choices=["all_reduce", "all_to_all"],
+        default="all_reduce",
+        help="with --enable-expert-parallel: all_reduce, every rank routes every token and "
+        "the ranks' parts are summed; all_to_all, each rank sends its share of the tokens "
+        "to the experts' ranks and back",
+    )
+    p.add_argument(
         "--kv-transfer-config",
         default=None,
         help="prefill/decode disaggregation, vLLM's JSON: "
@@ -462,6 +470,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         "tensor_parallel_size": args.tensor_parallel_size,
         "pipeline_parallel_size": args.pipeline_parallel_size,
         "context_parallel_size": args.context_parallel_size,
+        "expert_dispatch": args.expert_dispatch,
         "enable_expert_parallel": args.enable_expert_parallel,
         "distributed_executor_backend": args.distributed_executor_backend,
         "distributed_address": args.distributed_address,

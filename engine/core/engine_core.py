@@ -33,6 +33,7 @@ from functools import partial
 
 from engine.config import PreemptionMode, SchedulerConfig
 from engine.core.beam_group import BeamGroup, beam_params, beam_search_for, top_offers
+from engine.core.kv_handoff import handoff, remote_tokens
 from engine.core.lookahead_policy import LookaheadPolicy
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
@@ -153,15 +154,13 @@ class EngineCore:
         self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams
     ) -> Request:
         self._arrival += 1
-        kv = params.kv_transfer_params
-        remote = len(prompt_token_ids) - 1 if kv is not None and kv.do_remote_prefill else 0
         return Request(
             request_id,
             list(prompt_token_ids),
             params,
             self._arrival,
             eos_token_ids=self.eos_token_ids,
-            num_remote_tokens=remote,  # its first step loads them, computing the last
+            num_remote_tokens=remote_tokens(params, len(prompt_token_ids)),
         )
 
     def abort(
@@ -397,26 +396,18 @@ class EngineCore:
             return None
         del request.output_token_ids[num_outputs:]
         request.num_pending_outputs = 0
-        handoff = self._kv_handoff(request)
+        answer = self._handoff(request)
         self.scheduler.finish_request(request.request_id, status)
         self._finished_ids.append(request.request_id)
         group = request.group
         if group is not None and group.is_finished:
             self._groups.pop(group.request_id, None)
-        return RequestFinish(request.request_id, status.finish_reason, stop_reason, handoff)
+        return RequestFinish(request.request_id, status.finish_reason, stop_reason, answer)
 
-    def _kv_handoff(self, request: Request) -> KVTransferParams | None:
-        """A producer's answer to `do_remote_decode`: where the prompt's blocks wait (its
-        worker saved them when the prompt was computed)."""
-        kv, config = request.params.kv_transfer_params, self.kv_transfer
-        if kv is None or not kv.do_remote_decode or config is None:
+    def _handoff(self, request: Request) -> KVTransferParams | None:
+        """A prefill instance's answer for `request` (engine/core/kv_handoff.py)."""
+        if self.kv_transfer is None or request.params.kv_transfer_params is None:
             return None
         table = self.blocks.block_table(request.request_id)
-        return KVTransferParams(
-            do_remote_prefill=True,
-            remote_engine_id=config.engine_id,
-            remote_block_ids=tuple(table[: self.blocks.blocks_for(request.num_prompt_tokens)]),
-            remote_host=config.kv_ip,
-            remote_port=config.kv_port,
-            remote_request_id=request.request_id,
-        )
+        prompt = table[: self.blocks.blocks_for(request.num_prompt_tokens)]
+        return handoff(request.params, request.request_id, prompt, self.kv_transfer)

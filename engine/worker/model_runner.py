@@ -247,7 +247,7 @@ class ModelRunner:
             self.device,
             self.kv_layout,
         )
-        if self.group.context.splits(batch.metadata.num_tokens):
+        if self.group.context.splits(batch.input_ids.shape[0]):
             hidden = self._forward_shard(batch)
         else:
             hidden = self.model(batch.input_ids, batch.positions, self.kv_cache, batch.metadata)
@@ -265,7 +265,7 @@ class ModelRunner:
         """Context parallelism: this rank's shard of the step's tokens through the model
         (each attention layer gathering every shard's K/V), then every shard's hidden
         states gathered, in the step's token order."""
-        context, num_tokens = self.group.context, batch.metadata.num_tokens
+        context, num_tokens = self.group.context, batch.input_ids.shape[0]
         pieces = context.shard(batch.rows, num_tokens)
         shard = build_model_input(
             pieces, self.cache_config.block_size, self.device, self.kv_layout, ordered=True

@@ -222,6 +222,25 @@ def test_expert_parallel_ranks_give_what_one_device_gives(name, tmp_path):
     assert not live_children()
 
 
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("name", ["mixtral", "qwen3-moe", "gpt-oss"])
+def test_experts_reached_by_all_to_all_give_what_one_device_gives(name, tmp_path):
+    """`expert_dispatch="all_to_all"`: each rank sends its half of the tokens to the
+    experts' ranks and back (uneven shares, steps of one token included)."""
+    save_hf_model(name, tmp_path)
+    one, _ = _run(str(tmp_path), 1)
+    two, info = _run(str(tmp_path), 2, enable_expert_parallel=True, expert_dispatch="all_to_all")
+    assert two == one
+    assert info["stats"].num_preemptions > 0 and info["rank_checks"] > 10
+    assert not live_children()
+
+
+def test_expert_dispatch_is_checked(tmp_path):
+    save_hf_model("mixtral", tmp_path)
+    with pytest.raises(ValueError, match=r"expert_dispatch must be one of \('all_reduce'"):
+        LLM(str(tmp_path), expert_dispatch="ring", skip_tokenizer_init=True)
+
+
 def test_expert_parallel_without_experts_is_refused_by_name(tmp_path):
     save_hf_model("llama", tmp_path)
     with pytest.raises(ValueError, match="enable_expert_parallel"):

@@ -384,6 +384,8 @@ _COMMON_VALID: dict[str, SearchStrategy] = {
     "repetition_penalty": st.floats(0.5, 2),
     "ignore_eos": st.booleans(),
     "min_tokens": st.integers(0, 4),
+    # no flag set: accepted by any server (one without --kv-transfer-config refuses flags)
+    "kv_transfer_params": st.sampled_from([{}, {"do_remote_decode": False}]),
     "skip_special_tokens": st.booleans(),
     "include_stop_str_in_output": st.booleans(),
     "spaces_between_special_tokens": st.booleans(),

@@ -113,9 +113,12 @@ class FusedMoE(nn.Module):
     the assignments to its own experts, adds their down bias, and the same all-reduce
     sums the ranks' parts into each token. Each expert's weights live on one rank: the
     MoE layers' weights are divided by the ranks as with slicing, and an expert's GEMMs
-    run whole. `tokens_per_expert` [num_experts] counts the assignments each expert got
-    so far (the load per expert; every rank routes every token, so each rank has all of
-    it).
+    run whole. With `group.expert_all_to_all` the tokens travel instead: each rank takes
+    a contiguous share of them, sends every (token, expert) assignment's hidden state to
+    the expert's rank and gets its output back (two all-to-alls), combines its share and
+    the ranks all-gather the shares (in place of the all-reduce). `tokens_per_expert`
+    [num_experts] counts the assignments each expert got so far (the load per expert;
+    every rank routes every token, so each rank has all of it).
     """
 
     def __init__(
@@ -162,10 +165,12 @@ class FusedMoE(nn.Module):
     ) -> torch.Tensor:  # [T, hidden_size], summed over the ranks
         weights, experts = self.routing.select(router_logits, self.top_k)  # [T, k] each
         flat = experts.reshape(-1)  # [T * k], assignment a = token * k + slot
-        order = torch.argsort(flat, stable=True)  # assignments grouped by expert
         counts = torch.bincount(flat, minlength=self.num_experts)
-        local = self.local_experts
         self.tokens_per_expert += counts
+        if self.group.expert_all_to_all and self.group.is_parallel:
+            return self._dispatched(hidden, weights, experts)
+        order = torch.argsort(flat, stable=True)  # assignments grouped by expert
+        local = self.local_experts
         bounds = list(itertools.accumulate(counts.tolist(), initial=0))  # e: [bounds[e], [e+1])
         lo, hi = bounds[local.start], bounds[local.stop]  # this rank's experts' assignments
         mine = order[lo:hi]
@@ -179,6 +184,50 @@ class FusedMoE(nn.Module):
         y.mul_(weights.reshape(-1)[mine].unsqueeze(1))
         out = torch.zeros_like(hidden).index_add_(0, token, y)
         return self.group.all_reduce(out)
+
+    def _dispatched(
+        self, hidden: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
+    ) -> torch.Tensor:  # [T, hidden_size]
+        """Expert parallelism by all-to-all: this rank's contiguous share of the tokens
+        sends each (token, expert) assignment's hidden state to the rank holding the
+        expert, which runs it and sends the output back; the share combines its
+        assignments (weighted) and the ranks all-gather the shares."""
+        group, k = self.group, self.top_k
+        num_tokens, world = hidden.shape[0], group.world_size
+        starts = [r * num_tokens // world for r in range(world + 1)]
+        lo, hi = starts[group.rank], starts[group.rank + 1]
+        flat = experts[lo:hi].reshape(-1)  # [n * k] this share's assignments
+        owner = self._owner(flat)  # [n * k] the rank holding each one's expert
+        order = torch.argsort(owner, stable=True)  # grouped by destination rank
+        send = torch.bincount(owner, minlength=world)
+        receive = group.exchange_counts(send)
+        send_l, receive_l = send.tolist(), receive.tolist()
+        x_in = group.all_to_all(hidden[lo + order // k], send_l, receive_l)  # [m, H]
+        e_in = group.all_to_all(flat[order], send_l, receive_l)  # [m] their experts
+        y = group.all_to_all(self._run_local(x_in, e_in), receive_l, send_l)  # [n * k, H]
+        y.mul_(weights[lo:hi].reshape(-1)[order].unsqueeze(1))
+        share = hidden.new_zeros((hi - lo, hidden.shape[1])).index_add_(0, order // k, y)
+        return group.all_gather_rows(share, [b - a for a, b in itertools.pairwise(starts)])
+
+    def _owner(self, experts: torch.Tensor) -> torch.Tensor:  # [n] int64 -> [n] int64
+        """The rank holding each expert (`expert_share`'s contiguous shares)."""
+        world, e = self.group.world_size, self.num_experts
+        bounds = torch.tensor([(r + 1) * e // world for r in range(world)], device=experts.device)
+        return torch.bucketize(experts, bounds, right=True)
+
+    def _run_local(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """Each received assignment [m, H] through its (local) expert, unweighted."""
+        order = torch.argsort(experts, stable=True)
+        local = self.local_experts
+        counts = torch.bincount(experts - local.start, minlength=len(local)).tolist()
+        y = torch.empty_like(x)
+        start = 0
+        for i, count in enumerate(counts):
+            if count:
+                rows = order[start : start + count]
+                y[rows] = self._expert(i, x[rows])
+                start += count
+        return y
 
     def _expert(self, i: int, x: torch.Tensor) -> torch.Tensor:  # [n, H] -> [n, H]
         """Local expert i's MLP (this rank's slice of its intermediate features)."""

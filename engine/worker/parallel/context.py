@@ -22,9 +22,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from engine.core.scheduler_output import ScheduledRequest
+from engine.worker.parallel.collectives import gather_rows
 
 
 @dataclass(frozen=True)
@@ -73,13 +73,5 @@ class ContextShards:
     slot_mapping: torch.Tensor  # [T] int64, the whole step's
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:  # [t_r, ...] -> [T, ...]
-        """Every rank's shard of `x`, concatenated in rank order (shards padded to the
-        largest for the collective, the padding dropped)."""
-        width = max(self.sizes)
-        padded = x
-        if x.shape[0] < width:
-            pad = x.new_zeros((width - x.shape[0], *x.shape[1:]))
-            padded = torch.cat([x, pad])
-        parts = [torch.empty_like(padded) for _ in self.sizes]
-        dist.all_gather(parts, padded.contiguous())
-        return torch.cat([p[:n] for p, n in zip(parts, self.sizes, strict=True)])
+        """Every rank's shard of `x`, concatenated in rank order."""
+        return gather_rows(x, self.sizes)

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from engine.config import ParallelConfig
+from engine.worker.parallel.collectives import gather_rows
 from engine.worker.parallel.context import ContextParallel
 from engine.worker.parallel.pipeline import SINGLE_STAGE, PipelineStage
 
@@ -55,6 +56,9 @@ class TensorParallelGroup:
     stage: PipelineStage = SINGLE_STAGE
     process_group: object = field(default=None, compare=False)
     context: ContextParallel = ContextParallel()
+    # expert parallelism dispatching each rank's share of the tokens to the experts'
+    # ranks and back (all-to-all), instead of every rank routing every token (all-reduce)
+    expert_all_to_all: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:
@@ -75,6 +79,7 @@ class TensorParallelGroup:
         pipeline_parallel_size: int = 1,
         micro_batches: int = 0,
         context_parallel_size: int = 1,
+        expert_all_to_all: bool = False,
     ) -> TensorParallelGroup:
         """Joins the default process group of `world_size` x `pipeline_parallel_size`
         ranks (`init_method`: `tcp://HOST:PORT`, the rank 0 host serving
@@ -113,6 +118,7 @@ class TensorParallelGroup:
             stage,
             process_group,
             context,
+            expert_all_to_all,
         )
 
     def leave(self) -> None:
@@ -149,6 +155,25 @@ class TensorParallelGroup:
         parts = [torch.empty_like(x) for _ in range(self.world_size)]
         dist.all_gather(parts, x.contiguous(), group=self.process_group)
         return torch.cat(parts, dim=dim)
+
+    def all_to_all(
+        self, x: torch.Tensor, send: list[int], receive: list[int]
+    ) -> torch.Tensor:  # [sum(send), ...] -> [sum(receive), ...]
+        """Rows send[r] of `x` (in rank order) to each rank r of the stage; receive[r]
+        rows from each, concatenated in rank order."""
+        out = x.new_empty((sum(receive), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), receive, send, group=self.process_group)
+        return out
+
+    def exchange_counts(self, send: torch.Tensor) -> torch.Tensor:  # [world] int64
+        """What each rank of the stage will send this one (send[r]: what this one sends r)."""
+        receive = torch.empty_like(send)
+        dist.all_to_all_single(receive, send, group=self.process_group)
+        return receive
+
+    def all_gather_rows(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        """The stage's ranks' `x` of `sizes[r]` rows each, concatenated in rank order."""
+        return gather_rows(x, sizes, self.process_group)
 
     def broadcast(self, x: torch.Tensor) -> torch.Tensor:
         """Global rank 0's `x` on every rank, in place (same shape and dtype everywhere)."""
@@ -219,4 +244,5 @@ def join_group(parallel: ParallelConfig, device: str, rank: int) -> TensorParall
         pipeline_parallel_size=parallel.pipeline_parallel_size,
         micro_batches=parallel.pipeline_micro_batches,
         context_parallel_size=parallel.context_parallel_size,
+        expert_all_to_all=parallel.expert_dispatch == "all_to_all",
     )
