@@ -7,7 +7,7 @@ handoff (prefill + first token + saving the blocks); the consumer's request with
 handoff's `kv_transfer_params` (fetching the blocks over ZeroMQ, computing the last
 prompt token, decoding); the KV bytes moved (2 x layers x prompt tokens x KV heads x
 head size x 4 bytes). Texts are checked equal to the lone server's. Medians of
-`--repeats` requests per length.
+`--repeats` distinct prompts per length (no prefix cache hits).
 
     python bench/prefill_decode.py --out bench/results/prefill_decode.json
 """
@@ -27,7 +27,6 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "bench")]
 
-from pipeline_bubble import write_config  # noqa: E402
 from report import invocation, machine, write_report  # noqa: E402
 
 from web.launch import ServerProcess, free_port  # noqa: E402
@@ -47,11 +46,38 @@ def post(url: str, body: dict) -> tuple[float, dict]:
 def start(model_dir: str, extra: list[str]) -> ServerProcess:
     server = ServerProcess(
         ["--model", model_dir, "--load-format", "dummy", "--served-model-name", "m"]
-        + ["--kv-cache-memory", str(512 << 20), "--max-model-len", "4096", *extra],
+        + ["--kv-cache-memory", str(512 << 20), "--max-model-len", "2048", *extra],
         env={"PAGEDSERVE_CLUSTER_SECRET": SECRET, "OMP_NUM_THREADS": "1"},
     )
     server.start(timeout=180)
     return server
+
+
+def write_model(directory: Path, hidden: int, layers: int) -> None:
+    """config.json of a random-weight Llama with the built-in model's byte-level
+    tokenizer (258 tokens), which the server needs beside it."""
+    import shutil
+
+    from transformers import LlamaConfig
+
+    from engine.worker.builtin_model import builtin_model_dir
+
+    LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=hidden * 8 // 3 // 64 * 64,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 64,
+        num_key_value_heads=max(1, hidden // 256),
+        vocab_size=258,
+        bos_token_id=256,
+        eos_token_id=257,
+        max_position_embeddings=2048,
+        architectures=["LlamaForCausalLM"],
+        dtype="float32",
+    ).save_pretrained(directory)
+    source = Path(builtin_model_dir())
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(source / name, directory / name)
 
 
 def kv_config(role: str, port: int | None = None) -> list[str]:
@@ -61,12 +87,13 @@ def kv_config(role: str, port: int | None = None) -> list[str]:
     return ["--kv-transfer-config", json.dumps(config)]
 
 
-def measure(servers, prompt: list[int], out_len: int, repeats: int) -> dict:
+def measure(servers, prompts: list[list[int]], out_len: int) -> dict:
+    """Medians over `prompts` (distinct: no prefix cache hit)."""
     producer, consumer, lone = servers
-    body = {"model": "m", "prompt": prompt, "max_tokens": out_len, "temperature": 0}
-    body["ignore_eos"] = True
     lone_s, handoff_s, decode_s = [], [], []
-    for _ in range(repeats):
+    for prompt in prompts:
+        body = {"model": "m", "prompt": prompt, "max_tokens": out_len, "temperature": 0}
+        body["ignore_eos"] = True
         seconds, want = post(f"{lone.url}/v1/completions", body)
         lone_s.append(seconds)
         remote = {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
@@ -77,7 +104,7 @@ def measure(servers, prompt: list[int], out_len: int, repeats: int) -> dict:
         decode_s.append(seconds)
         assert got["choices"][0]["text"] == want["choices"][0]["text"]
     return dict(
-        prompt_len=len(prompt),
+        prompt_len=len(prompts[0]),
         lone_s=round(statistics.median(lone_s), 4),
         handoff_s=round(statistics.median(handoff_s), 4),
         consumer_s=round(statistics.median(decode_s), 4),
@@ -88,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--prompt-lens", type=int, nargs="+", default=[64, 512, 2048])
+    p.add_argument("--prompt-lens", type=int, nargs="+", default=[64, 512, 1536])
     p.add_argument("--output-len", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", type=Path)
@@ -97,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(0)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        write_config(Path(tmp), a.hidden, a.layers)
+        write_model(Path(tmp), a.hidden, a.layers)
         servers = [
             start(tmp, kv_config("kv_producer", free_port())),
             start(tmp, kv_config("kv_consumer")),
@@ -105,8 +132,8 @@ def main(argv: list[str] | None = None) -> int:
         ]
         try:
             for length in a.prompt_lens:
-                prompt = [rng.randrange(3, 32000) for _ in range(length)]
-                row = measure(servers, prompt, a.output_len, a.repeats)
+                prompts = [[rng.randrange(3, 256) for _ in range(length)] for _ in range(a.repeats)]
+                row = measure(servers, prompts, a.output_len)
                 row["kv_bytes"] = 2 * a.layers * length * kv_heads * head_size * 4
                 print(row, file=sys.stderr, flush=True)
                 rows.append(row)
