@@ -1,19 +1,22 @@
 """Worker ranks placed by Ray (`--distributed-executor-backend ray`, vLLM's spelling).
 
-Each tensor-parallel rank gets a bundle of a placement group (one CPU, or one GPU on a
-CUDA machine; packed onto as few nodes as Ray can), and a small Ray actor in that bundle
-starts the rank's worker process exactly as the default launch would (`python -m
-actors.worker_actor ...`), so the worker, its ZeroMQ sockets and torch.distributed are
-the same either way; only where it runs is Ray's choice. The worker dies with its actor
+Each rank gets a bundle of a placement group (one CPU, or one GPU on a CUDA machine;
+packed onto as few nodes as Ray can), and a small Ray actor in that bundle starts the
+rank's process, so only where it runs is Ray's choice. The process dies with its actor
 (the parent-death signal), and the actor with the placement group.
+
+Ranks whose bundles are on this node (the server's) run the worker exactly as the
+default launch would (`python -m actors.worker_actor ...`, on this host's ipc
+addresses). Ranks Ray put on other nodes run `pagedserve worker --head tcp://ADDRESS
+--rank R`, as a rank on another host started by hand would: they join the head this
+launch serves at `--distributed-address` and talk over authenticated tcp (the cluster
+secret travels to them in their environment). This node's bundles take the first ranks.
 
 `RayRank` stands in for the worker's `subprocess.Popen` where the launch keeps one
 (`pid`, `poll`, `wait`, `kill`), asking the actor.
 
 Ray runs where `ray` is installed: a cluster given by RAY_ADDRESS, else a local instance
-started here (and stopped with the last placement). The rank actors reach the
-launch's ipc addresses, so all ranks run on this host for now; ranks on other hosts
-keep using `--local-ranks` and `pagedserve worker --head` (docs/scaling.md).
+started here (and stopped with the last placement).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import os
 import subprocess
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 PLACEMENT_TIMEOUT_S = 60.0
 
@@ -73,13 +77,21 @@ class RayRank:
             return -9  # the actor (and with it the worker) is gone
 
 
-def place_ranks(
-    commands: Sequence[Sequence[str]], env: Mapping[str, str], on_gpu: bool
-) -> list[RayRank]:
-    """Starts command i (a `python -m` module's arguments) in placement bundle i."""
+@dataclass(frozen=True)
+class RayPlacement:
+    """A ready placement group of one bundle per rank: `local_bundles` on this node,
+    `remote_bundles` on others (bundle indices)."""
+
+    group: object
+    local_bundles: tuple[int, ...]
+    remote_bundles: tuple[int, ...]
+
+
+def reserve_bundles(num_ranks: int, on_gpu: bool) -> RayPlacement:
+    """A placement group of `num_ranks` bundles (one CPU or GPU each), once Ray has
+    placed it."""
     import ray
-    from ray.util.placement_group import placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+    from ray.util.placement_group import placement_group, placement_group_table
 
     if not ray.is_initialized():
         ray.init(
@@ -89,16 +101,40 @@ def place_ranks(
             log_to_driver=False,
         )
     resource = {"GPU": 1} if on_gpu else {"CPU": 1}
-    group = placement_group([dict(resource) for _ in commands], strategy="PACK")
+    group = placement_group([dict(resource) for _ in range(num_ranks)], strategy="PACK")
     ray.get(group.ready(), timeout=PLACEMENT_TIMEOUT_S)
+    nodes = placement_group_table(group)["bundles_to_node_id"]
+    here = ray.get_runtime_context().get_node_id()
+    local = tuple(b for b in range(num_ranks) if nodes[b] == here)
+    remote = tuple(b for b in range(num_ranks) if nodes[b] != here)
+    if not local:
+        raise RuntimeError(
+            "Ray placed no rank on this node: rank 0 runs beside the server (give this node "
+            "a CPU or GPU in the cluster)"
+        )
+    return RayPlacement(group, local, remote)
+
+
+def start_ranks(
+    placement: RayPlacement,
+    bundles: Sequence[int],
+    commands: Sequence[Sequence[str]],
+    env: Mapping[str, str],
+) -> list[RayRank]:
+    """Starts command i (a `python -m` module's arguments) in bundle `bundles[i]`."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
     host = ray.remote(_RankHost)
     ranks = []
-    for i, command in enumerate(commands):
-        strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i)
+    for bundle, command in zip(bundles, commands, strict=True):
+        strategy = PlacementGroupSchedulingStrategy(
+            placement.group, placement_group_bundle_index=bundle
+        )
         actor = host.options(scheduling_strategy=strategy, num_cpus=0).remote(
             list(command), dict(env)
         )
-        ranks.append(RayRank(actor, group, ray.get(actor.pid.remote())))
+        ranks.append(RayRank(actor, placement.group, ray.get(actor.pid.remote())))
     return ranks
 
 

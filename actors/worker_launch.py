@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from actors.cluster_secret import load_cluster_secret
 from actors.transport import ipc_address, new_run_dir
 from engine.child_process import start_module
 
@@ -89,7 +90,8 @@ class WorkerLaunch:
     `time.monotonic()`. `process`, `worker_address`, `heartbeat_address`: rank 0's.
 
     With ranks on other hosts, `processes` and the addresses are this host's ranks', and
-    `head` serves the others (`actors.head`): their store, heartbeats and plan inboxes."""
+    `head` serves the others (`actors.head`): their store, heartbeats and plan inboxes;
+    `remote_processes` are those Ray started on other nodes (killed with the launch)."""
 
     args: EngineArgs
     processes: tuple[subprocess.Popen, ...]
@@ -100,6 +102,7 @@ class WorkerLaunch:
     launched_at: float
     head: Head | None = None
     extra_env: dict[str, str] = dataclasses.field(default_factory=dict)
+    remote_processes: tuple = ()
 
     @property
     def process(self) -> subprocess.Popen:
@@ -128,14 +131,20 @@ class WorkerLaunch:
         """`extra_env`: set in the worker's environment (a replica's CUDA_VISIBLE_DEVICES).
         `local_ranks`: how many ranks run here (default: all); the others join from
         other hosts, and need `args.distributed_address` and the cluster `secret`."""
-        head = None
+        head, placement = None, None
         local_ranks = args.world_size if local_ranks is None else local_ranks
+        if args.distributed_executor_backend == "ray":
+            placement = _reserve_on_ray(args)
+            if placement.remote_bundles:  # Ray put ranks on other nodes: they join a head
+                local_ranks = len(placement.local_bundles)
+                secret = secret or load_cluster_secret(None)
         if local_ranks != args.world_size:
             from actors import head as heads  # torch.distributed: only for remote ranks
 
             head = heads.Head.start(args, local_ranks, secret)
         run_dir = new_run_dir()
         processes: list[subprocess.Popen] = []
+        remote: list = []
         try:
             ranks = range(local_ranks)
             workers = tuple(ipc_address(run_dir, f"worker-{r}") for r in ranks)
@@ -143,8 +152,9 @@ class WorkerLaunch:
             scheduler = ipc_address(run_dir, "scheduler")
             rank_args = head.local_args if head else _with_rendezvous(args, run_dir)
             env = {**(extra_env or {}), **(head.local_environment() if head else {})}
-            if args.distributed_executor_backend == "ray":
-                processes += _place_on_ray(rank_args, workers, scheduler, beats, env)
+            if placement is not None:
+                processes += _place_on_ray(placement, rank_args, workers, scheduler, beats, env)
+                remote += _join_from_ray(placement, args, secret, extra_env or {})
             else:
                 for r in ranks:
                     worker = spawn_worker(
@@ -152,7 +162,7 @@ class WorkerLaunch:
                     )
                     processes.append(worker)
         except BaseException:
-            kill_processes(processes)
+            kill_processes([*processes, *remote])
             shutil.rmtree(run_dir, ignore_errors=True)
             if head is not None:
                 head.close()
@@ -171,6 +181,7 @@ class WorkerLaunch:
             launched,
             head,
             dict(extra_env or {}),
+            tuple(remote),
         )
 
     @property
@@ -188,21 +199,47 @@ class WorkerLaunch:
     def abandon(self) -> None:
         """Kills the processes (those still running), removes the run directory and
         stops the head (remote ranks then exit); idempotent."""
-        kill_processes(self.processes)
+        kill_processes([*self.processes, *self.remote_processes])
         shutil.rmtree(self.run_dir, ignore_errors=True)
         if self.head is not None:
             self.head.close()
 
 
-def _place_on_ray(args: EngineArgs, workers, scheduler: str, beats, env) -> list:
-    """The ranks' workers started in Ray placement bundles (actors/ray_placement.py)."""
-    from actors.ray_placement import place_ranks
+def _reserve_on_ray(args: EngineArgs):
+    """A Ray placement group of one bundle per rank (actors/ray_placement.py)."""
+    from actors.ray_placement import reserve_bundles
+
+    return reserve_bundles(args.world_size, on_gpu=(args.device or "").startswith("cuda"))
+
+
+def _place_on_ray(placement, args: EngineArgs, workers, scheduler: str, beats, env) -> list:
+    """The ranks of this node's bundles: their workers, as the default launch runs them."""
+    from actors.ray_placement import start_ranks
 
     commands = [
         ["actors.worker_actor", *worker_arguments(args, w, scheduler, r, heartbeat=b, rank=r)]
         for r, (w, b) in enumerate(zip(workers, beats, strict=True))
     ]
-    return place_ranks(commands, env, on_gpu=(args.device or "").startswith("cuda"))
+    return start_ranks(placement, placement.local_bundles, commands, env)
+
+
+def _join_from_ray(placement, args: EngineArgs, secret: bytes | None, env) -> list:
+    """The ranks Ray put on other nodes: `pagedserve worker --head`, joining this
+    launch's head over tcp with the cluster secret (in their environment; not this
+    host's rank environment, whose network interface is this host's)."""
+    if not placement.remote_bundles:
+        return []
+    from actors.cluster_secret import ENV_VAR
+    from actors.ray_placement import start_ranks
+
+    first = len(placement.local_bundles)
+    head = f"tcp://{args.distributed_address}"
+    commands = [
+        ["web.cli", "worker", "--head", head, "--rank", str(first + i)]
+        for i in range(len(placement.remote_bundles))
+    ]
+    remote_env = {**env, ENV_VAR: secret.decode()}
+    return start_ranks(placement, placement.remote_bundles, commands, remote_env)
 
 
 def _with_rendezvous(args: EngineArgs, run_dir: str) -> EngineArgs:

@@ -37,8 +37,10 @@ def test_two_stages_give_what_one_device_gives(name, tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_two_stages_of_two_tensor_parallel_ranks_give_what_one_device_gives(tmp_path):
-    save_hf_model("qwen3", tmp_path)
+@pytest.mark.parametrize("name", FAMILIES[:6])
+def test_two_stages_of_two_tensor_parallel_ranks_give_what_one_device_gives(name, tmp_path):
+    """Four processes: each stage a tensor-parallel pair (its own all-reduces)."""
+    save_hf_model(name, tmp_path)
     _assert_same_as_one_device(str(tmp_path), tp=2, pp=2)
 
 

@@ -11,6 +11,7 @@ namespace. Router tests skip, saying so, where vllm-router is not installed."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import time
@@ -114,12 +115,13 @@ def test_a_handed_off_prompt_decodes_as_a_lone_server_does(pair) -> None:
         assert counter(consumer, "kv_transfer_loaded_tokens") - loaded == prompt_tokens - 1
 
 
-def test_the_router_splits_chat_and_completions_streamed_and_not(pair) -> None:
-    producer, consumer, lone = pair
+@contextlib.contextmanager
+def routed(prefill: str, decode: str):
+    """`vllm-router --vllm-pd-disaggregation` in front of a pair; yields its URL."""
     port = free_port()
     router = subprocess.Popen(
         [router_binary(), "--vllm-pd-disaggregation", "--policy", "round_robin"]
-        + ["--prefill", producer.http, "--decode", consumer.http]
+        + ["--prefill", prefill, "--decode", decode]
         + ["--host", "127.0.0.1", "--port", str(port), "--worker-startup-timeout-secs", "60"]
         + ["--prometheus-port", str(free_port())],
         stdout=subprocess.DEVNULL,
@@ -128,6 +130,15 @@ def test_the_router_splits_chat_and_completions_streamed_and_not(pair) -> None:
     url = f"http://127.0.0.1:{port}"
     try:
         eventually_sync(lambda: healthy(url), timeout=60, what="vllm-router's /health")
+        yield url
+    finally:
+        router.terminate()
+        router.wait(timeout=20)
+
+
+def test_the_router_splits_chat_and_completions_streamed_and_not(pair) -> None:
+    producer, consumer, lone = pair
+    with routed(producer.http, consumer.http) as url:
         loaded = counter(consumer, "kv_transfer_loaded_tokens")
         for prompt in PROMPTS:
             _, want = post(f"{lone.http}/v1/chat/completions", chat(prompt))
@@ -141,9 +152,6 @@ def test_the_router_splits_chat_and_completions_streamed_and_not(pair) -> None:
             _, sse = post(f"{url}/v1/completions", completion(prompt, stream=True))
             assert streamed_text(sse, chat_chunks=False) == want["choices"][0]["text"]
         assert counter(consumer, "kv_transfer_loaded_tokens") > loaded
-    finally:
-        router.terminate()
-        router.wait(timeout=20)
 
 
 def test_a_consumer_with_another_secret_is_refused(pair, tmp_path) -> None:
@@ -188,7 +196,8 @@ def test_a_producer_gone_fails_the_request_within_ten_seconds(pair) -> None:
 
 
 def test_a_pair_across_a_network_namespace(two_hosts, tmp_path) -> None:
-    """The producer in the other namespace: its HTTP and its KV cross the veth link."""
+    """The producer in the other namespace: its HTTP and its KV cross the veth link,
+    directly and behind the router."""
     env = {"PAGEDSERVE_CLUSTER_SECRET": SECRET, "OMP_NUM_THREADS": "1"}
     log = open(tmp_path / "producer.log", "wb")  # noqa: SIM115 - closed below
     producer = ServerProcess(
@@ -214,6 +223,11 @@ def test_a_pair_across_a_network_namespace(two_hosts, tmp_path) -> None:
         assert status == 200, got
         _, want = post(f"{consumer.http}/v1/completions", body)
         assert got["choices"][0]["text"] == want["choices"][0]["text"]
+        with routed(producer.url, consumer.http) as url:
+            _, want = post(f"{consumer.http}/v1/chat/completions", chat(PROMPTS[0]))
+            status, got = post(f"{url}/v1/chat/completions", chat(PROMPTS[0]))
+            assert status == 200, got
+            assert got["choices"][0]["message"] == want["choices"][0]["message"]
     finally:
         stop_server(consumer)
         producer.stop()
