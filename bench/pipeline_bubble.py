@@ -31,19 +31,24 @@ from engine import LLM, SamplingParams  # noqa: E402
 CONFIGS = [(1, 1), (2, 1), (2, 2), (2, 4)]  # (stages, micro-batches)
 
 
-def write_config(directory: Path, hidden: int, layers: int) -> None:
+def write_config(directory: Path, hidden: int, layers: int, **fields) -> None:
+    """config.json of a float32 Llama `hidden` wide and `layers` deep (64-wide heads, a
+    KV head per four; `fields` override, e.g. the vocabulary)."""
     from transformers import LlamaConfig
 
     LlamaConfig(
-        hidden_size=hidden,
-        intermediate_size=hidden * 8 // 3 // 64 * 64,
-        num_hidden_layers=layers,
-        num_attention_heads=hidden // 64,
-        num_key_value_heads=max(1, hidden // 256),
-        vocab_size=32000,
-        max_position_embeddings=2048,
-        architectures=["LlamaForCausalLM"],
-        dtype="float32",
+        **{
+            "hidden_size": hidden,
+            "intermediate_size": hidden * 8 // 3 // 64 * 64,
+            "num_hidden_layers": layers,
+            "num_attention_heads": hidden // 64,
+            "num_key_value_heads": max(1, hidden // 256),
+            "vocab_size": 32000,
+            "max_position_embeddings": 2048,
+            "architectures": ["LlamaForCausalLM"],
+            "dtype": "float32",
+            **fields,
+        }
     ).save_pretrained(directory)
 
 

@@ -27,6 +27,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "bench")]
 
+from pipeline_bubble import write_config  # noqa: E402
 from report import invocation, machine, write_report  # noqa: E402
 
 from web.launch import ServerProcess, free_port  # noqa: E402
@@ -58,23 +59,9 @@ def write_model(directory: Path, hidden: int, layers: int) -> None:
     tokenizer (258 tokens), which the server needs beside it."""
     import shutil
 
-    from transformers import LlamaConfig
-
     from engine.worker.builtin_model import builtin_model_dir
 
-    LlamaConfig(
-        hidden_size=hidden,
-        intermediate_size=hidden * 8 // 3 // 64 * 64,
-        num_hidden_layers=layers,
-        num_attention_heads=hidden // 64,
-        num_key_value_heads=max(1, hidden // 256),
-        vocab_size=258,
-        bos_token_id=256,
-        eos_token_id=257,
-        max_position_embeddings=2048,
-        architectures=["LlamaForCausalLM"],
-        dtype="float32",
-    ).save_pretrained(directory)
+    write_config(directory, hidden, layers, vocab_size=258, bos_token_id=256, eos_token_id=257)
     source = Path(builtin_model_dir())
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         shutil.copy(source / name, directory / name)
