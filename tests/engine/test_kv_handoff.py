@@ -163,3 +163,24 @@ def test_kv_transfer_params_are_refused_where_they_cannot_be_honoured(tmp_path):
         LLM(str(tmp_path), kv_transfer_config={**PRODUCER, "kv_port": 0}, **ENGINE)
     with pytest.raises(ValueError, match="one rank per instance"):
         LLM(str(tmp_path), tensor_parallel_size=2, kv_transfer_config=CONSUMER, **ENGINE)
+
+
+@pytest.mark.timeout(120)
+def test_kv_both_instances_hand_prompts_to_each_other(tmp_path):
+    """`kv_both`: each engine prefills for the other and decodes for it."""
+    save_hf_model("llama", tmp_path)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    with LLM(str(tmp_path), kv_cache_memory=8 << 20, **ENGINE) as lone:
+        expected = tokens(lone.generate(PROMPTS[:3], params, use_tqdm=False))
+    both = {"kv_connector": "PagedServeConnector", "kv_role": "kv_both", "kv_port": 1}
+    fabric = InMemoryFabric()
+    with (
+        LLM(str(tmp_path), kv_cache_memory=8 << 20, kv_transfer_config=both, **ENGINE) as a,
+        LLM(str(tmp_path), kv_cache_memory=8 << 20, kv_transfer_config=both, **ENGINE) as b,
+    ):
+        attach(a, fabric)
+        attach(b, fabric)
+        for first, second in ((a, b), (b, a)):
+            handoffs = first.generate(PROMPTS[:3], HANDOFF, use_tqdm=False)
+            moved = [decode_params(h, params) for h in handoffs]
+            assert tokens(second.generate(PROMPTS[:3], moved, use_tqdm=False)) == expected
