@@ -263,8 +263,8 @@ def _add_serve_parser(sub) -> None:
     serve.add_argument(
         "--cluster-secret-file",
         default=None,
-        help="the secret that authenticates frames to and from ranks on other hosts "
-        "(mode 600; default: $PAGEDSERVE_CLUSTER_SECRET)",
+        help="the secret that authenticates frames to and from ranks on other hosts and "
+        "KV transfers (mode 600; default: $PAGEDSERVE_CLUSTER_SECRET)",
     )
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
@@ -518,16 +518,23 @@ def _serve(args: argparse.Namespace) -> int:
     engine_args = EngineArgs(model=model, **_engine_kwargs(args))
     engine_config = None
     remote = args.local_ranks is not None and args.local_ranks != engine_args.world_size
+    secret_users = remote or args.kv_transfer_config is not None
+    secret_users = secret_users or args.distributed_executor_backend == "ray"
     if remote:  # ranks on other hosts: check the model splits before waiting for them
         engine_config = _check_local_ranks(args, engine_args)
-    elif args.cluster_secret_file is not None:
+    elif args.cluster_secret_file is not None and not secret_users:
         raise ValueError(
-            "--cluster-secret-file is for ranks on other hosts: pass --local-ranks below "
-            "--tensor-parallel-size too, or drop it"
+            "--cluster-secret-file is for ranks on other hosts (--local-ranks below the "
+            "ranks, or Ray) and for --kv-transfer-config; pass one of those, or drop it"
         )
+    if args.kv_transfer_config is not None and args.data_parallel_size > 1:
+        raise ValueError("--kv-transfer-config serves one replica: drop --data-parallel-size")
     if args.data_parallel_size == 1:
-        secret = load_cluster_secret(args.cluster_secret_file) if remote else None
-        launch = WorkerLaunch.start(engine_args, local_ranks=args.local_ranks, secret=secret)
+        secret = load_cluster_secret(args.cluster_secret_file) if secret_users else None
+        env = _secret_environment(args, secret)
+        launch = WorkerLaunch.start(
+            engine_args, extra_env=env, local_ranks=args.local_ranks, secret=secret
+        )
         launches = [launch]  # the model loads while the server starts
     else:  # the config first: its device decides each replica's GPUs
         from actors.replica_launch import launch_replicas
@@ -540,6 +547,17 @@ def _serve(args: argparse.Namespace) -> int:
     finally:
         for launch in launches:
             launch.abandon()  # a no-op after the engine's own shutdown
+
+
+def _secret_environment(args: argparse.Namespace, secret: bytes | None) -> dict[str, str]:
+    """The workers' environment for KV transfer: the secret of --cluster-secret-file,
+    which their connector reads as $PAGEDSERVE_CLUSTER_SECRET (without the file, they
+    inherit the server's environment)."""
+    from actors.cluster_secret import ENV_VAR
+
+    if args.kv_transfer_config is None or args.cluster_secret_file is None or secret is None:
+        return {}
+    return {ENV_VAR: secret.decode()}
 
 
 def _check_local_ranks(args: argparse.Namespace, engine_args):

@@ -75,10 +75,16 @@ def counter(server: RunningServer, name: str) -> float:
 
 
 @pytest.fixture(scope="module")
-def pair():
+def pair(tmp_path_factory):
+    """The producer reads the secret from its environment, the consumer from a file."""
     env = {"PAGEDSERVE_CLUSTER_SECRET": SECRET}
     producer = start_server(extra=kv_config("kv_producer", free_port()), env=env)
-    consumer = start_server(extra=kv_config("kv_consumer"), env=env)
+    secret_file = tmp_path_factory.mktemp("secret") / "cluster.secret"
+    secret_file.write_text(SECRET + "\n")
+    secret_file.chmod(0o600)
+    consumer = start_server(
+        extra=[*kv_config("kv_consumer"), "--cluster-secret-file", str(secret_file)]
+    )
     lone = start_server()
     try:
         yield producer, consumer, lone
