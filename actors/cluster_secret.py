@@ -53,6 +53,12 @@ def load_cluster_secret(secret_file: str | None) -> bytes | None:
     return secret
 
 
+def secret_environment(secret: bytes) -> dict[str, str]:
+    """A child process's environment entry that hands it `secret` (read back by
+    `load_cluster_secret(None)`)."""
+    return {ENV_VAR: secret.decode()}
+
+
 def _read_secret_file(path: str) -> bytes:
     try:
         with open(path, "rb") as file:

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from actors.cluster_secret import load_cluster_secret
+from actors.cluster_secret import load_cluster_secret, secret_environment
 from actors.transport import ipc_address, new_run_dir
 from engine.child_process import start_module
 
@@ -229,7 +229,6 @@ def _join_from_ray(placement, args: EngineArgs, secret: bytes | None, env) -> li
     host's rank environment, whose network interface is this host's)."""
     if not placement.remote_bundles:
         return []
-    from actors.cluster_secret import ENV_VAR
     from actors.ray_placement import start_ranks
 
     first = len(placement.local_bundles)
@@ -238,7 +237,7 @@ def _join_from_ray(placement, args: EngineArgs, secret: bytes | None, env) -> li
         ["web.cli", "worker", "--head", head, "--rank", str(first + i)]
         for i in range(len(placement.remote_bundles))
     ]
-    remote_env = {**env, ENV_VAR: secret.decode()}
+    remote_env = {**env, **secret_environment(secret)}
     return start_ranks(placement, placement.remote_bundles, commands, remote_env)
 
 

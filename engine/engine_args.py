@@ -76,22 +76,22 @@ class EngineArgs:
     # {"method": "ngram", "num_speculative_tokens": k, ...} (or its JSON text); None: off
     speculative_config: dict | str | None = None
     # prefill/decode disaggregation, vLLM's {"kv_connector": ..., "kv_role": ...} (or its
-    # JSON text); None: this instance transfers no KV
+    # JSON text, decoded at construction); None: this instance transfers no KV
     kv_transfer_config: dict | str | None = None
 
     def __post_init__(self) -> None:
-        """A kv_transfer_config without an engine_id gets one now, so every process
-        built from these args (the engine's, each worker's) names the same engine."""
+        """kv_transfer_config's JSON text is decoded once, here, and one without an
+        engine_id gets one now, so every process built from these args (the engine's,
+        each worker's) names the same engine."""
         given = self.kv_transfer_config
-        if given is None:
-            return
         if isinstance(given, str):
             try:
                 given = json.loads(given)
             except ValueError as exc:
                 raise ValueError(f"kv_transfer_config is not valid JSON: {exc}") from None
         if isinstance(given, dict) and given.get("engine_id") is None:
-            object.__setattr__(self, "kv_transfer_config", {**given, "engine_id": uuid.uuid4().hex})
+            given = {**given, "engine_id": uuid.uuid4().hex}
+        object.__setattr__(self, "kv_transfer_config", given)
 
     @property
     def world_size(self) -> int:
@@ -173,13 +173,9 @@ class EngineArgs:
     def _kv_transfer(self, model_config, parallel: ParallelConfig) -> KVTransferConfig | None:
         """`kv_transfer_config`, parsed; refused where this instance cannot move its KV
         whole (several ranks, a hybrid cache layout, a foreign connector)."""
-        given = self.kv_transfer_config
-        if given is None:
+        if self.kv_transfer_config is None:
             return None
-        if isinstance(given, str):
-            config = KVTransferConfig.from_json(given)
-        else:
-            config = KVTransferConfig.parse(given)
+        config = KVTransferConfig.parse(self.kv_transfer_config)  # decoded in __post_init__
         problem = None
         if config.kv_connector != "PagedServeConnector":
             problem = (

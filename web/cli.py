@@ -553,11 +553,11 @@ def _secret_environment(args: argparse.Namespace, secret: bytes | None) -> dict[
     """The workers' environment for KV transfer: the secret of --cluster-secret-file,
     which their connector reads as $PAGEDSERVE_CLUSTER_SECRET (without the file, they
     inherit the server's environment)."""
-    from actors.cluster_secret import ENV_VAR
+    from actors.cluster_secret import secret_environment
 
     if args.kv_transfer_config is None or args.cluster_secret_file is None or secret is None:
         return {}
-    return {ENV_VAR: secret.decode()}
+    return secret_environment(secret)
 
 
 def _check_local_ranks(args: argparse.Namespace, engine_args):

@@ -91,13 +91,6 @@ class Rig:
         return InboxDecoder([AbortRequest]).decode(frame)
 
 
-@pytest.fixture
-async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
-    context = zmq.asyncio.Context()
-    yield context
-    context.destroy(linger=0)
-
-
 def make_channels(kind: str, ctx: zmq.asyncio.Context, run_dir: str | None, name: str):
     if kind == "inproc":
         return inproc_pair()

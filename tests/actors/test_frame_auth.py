@@ -12,7 +12,6 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import AsyncIterator
 
 import pytest
 import zmq
@@ -200,13 +199,6 @@ def test_refusals_are_logged_once_per_reason_per_interval(caplog):
 
 
 # ---------------------------------------------------------------- over tcp
-
-
-@pytest.fixture
-async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
-    context = zmq.asyncio.Context()
-    yield context
-    context.destroy(linger=0)
 
 
 @pytest.fixture

@@ -68,13 +68,6 @@ def params_for(port: int, request_id: str = "p-1", block_ids=(3, 9, 4)) -> KVTra
 
 
 @pytest.fixture
-async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
-    context = zmq.asyncio.Context()
-    yield context
-    context.destroy(linger=0)
-
-
-@pytest.fixture
 def source():
     """The producer's cache."""
     return kv_cache(seed=1)

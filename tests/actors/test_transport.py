@@ -7,11 +7,9 @@ import asyncio
 import os
 import shutil
 import socket
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 
 import pytest
-import zmq
-import zmq.asyncio
 
 from actors.transport import (
     MAX_IPC_PATH,
@@ -33,13 +31,6 @@ def free_tcp_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
-
-
-@pytest.fixture
-async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
-    context = zmq.asyncio.Context()
-    yield context
-    context.destroy(linger=0)
 
 
 @pytest.fixture

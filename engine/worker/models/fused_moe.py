@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.worker.parallel.collectives import share_bounds
 from engine.worker.parallel.group import TensorParallelGroup
 from engine.worker.parallel.layers import Part, check_shape
 
@@ -194,7 +195,7 @@ class FusedMoE(nn.Module):
         assignments (weighted) and the ranks all-gather the shares."""
         group, k = self.group, self.top_k
         num_tokens, world = hidden.shape[0], group.world_size
-        starts = [r * num_tokens // world for r in range(world + 1)]
+        starts = share_bounds(num_tokens, world)
         lo, hi = starts[group.rank], starts[group.rank + 1]
         flat = experts[lo:hi].reshape(-1)  # [n * k] this share's assignments
         owner = self._owner(flat)  # [n * k] the rank holding each one's expert

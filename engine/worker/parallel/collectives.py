@@ -1,9 +1,17 @@
-"""Collectives of uneven shards, on torch.distributed."""
+"""Contiguous shares of a count over ranks, and collectives of such uneven shards, on
+torch.distributed."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
+
+def share_bounds(total: int, parts: int) -> list[int]:
+    """Cut points of `total` into `parts` contiguous shares of sizes differing by at most
+    one, the larger first: share r is [cuts[r], cuts[r + 1])."""
+    base, extra = divmod(total, parts)
+    return [r * base + min(r, extra) for r in range(parts + 1)]
 
 
 def gather_rows(x: torch.Tensor, sizes: list[int] | tuple[int, ...], group=None) -> torch.Tensor:

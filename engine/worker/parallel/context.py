@@ -18,13 +18,14 @@ one it holds) would overlap it with compute, which a two-core CPU cannot show.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from engine.core.scheduler_output import ScheduledRequest
-from engine.worker.parallel.collectives import gather_rows
+from engine.worker.parallel.collectives import gather_rows, share_bounds
 
 
 @dataclass(frozen=True)
@@ -44,9 +45,7 @@ class ContextParallel:
 
     def bounds(self, num_tokens: int) -> list[tuple[int, int]]:
         """Each rank's [start, end) of the step's tokens, in rank order."""
-        base, extra = divmod(num_tokens, self.size)
-        starts = [r * base + min(r, extra) for r in range(self.size + 1)]
-        return list(zip(starts, starts[1:], strict=False))
+        return list(itertools.pairwise(share_bounds(num_tokens, self.size)))
 
     def shard(self, rows: Sequence[ScheduledRequest], num_tokens: int) -> list[ScheduledRequest]:
         """This rank's part of `rows` (in batch order): the rows, or pieces of rows, whose

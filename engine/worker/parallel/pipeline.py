@@ -34,6 +34,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from engine.worker.parallel.collectives import share_bounds
+
 
 @dataclass(frozen=True)
 class PipelineStage:
@@ -79,9 +81,8 @@ class PipelineStage:
                 f"pipeline_parallel_size={self.count} needs at least as many layers; the "
                 f"model has {num_layers}"
             )
-        base, extra = divmod(num_layers, self.count)
-        start = self.index * base + min(self.index, extra)
-        return range(start, start + base + (self.index < extra))
+        cuts = share_bounds(num_layers, self.count)
+        return range(cuts[self.index], cuts[self.index + 1])
 
     def global_rank(self, index: int) -> int:
         """The global rank of stage `index`'s peer of this rank."""
