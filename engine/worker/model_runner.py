@@ -286,7 +286,9 @@ class ModelRunner:
         parts = split_rows(
             rows, [r.num_scheduled_tokens for r in rows], self.group.stage.micro_batches
         )
-        batches = [build_model_input(part, bs, self.device, layout) for part in parts]
+        batches = [  # parts of rows already in batch order
+            build_model_input(part, bs, self.device, layout, ordered=True) for part in parts
+        ]
         hiddens = [self.model(b.input_ids, b.positions, self.kv_cache, b.metadata) for b in batches]
         sample_rows = tuple(r for b in batches for r in b.sample_rows)
         if self.group.stage.sends:
