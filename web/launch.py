@@ -3,6 +3,8 @@ benchmarks, scripts that need a real server on 127.0.0.1)."""
 
 from __future__ import annotations
 
+import contextlib
+import http.client
 import os
 import socket
 import subprocess
@@ -16,9 +18,19 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` distinct ports free on 127.0.0.1 now: all are held while they are chosen,
+    so a server given two of them (HTTP and KV transfer) never gets one port twice."""
+    with contextlib.ExitStack() as held:
+        ports = []
+        for _ in range(count):
+            s = held.enter_context(socket.socket())
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+        return ports
 
 
 class ServerProcess:
@@ -74,7 +86,7 @@ class ServerProcess:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=1) as r:
                     if r.status == 200:
                         return
-            except OSError:
+            except (OSError, http.client.HTTPException):  # not up, or not it (yet)
                 time.sleep(0.02)
         self.stop()
         raise RuntimeError(f"server not healthy after {timeout:.0f} s{self._tail()}")

@@ -52,6 +52,7 @@ def start_server(
     api_key: str | None = None,
     extra: list[str] | None = None,
     env: dict[str, str] | None = None,
+    port: int | None = None,
 ) -> RunningServer:
     args = ["--max-num-seqs", "64", "--kv-cache-memory", str(64 << 20)]
     if model_dir is None:
@@ -60,7 +61,8 @@ def start_server(
         args += ["--model", model_dir, "--served-model-name", "test-model"]
     if api_key is not None:
         args += ["--api-key", api_key]
-    process = ServerProcess(args + (extra or []), env={"OMP_NUM_THREADS": "1", **(env or {})})
+    env = {"OMP_NUM_THREADS": "1", **(env or {})}
+    process = ServerProcess(args + (extra or []), port=port, env=env)
     process.start(timeout=120)
     name = "pagedserve-builtin-tiny" if model_dir is None else "test-model"
     return RunningServer(process.port, name, model_dir, api_key, process)

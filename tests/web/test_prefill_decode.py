@@ -23,7 +23,7 @@ import pytest
 from tests.eventually import eventually_sync
 from tests.web.conftest import RunningServer, start_server, stop_server
 from tests.web.test_vllm_router import healthy, router_binary
-from web.launch import ServerProcess, free_port
+from web.launch import ServerProcess, free_ports
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -37,6 +37,12 @@ def kv_config(role: str, port: int | None = None, ip: str = "127.0.0.1") -> list
     if port is not None:
         config["kv_port"] = port
     return ["--kv-transfer-config", json.dumps(config)]
+
+
+def start_producer(env: dict[str, str]) -> RunningServer:
+    """A kv_producer on loopback; its HTTP and KV ports differ."""
+    http, kv = free_ports(2)
+    return start_server(extra=kv_config("kv_producer", kv), env=env, port=http)
 
 
 def post(url: str, body: dict) -> tuple[int, dict | str]:
@@ -78,7 +84,7 @@ def counter(server: RunningServer, name: str) -> float:
 def pair(tmp_path_factory):
     """The producer reads the secret from its environment, the consumer from a file."""
     env = {"PAGEDSERVE_CLUSTER_SECRET": SECRET}
-    producer = start_server(extra=kv_config("kv_producer", free_port()), env=env)
+    producer = start_producer(env)
     secret_file = tmp_path_factory.mktemp("secret") / "cluster.secret"
     secret_file.write_text(SECRET + "\n")
     secret_file.chmod(0o600)
@@ -124,12 +130,12 @@ def test_a_handed_off_prompt_decodes_as_a_lone_server_does(pair) -> None:
 @contextlib.contextmanager
 def routed(prefill: str, decode: str):
     """`vllm-router --vllm-pd-disaggregation` in front of a pair; yields its URL."""
-    port = free_port()
+    port, metrics_port = free_ports(2)
     router = subprocess.Popen(
         [router_binary(), "--vllm-pd-disaggregation", "--policy", "round_robin"]
         + ["--prefill", prefill, "--decode", decode]
         + ["--host", "127.0.0.1", "--port", str(port), "--worker-startup-timeout-secs", "60"]
-        + ["--prometheus-port", str(free_port())],
+        + ["--prometheus-port", str(metrics_port)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.STDOUT,
     )
@@ -165,9 +171,11 @@ def test_a_consumer_with_another_secret_is_refused(pair, tmp_path) -> None:
     and never answers, so the load fails at the consumer's fetch timeout."""
     _, consumer, _ = pair
     log = open(tmp_path / "producer.log", "wb")  # noqa: SIM115 - closed below
+    http, kv = free_ports(2)
     producer = ServerProcess(
         ["--model", "builtin:tiny", "--kv-cache-memory", str(64 << 20)]
-        + kv_config("kv_producer", free_port()),
+        + kv_config("kv_producer", kv),
+        port=http,
         env={"PAGEDSERVE_CLUSTER_SECRET": "s" * 40, "OMP_NUM_THREADS": "1"},
         log=log,
     )
@@ -189,7 +197,7 @@ def test_a_consumer_with_another_secret_is_refused(pair, tmp_path) -> None:
 def test_a_producer_gone_fails_the_request_within_ten_seconds(pair) -> None:
     _, consumer, _ = pair
     env = {"PAGEDSERVE_CLUSTER_SECRET": SECRET}
-    producer = start_server(extra=kv_config("kv_producer", free_port()), env=env)
+    producer = start_producer(env)
     body = completion(PROMPTS[1])
     params = handoff(producer, body)
     stop_server(producer)
@@ -206,9 +214,11 @@ def test_a_pair_across_a_network_namespace(two_hosts, tmp_path) -> None:
     directly and behind the router."""
     env = {"PAGEDSERVE_CLUSTER_SECRET": SECRET, "OMP_NUM_THREADS": "1"}
     log = open(tmp_path / "producer.log", "wb")  # noqa: SIM115 - closed below
+    http, kv = free_ports(2)
     producer = ServerProcess(
         ["--model", "builtin:tiny", "--kv-cache-memory", str(64 << 20), "--host", "0.0.0.0"]
-        + kv_config("kv_producer", free_port(), ip=two_hosts.worker_ip),
+        + kv_config("kv_producer", kv, ip=two_hosts.worker_ip),
+        port=http,
         env=env,
         log=log,
         prefix=two_hosts.exec_prefix,

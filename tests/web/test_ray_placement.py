@@ -20,7 +20,7 @@ from tests.web.conftest import (
     stop_server,
 )
 from tests.web.processes import alive, workers_of
-from web.launch import REPO, ServerProcess, free_port
+from web.launch import REPO, ServerProcess, free_ports
 
 pytestmark = pytest.mark.timeout(240)
 PROMPTS = ["Once upon a time", "The cat sat"]
@@ -67,7 +67,8 @@ def test_ranks_on_two_ray_nodes_answer_as_one_device(two_hosts, tmp_path) -> Non
     environment), while rank 0 runs here."""
     pytest.importorskip("ray", reason="ray is not installed (bash .ci/setup installs it)")
     secret = "ray-two-nodes-test-secret-0123456789"
-    gcs = f"{two_hosts.head_ip}:{free_port()}"
+    gcs_port, http, store = free_ports(3)
+    gcs = f"{two_hosts.head_ip}:{gcs_port}"
     env = dict(
         os.environ,
         PYTHONPATH=str(REPO),
@@ -102,7 +103,8 @@ def test_ranks_on_two_ray_nodes_answer_as_one_device(two_hosts, tmp_path) -> Non
         server = ServerProcess(
             ["--model", "builtin:tiny", "--kv-cache-memory", str(64 << 20), "-tp", "2"]
             + ["--distributed-executor-backend", "ray"]
-            + ["--distributed-address", f"{two_hosts.head_ip}:{free_port()}"],
+            + ["--distributed-address", f"{two_hosts.head_ip}:{store}"],
+            port=http,
             env={k: env[k] for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "OMP_NUM_THREADS")}
             | {"RAY_ADDRESS": gcs, "PAGEDSERVE_CLUSTER_SECRET": secret},
             log=log,

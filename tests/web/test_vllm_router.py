@@ -18,7 +18,7 @@ import pytest
 
 from tests.eventually import eventually_sync
 from tests.web.conftest import start_server, stop_server
-from web.launch import free_port
+from web.launch import free_ports
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -69,12 +69,12 @@ def served_requests(server) -> float:
 def routed():
     binary = router_binary()
     replicas = [start_server(), start_server()]
-    port = free_port()
+    port, metrics_port = free_ports(2)
     workers = [r.http for r in replicas]
     router = subprocess.Popen(
         [binary, "--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin"]
         + ["--worker-urls", *workers, "--worker-startup-timeout-secs", "60"]
-        + ["--prometheus-port", str(free_port())],  # its own, beside other routers
+        + ["--prometheus-port", str(metrics_port)],  # its own, beside other routers
         stdout=subprocess.DEVNULL,
         stderr=subprocess.STDOUT,
     )
