@@ -13,7 +13,6 @@ Messages and channels: `engine.kv_transfer.wire`.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import secrets
 from collections.abc import Sequence
@@ -34,6 +33,7 @@ from engine.kv_transfer.wire import (
     BlocksSent,
     FetchBlocks,
     FetchFailed,
+    payload_digest,
 )
 
 logger = logging.getLogger(__name__)
@@ -129,20 +129,21 @@ class _Producer:
     async def _payload(self, answer: BlocksSent | FetchFailed, data: list[zmq.Frame]) -> KVPayload:
         if isinstance(answer, FetchFailed):
             raise KVTransferError(f"the KV producer at {self.address} refused: {answer.error}")
-        if len(data) != 1 or len(data[0]) != answer.header.num_bytes:
-            sizes = [len(frame) for frame in data]
+        header = answer.header
+        sizes = [len(frame) for frame in data]
+        if sizes != [header.num_bytes, header.hidden_bytes]:
             raise KVTransferError(
                 f"the KV producer at {self.address} sent frames of {sizes} bytes for "
-                f"{answer.header.num_bytes} bytes of blocks"
+                f"{header.num_bytes} bytes of blocks and {header.hidden_bytes} of hidden state"
             )
-        buffer = data[0].buffer
-        digest = await asyncio.to_thread(lambda: hashlib.sha256(buffer).digest())
+        blocks, hidden = data[0].buffer, data[1].buffer
+        digest = await asyncio.to_thread(payload_digest, blocks, hidden)
         if digest != answer.sha256:
             raise KVTransferError(
                 f"the blocks from the KV producer at {self.address} were altered on the way "
                 "(their SHA-256 does not match the sealed header)"
             )
-        return KVPayload(answer.header, buffer)
+        return KVPayload(header, blocks, hidden)
 
     def close(self) -> None:
         self._reader.cancel()

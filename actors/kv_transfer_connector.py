@@ -69,8 +69,8 @@ class ZmqConnector:
         """The producer's server (None for a consumer): its counters, for stats and tests."""
         return self._server
 
-    def save_request(self, request_id: str, block_ids: Sequence[int]) -> None:
-        self.endpoint.save(request_id, block_ids)
+    def save_request(self, request_id: str, block_ids: Sequence[int], hidden: Any) -> None:
+        self.endpoint.save(request_id, block_ids, hidden)
 
     def request_finished(self, request_id: str, block_ids: Sequence[int]) -> KVTransferParams:
         return self.endpoint.params(request_id, block_ids, self.port)

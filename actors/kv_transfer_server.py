@@ -12,7 +12,6 @@ stranger learns nothing, not even which requests exist. Messages and channels:
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 
 import zmq
@@ -30,6 +29,7 @@ from engine.kv_transfer.wire import (
     BlocksSent,
     FetchBlocks,
     FetchFailed,
+    payload_digest,
 )
 
 logger = logging.getLogger(__name__)
@@ -132,9 +132,9 @@ class KVTransferServer:
         except KVTransferError as exc:
             await self._reply(identity, FetchFailed(fetch.fetch_id, str(exc)))
             return
-        digest = await asyncio.to_thread(lambda: hashlib.sha256(payload.data).digest())
+        digest = await asyncio.to_thread(payload_digest, payload.data, payload.hidden)
         answer = BlocksSent(fetch.fetch_id, payload.header, digest)
-        await self._reply(identity, answer, payload.data)
+        await self._reply(identity, answer, payload.data, payload.hidden)
         self.num_served += 1
         logger.debug(
             "KV transfer server %s sent request %s: %d blocks, %d bytes",
@@ -144,8 +144,6 @@ class KVTransferServer:
             payload.header.num_bytes,
         )
 
-    async def _reply(self, identity: bytes, answer: object, data: memoryview | None = None) -> None:
-        frames = [identity, self._answers.seal(encode(answer))]
-        if data is not None:
-            frames.append(data)
+    async def _reply(self, identity: bytes, answer: object, *data: memoryview) -> None:
+        frames = [identity, self._answers.seal(encode(answer)), *data]
         await self._socket.send_multipart(frames, copy=False)

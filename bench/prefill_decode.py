@@ -4,10 +4,11 @@ A `kv_producer` and a `kv_consumer` server (random-weight Llama, `--load-format 
 float32) on loopback, and a lone server beside them. For each prompt length, greedy,
 `--output-len` new tokens: the lone server's time for the request; the producer's
 handoff (prefill + first token + saving the blocks); the consumer's request with the
-handoff's `kv_transfer_params` (fetching the blocks over ZeroMQ, computing the last
-prompt token, decoding); the KV bytes moved (2 x layers x prompt tokens x KV heads x
-head size x 4 bytes). Texts are checked equal to the lone server's. Medians of
-`--repeats` distinct prompts per length (no prefix cache hits).
+handoff's `kv_transfer_params` (fetching the blocks and the prompt's last hidden state
+over ZeroMQ, sampling the first token from it, decoding); the KV bytes moved (2 x
+layers x prompt tokens x KV heads x head size x 4 bytes). Texts are checked equal to
+the lone server's. Medians of `--repeats` distinct prompts per length (no prefix cache
+hits).
 
     python bench/prefill_decode.py --out bench/results/prefill_decode.json
 """

@@ -2,8 +2,10 @@
 instance loads instead of computing, and what a prefill instance answers.
 
 A request with `kv_transfer_params.do_remote_prefill` starts with all but its prompt's
-last token counted as computed (`remote_tokens`): its worker loads their KV before the
-request's first step, which computes the last token for its logits (as vLLM does). A
+last token counted as computed (`remote_tokens`): its worker loads the prompt's KV
+before the request's first step, which schedules the last token but computes nothing:
+its KV came with the others and its logits come from the final hidden state the
+prefill instance sent beside them (vLLM computes that token again). A
 request with `do_remote_decode` ends with `handoff`: where its prompt's blocks wait (its
 worker saved them once the prompt was computed), for the proxy to pass on.
 """

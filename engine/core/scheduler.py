@@ -406,6 +406,21 @@ class Scheduler:
             self._copies = [(src, dst) for src, dst in self._copies if dst not in unfilled]
         return unfilled
 
+    def _count_prompt_tokens(self, request: Request, computed: int, n: int, k: int) -> None:
+        """Prompt tokens this step computes (or, for a transferred prompt's first step,
+        takes from the prefill instance: its last token's KV and hidden state came with
+        the load, so nothing is computed); a prompt computed here enters the prefix
+        cache at once, a transferred one once it finishes (the load may fail)."""
+        if request.num_remote_tokens:
+            if n == 1 and not k:  # the worker samples it from the sent hidden state
+                self.num_remote_tokens += 1
+            else:
+                self.num_prompt_tokens_computed += n
+            request.num_remote_tokens = 0  # after a preemption: computed here
+            return
+        self.num_prompt_tokens_computed += min(n, len(request.prompt_token_ids) - computed)
+        self._prompt_computed(request, computed + n)
+
     # -- results -------------------------------------------------------------------
     def advance(self, plan: SchedulerOutput) -> None:
         """Marks the plan's tokens as computed at once (planning ahead): every row that
@@ -417,13 +432,7 @@ class Scheduler:
             if request.status == running:
                 request.num_computed_tokens = computed + n
                 if computed < len(request.prompt_token_ids):
-                    self.num_prompt_tokens_computed += min(
-                        n, len(request.prompt_token_ids) - computed
-                    )
-                    if request.num_remote_tokens:  # cached once finished: the load may fail
-                        request.num_remote_tokens = 0  # after a preemption: computed here
-                    else:
-                        self._prompt_computed(request, computed + n)
+                    self._count_prompt_tokens(request, computed, n, k)
                 if k:
                     request.num_lookahead_tokens += k
                     self._lookahead_steps.setdefault(plan.step_id, {})[request.request_id] = k

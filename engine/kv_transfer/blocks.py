@@ -13,10 +13,14 @@ A `KVLayout` says where a backend's cache tensor keeps each axis of the canonica
 `kv_cache_shape` (`KVLayout.of(backend.kv_cache_shape)`): the house layout and CUDA's
 (`TOKEN_MAJOR`), the native CPU kernels' head-major blocks, SDPA's heads-first tensor.
 The payload is always canonical, so two backends exchange blocks.
+
+`with_hidden(payload, hidden)` attaches a prompt's last hidden state (`[hidden_size]`);
+`hidden_of(payload, device)` gives it back as a tensor (None when it carries none).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -107,6 +111,27 @@ def scatter_blocks(
     for layer, pair in enumerate(kv_cache):
         for kv, cache in enumerate(pair):
             cache.index_copy_(layout.block_dim, ids, layout.from_canonical(blocks[:, layer, kv]))
+
+
+def with_hidden(payload: KVPayload, hidden: torch.Tensor) -> KVPayload:
+    """`payload` carrying `hidden` ([hidden_size], any device), copied to the CPU."""
+    row = hidden.detach().reshape(-1).to("cpu", copy=True).contiguous()
+    header = dataclasses.replace(
+        payload.header, hidden_size=row.numel(), hidden_dtype=_dtype_name(row)
+    )
+    data = row.view(torch.uint8).numpy()  # no copy; the array keeps `row` alive
+    return KVPayload(header, payload.data, memoryview(data))
+
+
+def hidden_of(payload: KVPayload, device: torch.device | str) -> torch.Tensor | None:
+    """The payload's hidden state, `[hidden_size]` on `device`; None if it has none."""
+    h = payload.header
+    if not h.hidden_size:
+        return None
+    with warnings.catch_warnings():  # a read-only buffer: copied before use
+        warnings.simplefilter("ignore", UserWarning)
+        flat = torch.frombuffer(payload.hidden, dtype=torch.uint8)
+    return flat.view(getattr(torch, h.hidden_dtype)).to(device, copy=True)
 
 
 def _check_cache(kv_cache: KVCache, layout: KVLayout) -> torch.Tensor:

@@ -5,8 +5,9 @@ vLLM's shape, narrowed to what a prefill/decode pair needs. One object per worke
 `kv_role` says which half it does (`KVRole.BOTH`: both).
 
 Producer half (the prefill instance):
-  1. `save_request(request_id, block_ids)` once the request's prompt is in its blocks
-     (after the step that computed it): the blocks are copied out and held for a
+  1. `save_request(request_id, block_ids, hidden)` once the request's prompt is in its
+     blocks (after the step that computed it): the blocks, and `hidden` (the final
+     hidden state at the prompt's last position), are copied out and held for a
      consumer, so the scheduler may free or reuse them at once.
   2. `request_finished(request_id, block_ids)` -> the `KVTransferParams` to hand back in
      the response (where the blocks are held, under which ids).
@@ -20,7 +21,8 @@ Consumer half (the decode instance):
      (the front is in the local prefix cache).
   2. `poll()` between steps: writes the loads that arrived into the cache (in the
      caller's thread, so never under a running step) and returns one `LoadResult` per
-     load that ended since the last call, ok or failed with the reason. A load ends
+     load that ended since the last call, ok (with the producer's hidden state) or
+     failed with the reason. A load ends
      within `fetch_timeout_s`, whatever the producer does. The scheduler runs a
      request only after its load is ok, and recomputes its prompt (or fails it) if not.
 
@@ -31,8 +33,8 @@ Methods of the other half raise RuntimeError naming the role.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from engine.kv_transfer.config import KVRole
 from engine.kv_transfer.params import KVTransferParams
@@ -44,10 +46,13 @@ class KVTransferError(RuntimeError):
 
 @dataclass(frozen=True)
 class LoadResult:
-    """How one load ended: `error` None if the request's blocks are in the cache."""
+    """How one load ended: `error` None if the request's blocks are in the cache;
+    `hidden` then holds the prompt's last hidden state (a `[hidden_size]` tensor on the
+    cache's device), from which its first token is sampled."""
 
     request_id: str
     error: str | None = None
+    hidden: Any = field(default=None, compare=False)
 
     @property
     def ok(self) -> bool:
@@ -61,7 +66,7 @@ class KVConnector(Protocol):
     @property
     def role(self) -> KVRole: ...
 
-    def save_request(self, request_id: str, block_ids: Sequence[int]) -> None: ...
+    def save_request(self, request_id: str, block_ids: Sequence[int], hidden: Any) -> None: ...
 
     def request_finished(self, request_id: str, block_ids: Sequence[int]) -> KVTransferParams: ...
 

@@ -7,7 +7,17 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from engine.kv_transfer.blocks import TOKEN_MAJOR, KVCache, KVLayout, gather_blocks, scatter_blocks
+import torch
+
+from engine.kv_transfer.blocks import (
+    TOKEN_MAJOR,
+    KVCache,
+    KVLayout,
+    gather_blocks,
+    hidden_of,
+    scatter_blocks,
+    with_hidden,
+)
 from engine.kv_transfer.config import KVRole, KVTransferConfig
 from engine.kv_transfer.connector import LoadResult, require_role
 from engine.kv_transfer.held_blocks import HeldBlocks
@@ -47,9 +57,12 @@ class KVEndpoint:
     def num_loading(self) -> int:
         return len(self._loading)
 
-    def save(self, request_id: str, block_ids: Sequence[int]) -> None:
+    def save(self, request_id: str, block_ids: Sequence[int], hidden: torch.Tensor) -> None:
+        """Holds the blocks `block_ids` of `request_id` with its prompt's last hidden
+        state `hidden` ([hidden_size])."""
         require_role(self.role, True, "save_request")
-        self.held.put(request_id, block_ids, gather_blocks(self.kv_cache, block_ids, self.layout))
+        payload = gather_blocks(self.kv_cache, block_ids, self.layout)
+        self.held.put(request_id, block_ids, with_hidden(payload, hidden))
 
     def params(self, request_id: str, block_ids: Sequence[int], port: int) -> KVTransferParams:
         """Where the blocks `block_ids` of `request_id` are held (served on `port`)."""
@@ -104,14 +117,26 @@ class KVEndpoint:
             local = self._loading.pop(request_id, None)
             if local is None:  # ended twice (a late answer after a failure): once counts
                 continue
+            hidden = None
             if payload is not None:
                 try:
                     scatter_blocks(self.kv_cache, local, payload, self.layout)
+                    hidden = self._hidden(payload)
                 except ValueError as exc:
                     error = str(exc)
-            results.append(LoadResult(request_id, error))
+            results.append(LoadResult(request_id, error, hidden))
         self.held.expire()
         return results
+
+    def _hidden(self, payload: KVPayload) -> torch.Tensor:
+        """The payload's hidden state on the cache's device; ValueError if it has none."""
+        hidden = hidden_of(payload, self.kv_cache[0][0].device)
+        if hidden is None:
+            raise ValueError(
+                "the producer sent no hidden state for the prompt's last position (both "
+                "instances must run the same pagedserve version)"
+            )
+        return hidden
 
     def fail_all(self, error: str) -> None:
         """Ends every load in flight with `error` (the connector is closing)."""

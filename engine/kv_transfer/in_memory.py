@@ -4,6 +4,7 @@ and for wiring the engine before a network is involved."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from engine.kv_transfer.config import KVRole
 from engine.kv_transfer.connector import KVTransferError, LoadResult
@@ -50,8 +51,8 @@ class InMemoryConnector:
     def role(self) -> KVRole:
         return self.endpoint.role
 
-    def save_request(self, request_id: str, block_ids: Sequence[int]) -> None:
-        self.endpoint.save(request_id, block_ids)
+    def save_request(self, request_id: str, block_ids: Sequence[int], hidden: Any) -> None:
+        self.endpoint.save(request_id, block_ids, hidden)
 
     def request_finished(self, request_id: str, block_ids: Sequence[int]) -> KVTransferParams:
         port = self.endpoint.config.kv_port or 1  # nothing is bound in memory; params need one

@@ -6,10 +6,15 @@ blocks is a run of the bytes. `block_shape` is the canonical one, `[block_size,
 num_kv_heads, head_size]` (head_size + 4 for an 8-bit cache's rows), whatever layout each
 side's cache keeps (`engine.kv_transfer.blocks.KVLayout`), so a producer and a consumer
 on different attention backends still agree.
+
+A payload may also carry the final hidden state at its prompt's last position
+(`hidden`, `hidden_size` elements of `hidden_dtype`, after the model's last norm): from
+it a decode instance samples the first token without computing that position again.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,21 +35,26 @@ ITEM_BYTES = {
 @dataclass(frozen=True)
 class BlocksHeader:
     """What the bytes after it hold: `num_blocks` blocks of `num_layers` layers' K and V,
-    each `block_shape` elements of `dtype` (a torch dtype's name), `num_bytes` in all.
-    Field order is the wire format."""
+    each `block_shape` elements of `dtype` (a torch dtype's name), `num_bytes` in all;
+    then a hidden state of `hidden_size` elements of `hidden_dtype` (0: none). Field
+    order is the wire format."""
 
     num_layers: int
     num_blocks: int
     block_shape: tuple[int, ...]
     dtype: str
     num_bytes: int
+    hidden_size: int = 0
+    hidden_dtype: str = "float32"
 
     def __post_init__(self) -> None:
-        if self.dtype not in ITEM_BYTES:
-            raise ValueError(
-                f"blocks header: dtype must be one of {sorted(ITEM_BYTES)}; got {self.dtype!r}"
-            )
-        for key in ("num_layers", "num_blocks", "num_bytes"):
+        for key in ("dtype", "hidden_dtype"):
+            if getattr(self, key) not in ITEM_BYTES:
+                raise ValueError(
+                    f"blocks header: {key} must be one of {sorted(ITEM_BYTES)}; "
+                    f"got {getattr(self, key)!r}"
+                )
+        for key in ("num_layers", "num_blocks", "num_bytes", "hidden_size"):
             value = getattr(self, key)
             if type(value) is not int or value < 0:
                 raise ValueError(f"blocks header: {key} must be an int >= 0; got {value!r}")
@@ -64,6 +74,11 @@ class BlocksHeader:
         return self.num_layers * 2 * math.prod(self.block_shape) * ITEM_BYTES[self.dtype]
 
     @property
+    def hidden_bytes(self) -> int:
+        """Bytes of the hidden state (0: the payload carries none)."""
+        return self.hidden_size * ITEM_BYTES[self.hidden_dtype]
+
+    @property
     def shape(self) -> tuple[int, ...]:
         """The bytes as an array: `[num_blocks, num_layers, 2, *block_shape]`."""
         return (self.num_blocks, self.num_layers, 2, *self.block_shape)
@@ -71,19 +86,26 @@ class BlocksHeader:
 
 @dataclass(frozen=True)
 class KVPayload:
-    """A header and its bytes (a read-only view; length checked against the header)."""
+    """A header, its blocks' bytes and its hidden state's bytes (read-only views;
+    lengths checked against the header)."""
 
     header: BlocksHeader
     data: memoryview
+    hidden: memoryview = memoryview(b"")
 
     def __post_init__(self) -> None:
-        if not isinstance(self.data, memoryview):
-            object.__setattr__(self, "data", memoryview(self.data))
-        if self.data.nbytes != self.header.num_bytes:
-            raise ValueError(
-                f"KV payload has {self.data.nbytes} bytes; its header says {self.header.num_bytes}"
-            )
-        object.__setattr__(self, "data", self.data.cast("B").toreadonly())
+        h = self.header
+        for key, what, size in (
+            ("data", "blocks", h.num_bytes),
+            ("hidden", "hidden state", h.hidden_bytes),
+        ):
+            view = getattr(self, key)
+            view = view if isinstance(view, memoryview) else memoryview(view)
+            if view.nbytes != size:
+                raise ValueError(
+                    f"KV payload has {view.nbytes} bytes of {what}; its header says {size}"
+                )
+            object.__setattr__(self, key, view.cast("B").toreadonly())
 
 
 def select_blocks(payload: KVPayload, indices: Sequence[int]) -> KVPayload:
@@ -94,9 +116,10 @@ def select_blocks(payload: KVPayload, indices: Sequence[int]) -> KVPayload:
     if bad:
         raise ValueError(f"block positions {bad} are out of range: the payload has {h.num_blocks}")
     size = h.block_bytes
-    header = BlocksHeader(h.num_layers, len(indices), h.block_shape, h.dtype, len(indices) * size)
+    header = dataclasses.replace(h, num_blocks=len(indices), num_bytes=len(indices) * size)
     first = indices[0] if indices else 0
     if list(indices) == list(range(first, first + len(indices))):
-        return KVPayload(header, payload.data[first * size : first * size + header.num_bytes])
-    data = b"".join(payload.data[i * size : (i + 1) * size] for i in indices)
-    return KVPayload(header, memoryview(data))
+        data = payload.data[first * size : first * size + header.num_bytes]
+    else:
+        data = memoryview(b"".join(payload.data[i * size : (i + 1) * size] for i in indices))
+    return KVPayload(header, data, payload.hidden)

@@ -4,15 +4,16 @@ One fetch, one answer, over a DEALER (consumer) -> ROUTER (producer) connection;
 msgpack frame sealed with the cluster secret (`actors.frame_auth`):
 
     consumer -> producer   [FetchBlocks]
-    producer -> consumer   [BlocksSent, raw bytes of header.num_bytes]   or   [FetchFailed]
+    producer -> consumer   [BlocksSent, blocks' bytes, hidden state's bytes]   or   [FetchFailed]
 
-The raw bytes frame is not sealed (that would copy it): the sealed `BlocksSent` carries
-its SHA-256, which the consumer checks before using a byte. Field order is the wire
-format: append new fields at the end.
+The raw bytes frames are not sealed (that would copy them): the sealed `BlocksSent`
+carries their SHA-256 (`payload_digest`), which the consumer checks before using a
+byte. Field order is the wire format: append new fields at the end.
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 from engine.kv_transfer.payload import BlocksHeader
@@ -36,8 +37,9 @@ class FetchBlocks:
 
 @dataclass(frozen=True)
 class BlocksSent:
-    """Producer -> consumer: the blocks follow in the next frame, `header.num_bytes` raw
-    bytes whose SHA-256 is `sha256`."""
+    """Producer -> consumer: the blocks follow in the next frame (`header.num_bytes` raw
+    bytes), then the hidden state (`header.hidden_bytes`); `sha256` is their
+    `payload_digest`."""
 
     fetch_id: str
     header: BlocksHeader
@@ -50,6 +52,13 @@ class FetchFailed:
 
     fetch_id: str
     error: str
+
+
+def payload_digest(blocks: memoryview, hidden: memoryview) -> bytes:
+    """SHA-256 of a payload's blocks' bytes followed by its hidden state's bytes."""
+    digest = hashlib.sha256(blocks)
+    digest.update(hidden)
+    return digest.digest()
 
 
 PRODUCER_INBOX = (FetchBlocks,)

@@ -1,13 +1,15 @@
 """`KVTransferSteps`: a worker's share of prefill/decode disaggregation, per step.
 
 - Producer (`kv_transfer_params.do_remote_decode`): once a step has computed a row's
-  whole prompt, the blocks holding it are saved (copied out of the cache and held for
-  a decode instance to fetch) before anything can reuse them.
+  whole prompt, the blocks holding it are saved with the final hidden state at the
+  prompt's last position (copied out of the cache and held for a decode instance to
+  fetch) before anything can reuse them.
 - Consumer (`do_remote_prefill`): before the first step that runs such a request (the
   scheduler counted all but its last prompt token as computed), the prompt's blocks
-  are loaded into the request's own blocks, and the step computes only the last prompt
-  token (for its logits, as vLLM does). A load that fails or outlasts the connector's
-  fetch timeout fails its request, never the step.
+  are loaded into the request's own blocks, the last token's KV among them, and the
+  step samples the first token from the hidden state that came with them: no prompt
+  position is computed here (vLLM computes the last one again). A load that fails or
+  outlasts the connector's fetch timeout fails its request, never the step.
 
 Loads run before the step, synchronously: the step waits for its transfers (vLLM
 overlaps them with other requests' steps).
@@ -16,7 +18,8 @@ overlaps them with other requests' steps).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 from engine.kv_transfer.connector import KVConnector
 from engine.worker.worker_request import WorkerRequest
@@ -54,10 +57,12 @@ class KVTransferSteps:
         deadline = time.monotonic() + LOAD_LIMIT_S
         while pending and time.monotonic() < deadline:
             for result in self.connector.poll():
-                if pending.pop(result.request_id, None) is None:
+                request = pending.pop(result.request_id, None)
+                if request is None:
                     continue
                 if result.ok:
                     self._loaded.add(result.request_id)
+                    request.remote_hidden = result.hidden
                 else:
                     errors[result.request_id] = f"loading its KV cache failed: {result.error}"
             if pending:
@@ -66,16 +71,16 @@ class KVTransferSteps:
             errors[request_id] = "loading its KV cache did not finish"
         return errors
 
-    def save(self, rows: Iterable[tuple[WorkerRequest, Sequence[int], int]]) -> None:
-        """Saves the prompts this step completed: rows of (request, table, tokens the
-        request had computed before the step)."""
-        for request, table, before in rows:
-            params = request.params.kv_transfer_params
-            if params is None or not params.do_remote_decode:
-                continue
-            prompt = request.num_prompt_tokens
-            if before < prompt <= request.num_computed_tokens:
-                self.connector.save_request(request.request_id, self.prompt_blocks(request, table))
+    def save(
+        self, rows: Iterable[tuple[WorkerRequest, Sequence[int]]], hidden: Mapping[str, Any]
+    ) -> None:
+        """Saves the prompts this step completed: rows of (request, table), with their
+        last positions' hidden states `hidden` (by request id, as the step gave them)."""
+        for request, table in rows:
+            last_hidden = hidden.get(request.request_id)
+            if last_hidden is not None:
+                blocks = self.prompt_blocks(request, table)
+                self.connector.save_request(request.request_id, blocks, last_hidden)
 
     def forget(self, request_ids: Iterable[str]) -> None:
         """Finished requests: nothing more to load for them."""

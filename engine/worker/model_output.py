@@ -1,8 +1,10 @@
-"""What one model step produced, as plain values (no tensors: the worker reads it)."""
+"""What one model step produced, as plain values (the worker reads it; the one tensor
+field, `prompt_hidden`, it only hands on to KV transfer)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.outputs import Logprob
 
@@ -27,9 +29,12 @@ class ModelOutput:
     requests asking for prompt logprobs, one row per prompt position scored in this
     step (each next prompt token first, then the top `params.prompt_logprobs`).
     `verified`: the rows that verified drafts; a row's accepted drafts come before its
-    sampled token (the token drawn where verification stopped)."""
+    sampled token (the token drawn where verification stopped). `prompt_hidden`: the
+    final hidden state at the prompt's last position ([hidden_size] tensors) of the rows
+    that completed a prompt for a decode instance."""
 
     sampled: dict[str, int]
     logprobs: dict[str, LogprobDict] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[LogprobDict]] = field(default_factory=dict)
     verified: dict[str, Verified] = field(default_factory=dict)
+    prompt_hidden: dict[str, Any] = field(default_factory=dict)

@@ -241,25 +241,41 @@ class ModelRunner:
         self.move_blocks(plan)
         if self.group.stage.is_split:
             return self._execute_stage(plan, sample)
+        handed = [r for r in plan.scheduled if _samples_handed_hidden(r)]
+        computed = [r for r in plan.scheduled if not _samples_handed_hidden(r)]
         batch = build_model_input(
-            plan.scheduled,
-            self.cache_config.block_size,
-            self.device,
-            self.kv_layout,
+            computed, self.cache_config.block_size, self.device, self.kv_layout
         )
-        if self.group.context.splits(batch.input_ids.shape[0]):
+        if not computed:
+            hidden = None  # every row samples from a prefill instance's hidden state
+        elif self.group.context.splits(batch.input_ids.shape[0]):
             hidden = self._forward_shard(batch)
         else:
             hidden = self.model(batch.input_ids, batch.positions, self.kv_cache, batch.metadata)
         prompt_lp = self._prompt_logprobs(batch, hidden)
-        if not sample or not batch.sample_rows:
-            return ModelOutput({}, prompt_logprobs=prompt_lp)
+        prompt_hidden = _prompt_hidden(batch, hidden)
+        if not sample or not (batch.sample_rows or handed):
+            return ModelOutput({}, prompt_logprobs=prompt_lp, prompt_hidden=prompt_hidden)
         # [S, vocab]: a row per sampling row, and one more per draft token it verifies
-        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        logits = self.model.compute_logits(hidden[batch.logits_indices]) if computed else None
+        if handed:
+            batch, logits = self._append_handed(batch, logits, handed)
         if batch.num_drafts:
             return self._sample_with_drafts(batch, logits, prompt_lp)
         sampled, rows = self._sample(batch.sample_rows, logits)
-        return ModelOutput(sampled, rows, prompt_lp)
+        return ModelOutput(sampled, rows, prompt_lp, prompt_hidden=prompt_hidden)
+
+    def _append_handed(
+        self, batch: ModelInput, logits: torch.Tensor | None, handed: Sequence[ScheduledRequest]
+    ) -> tuple[ModelInput, torch.Tensor]:
+        """The batch's sampling rows and logits with the handed rows after them: their
+        logits come from the hidden states a prefill instance sent (no forward pass)."""
+        hidden = torch.stack([r.request.remote_hidden for r in handed])  # [H, hidden]
+        extra = self.model.compute_logits(hidden.to(self.device))  # [H, vocab]
+        logits = extra if logits is None else torch.cat([logits, extra])
+        drafts = (*batch.num_drafts, *[0] * len(handed)) if batch.num_drafts else ()
+        rows = (*batch.sample_rows, *handed)
+        return dataclasses.replace(batch, sample_rows=rows, num_drafts=drafts), logits
 
     def _forward_shard(self, batch: ModelInput) -> torch.Tensor:  # [T, hidden]
         """Context parallelism: this rank's shard of the step's tokens through the model
@@ -439,6 +455,34 @@ class ModelRunner:
             lp = compute_token_logprobs(logits, targets, num_top)
             result[span.request_id] = to_dicts(lp, span.targets, [num_top] * len(span.targets))
         return result
+
+
+def _samples_handed_hidden(row: ScheduledRequest) -> bool:
+    """The row is a transferred prompt's last token, whose KV arrived with the prompt's
+    and whose logits come from the hidden state sent beside it: nothing to compute."""
+    request = row.request
+    return (
+        getattr(request, "remote_hidden", None) is not None
+        and row.num_scheduled_tokens == 1
+        and row.num_computed_tokens == request.num_prompt_tokens - 1
+        and not request.draft_token_ids
+    )
+
+
+def _prompt_hidden(batch: ModelInput, hidden: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """The final hidden state ([hidden_size]) at the prompt's last position of each row
+    that computes it for a decode instance (`kv_transfer_params.do_remote_decode`)."""
+    if hidden is None:
+        return {}
+    out, start = {}, 0
+    for row in batch.rows:
+        request, computed, n = row.request, row.num_computed_tokens, row.num_scheduled_tokens
+        transfer = request.params.kv_transfer_params
+        last = request.num_prompt_tokens - 1
+        if transfer is not None and transfer.do_remote_decode and computed <= last < computed + n:
+            out[request.request_id] = hidden[start + last - computed]
+        start += n
+    return out
 
 
 def _sample_logprobs(

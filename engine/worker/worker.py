@@ -125,9 +125,6 @@ class Worker:
                 raise  # a group's rank cannot fail alone: the ranks' caches would differ
             self._forget([rid for rid, _ in runnable], describe(exc), failures)
             return self._result(StepResult.empty(plan.step_id, self.worker_id), failures)
-        if self.kv_transfer is not None:
-            rows = [(s.request, s.block_table, s.num_computed_tokens) for s in scheduled]
-            self.kv_transfer.save(rows)
         return self._result(result, failures)
 
     def _load_prompts(
@@ -202,9 +199,15 @@ class Worker:
         try:
             result = self._run(step)
         finally:
-            drafted = [s.request for s in step.scheduled if s.request.draft_token_ids]
-            for request in drafted:
-                request.draft_token_ids = []
+            for item in step.scheduled:  # both are for this step only
+                request = item.request
+                if request.draft_token_ids:
+                    request.draft_token_ids = []
+                if request.remote_hidden is not None:
+                    request.remote_hidden = None
+        if self.kv_transfer is not None and result.prompt_hidden:
+            tables = ((s.request, s.block_table) for s in step.scheduled)
+            self.kv_transfer.save(tables, result.prompt_hidden)
         verified = result.verified
         for item in step.scheduled:
             request = item.request

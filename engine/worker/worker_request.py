@@ -10,6 +10,8 @@ from engine.messages import NewRequestData
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    import torch
+
     from engine.worker.grammar.backend import GrammarMatcher
 
 
@@ -27,6 +29,9 @@ class WorkerRequest(KnownTokens):
     that samples; it has accepted every output token (it survives preemption with them).
     `draft_token_ids`: the draft tokens its row verifies in the step being run (proposed
     by the worker, after the known tokens; cleared once the step's result is in).
+    `remote_hidden`: the final hidden state at the prompt's last position that a prefill
+    instance sent with the prompt's KV; the request's first step samples from it rather
+    than computing that position (cleared once the step ran).
     """
 
     request_id: str
@@ -39,6 +44,7 @@ class WorkerRequest(KnownTokens):
     grammar: GrammarMatcher | None = None
     draft_token_ids: list[int] = field(default_factory=list)  # verified in this step
     num_draft_computed_tokens: int = 0  # known tokens a draft model's cache holds
+    remote_hidden: torch.Tensor | None = None  # [hidden_size], for its next step only
 
     @classmethod
     def of(cls, new: NewRequestData, eos_token_ids: frozenset[int]) -> WorkerRequest:

@@ -7,7 +7,6 @@ timeout; a fetch of an unknown request fails at once with the producer's reason.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -22,7 +21,7 @@ from actors.kv_transfer_client import KVTransferClient
 from actors.kv_transfer_connector import ZmqConnector
 from actors.kv_transfer_server import KVTransferServer
 from engine.codec import InboxDecoder, encode
-from engine.kv_transfer.blocks import TOKEN_MAJOR, KVLayout, gather_blocks
+from engine.kv_transfer.blocks import TOKEN_MAJOR, KVLayout, gather_blocks, with_hidden
 from engine.kv_transfer.config import CONNECTOR, KVRole, KVTransferConfig
 from engine.kv_transfer.connector import KVConnector, KVTransferError, LoadResult
 from engine.kv_transfer.endpoint import KVEndpoint
@@ -34,6 +33,7 @@ from engine.kv_transfer.wire import (
     PRODUCER_INBOX,
     BlocksSent,
     FetchBlocks,
+    payload_digest,
 )
 from engine.worker.attention.sdpa import SdpaBackend
 from tests.eventually import eventually
@@ -43,6 +43,7 @@ SECRET = b"kv-transfer-test-secret-32-bytes"
 OTHER_SECRET = b"some-other-deployments-secret!!!"
 TIMEOUT_S = 1.0  # the consumers' fetch timeout here (the default is 5 s)
 SHAPE = (16, 16, 4, 64)  # house layout: [num_blocks, block_size, num_kv_heads, head_size]
+HIDDEN = torch.arange(6, dtype=torch.float32)  # a prompt's last hidden state
 
 
 def kv_cache(seed: int | None = None, dtype: torch.dtype = torch.bfloat16):
@@ -188,13 +189,14 @@ async def test_blocks_altered_on_the_way_are_refused(ctx, client):
     port = router.bind_to_random_port("tcp://127.0.0.1")
     fetch = asyncio.ensure_future(client.fetch(params_for(port), [3]))
     identity, sealed = await asyncio.wait_for(router.recv_multipart(), 5)
-    payload = gather_blocks(kv_cache(seed=2), [3])
-    honest = hashlib.sha256(payload.data).digest()
+    payload = with_hidden(gather_blocks(kv_cache(seed=2), [3]), HIDDEN)
+    honest = payload_digest(payload.data, payload.hidden)
     answer = BlocksSent(opened_fetch(sealed).fetch_id, payload.header, honest)
-    altered = bytearray(payload.data)
+    altered = bytearray(payload.hidden)  # the hidden state counts as much as the blocks
     altered[0] ^= 1
     seal = FrameAuth(SECRET).for_channel(BLOCKS_CHANNEL)
-    await router.send_multipart([identity, seal.seal(encode(answer)), bytes(altered)])
+    frames = [identity, seal.seal(encode(answer)), payload.data, bytes(altered)]
+    await router.send_multipart(frames)
     with pytest.raises(KVTransferError, match="altered on the way"):
         await fetch
     router.close(linger=0)
@@ -235,11 +237,12 @@ async def test_zmq_connectors_move_a_prompt_between_two_instances():
     try:
         for end in (producer, consumer):
             assert conformance_errors(ZmqConnector, KVConnector, end) == []
-        producer.save_request("p-1", [5, 1, 12])
+        producer.save_request("p-1", [5, 1, 12], HIDDEN)
         params = producer.request_finished("p-1", [5, 1, 12])
         assert params.remote_port == producer.port != 0
         consumer.start_load("d-1", KVTransferParams.from_dict(params.to_dict()), [0, 2, 3])
-        assert await load(consumer) == LoadResult("d-1")
+        loaded = await load(consumer)
+        assert loaded == LoadResult("d-1") and torch.equal(loaded.hidden, HIDDEN)
         for layer in range(2):
             for kv in range(2):
                 assert torch.equal(
@@ -257,7 +260,7 @@ async def test_a_zmq_connector_with_another_secret_fails_its_load(caplog):
     producer = connector(KVRole.PRODUCER, kv_cache(seed=1), "P")
     consumer = connector(KVRole.CONSUMER, kv_cache(), "D", secret=OTHER_SECRET)
     try:
-        producer.save_request("p-1", [1])
+        producer.save_request("p-1", [1], HIDDEN)
         with caplog.at_level(logging.WARNING):
             consumer.start_load("d-1", producer.request_finished("p-1", [1]), [2])
             result = await load(consumer)

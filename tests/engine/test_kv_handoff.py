@@ -1,7 +1,8 @@
 """Prefill/decode disaggregation through the engine, in one process: a `kv_producer`
 engine computes prompts (max_tokens=1, `do_remote_decode`) and saves their KV blocks,
 a `kv_consumer` engine loads them (`do_remote_prefill`, the producer's answer) into
-blocks of its own, computes only each prompt's last token and decodes. The connector is
+blocks of its own, computes no prompt token (the first output is sampled from the
+hidden state sent with the blocks) and decodes. The connector is
 the in-memory one (the served tests run the ZeroMQ one). Outputs equal one engine's,
 through prompts of any length against the block size, seeded sampling and preemption
 after the load; a failed load fails its request and leaves nothing in the prefix
@@ -77,8 +78,43 @@ def test_handed_off_prompts_decode_as_one_engine(name, tmp_path):
         stats = decode.stats()
         decode.engine.check_integrity()
     assert tokens(got) == expected
-    assert stats.num_prompt_tokens_computed == len(PROMPTS)  # each prompt's last token
-    assert stats.kv_transfer_loaded_tokens == sum(len(p) - 1 for p in PROMPTS)
+    assert stats.num_prompt_tokens_computed == 0
+    assert stats.kv_transfer_loaded_tokens == sum(len(p) for p in PROMPTS)
+
+
+@pytest.mark.timeout(180)
+def test_a_transferred_prompt_first_token_needs_no_forward_pass(tmp_path, monkeypatch):
+    """The decode side samples each prompt's first token from the hidden state sent with
+    its KV: its model never runs (one token asked), whatever the prompt's length."""
+    save_hf_model("llama", tmp_path)
+    params = SamplingParams(max_tokens=1, temperature=0, logprobs=2)
+    with LLM(str(tmp_path), kv_cache_memory=8 << 20, **ENGINE) as lone:
+        expected = lone.generate(PROMPTS, params, use_tqdm=False)
+    fabric = InMemoryFabric()
+    with (
+        LLM(
+            str(tmp_path), kv_cache_memory=8 << 20, kv_transfer_config=PRODUCER, **ENGINE
+        ) as prefill,
+        LLM(
+            str(tmp_path), kv_cache_memory=8 << 20, kv_transfer_config=CONSUMER, **ENGINE
+        ) as decode,
+    ):
+        attach(prefill, fabric)
+        attach(decode, fabric)
+        model = decode.engine.worker.runner.model
+        forwards = []
+        monkeypatch.setattr(model, "forward", lambda *a, **k: forwards.append(a))
+        handoffs = prefill.generate(PROMPTS, HANDOFF, use_tqdm=False)
+        moved = [decode_params(h, params) for h in handoffs]
+        got = decode.generate(PROMPTS, moved, use_tqdm=False)
+        decode.engine.check_integrity()
+    assert forwards == []
+    assert tokens(got) == tokens(expected)
+    for ours, theirs in zip(got, expected, strict=True):
+        [ours_row], [their_row] = ours.outputs[0].logprobs, theirs.outputs[0].logprobs
+        assert ours_row.keys() == their_row.keys()
+        for token, lp in ours_row.items():
+            assert lp.logprob == pytest.approx(their_row[token].logprob, abs=1e-5)
 
 
 @pytest.mark.timeout(180)

@@ -7,7 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kv_transfer.blocks import TOKEN_MAJOR, KVLayout, gather_blocks, scatter_blocks
+from engine.kv_transfer.blocks import (
+    TOKEN_MAJOR,
+    KVLayout,
+    gather_blocks,
+    hidden_of,
+    scatter_blocks,
+    with_hidden,
+)
 from engine.kv_transfer.payload import BlocksHeader, KVPayload, select_blocks
 from engine.worker.attention.backend import AttentionBackend
 from engine.worker.attention.native import NativeCpuBackend, NativeCudaBackend
@@ -166,8 +173,31 @@ def test_a_header_or_payload_that_disagrees_with_itself_is_refused():
     with pytest.raises(ValueError, match=r"dtype must be one of"):
         BlocksHeader(3, 2, (4, 2, 8), "complex64", 0)
     header = BlocksHeader(1, 1, (1, 1, 4), "float32", 32)
-    with pytest.raises(ValueError, match=r"KV payload has 31 bytes; its header says 32"):
+    with pytest.raises(ValueError, match=r"KV payload has 31 bytes of blocks; its header says 32"):
         KVPayload(header, memoryview(bytes(31)))
+    with pytest.raises(ValueError, match=r"hidden_dtype must be one of"):
+        BlocksHeader(1, 1, (1, 1, 4), "float32", 32, 8, "complex64")
+    header = BlocksHeader(1, 1, (1, 1, 4), "float32", 32, hidden_size=8, hidden_dtype="bfloat16")
+    with pytest.raises(ValueError, match=r"15 bytes of hidden state; its header says 16"):
+        KVPayload(header, memoryview(bytes(32)), memoryview(bytes(15)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_hidden_state_travels_with_the_blocks_it_follows(dtype):
+    """The prompt's last hidden state rides along: kept through a selection of the
+    blocks, given back bit for bit; a payload without one gives None."""
+    source = make_cache(SHAPES["house"], torch.float32)
+    bare = gather_blocks(source, [1, 2, 3])
+    assert hidden_of(bare, "cpu") is None and bare.header.hidden_size == 0
+    hidden = torch.randn(24, generator=torch.Generator().manual_seed(1)).to(dtype)
+    payload = with_hidden(bare, hidden)
+    assert payload.header.hidden_size == 24
+    assert payload.header.hidden_dtype == str(dtype).removeprefix("torch.")
+    assert payload.hidden.nbytes == 24 * dtype.itemsize and payload.hidden.readonly
+    for picked in (select_blocks(payload, [1, 2]), select_blocks(payload, [2, 0])):
+        got = hidden_of(picked, "cpu")
+        assert got.dtype == dtype and torch.equal(got, hidden)
+        assert picked.header.num_blocks == 2
 
 
 @pytest.mark.gpu

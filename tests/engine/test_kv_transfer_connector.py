@@ -23,6 +23,7 @@ from tests.protocols import conformance_errors
 pytestmark = pytest.mark.timeout(30)
 
 SHAPE = (12, 4, 2, 8)  # house layout: [num_blocks, block_size, num_kv_heads, head_size]
+HIDDEN = torch.arange(6, dtype=torch.float32)  # a prompt's last hidden state
 
 
 class Clock:
@@ -65,7 +66,7 @@ def test_the_in_memory_connector_implements_the_protocol(pair):
 
 def test_saved_blocks_load_byte_identical_and_end_once(pair):
     producer, consumer = pair
-    producer.save_request("p-1", [3, 7, 5])
+    producer.save_request("p-1", [3, 7, 5], HIDDEN)
     params = producer.request_finished("p-1", [3, 7, 5])
     assert params == KVTransferParams(
         do_remote_prefill=True,
@@ -76,7 +77,8 @@ def test_saved_blocks_load_byte_identical_and_end_once(pair):
         remote_request_id="p-1",
     )
     consumer.start_load("d-1", KVTransferParams.from_dict(params.to_dict()), [0, 1, 2])
-    assert consumer.poll() == [LoadResult("d-1")]
+    (loaded,) = consumer.poll()
+    assert loaded == LoadResult("d-1") and torch.equal(loaded.hidden, HIDDEN)
     assert consumer.poll() == []
     sent = gather_blocks(producer.endpoint.kv_cache, [3, 7, 5])
     assert bytes(gather_blocks(consumer.endpoint.kv_cache, [0, 1, 2]).data) == bytes(sent.data)
@@ -89,7 +91,7 @@ def test_saved_blocks_load_byte_identical_and_end_once(pair):
 def test_blocks_are_copied_at_save_so_the_producer_may_reuse_them(pair):
     producer, consumer = pair
     before = gather_blocks(producer.endpoint.kv_cache, [2])
-    producer.save_request("p-1", [2])
+    producer.save_request("p-1", [2], HIDDEN)
     producer.endpoint.kv_cache[0][0][2].fill_(9.0)
     consumer.start_load("d-1", producer.request_finished("p-1", [2]), [11])
     assert consumer.poll()[0].ok
@@ -98,7 +100,7 @@ def test_blocks_are_copied_at_save_so_the_producer_may_reuse_them(pair):
 
 def test_fewer_local_blocks_load_the_remote_tail(pair):
     producer, consumer = pair
-    producer.save_request("p-1", [3, 7, 5])
+    producer.save_request("p-1", [3, 7, 5], HIDDEN)
     consumer.start_load("d-1", producer.request_finished("p-1", [3, 7, 5]), [9])
     assert consumer.poll() == [LoadResult("d-1")]
     assert torch.equal(consumer.endpoint.kv_cache[1][1][9], producer.endpoint.kv_cache[1][1][5])
@@ -106,7 +108,7 @@ def test_fewer_local_blocks_load_the_remote_tail(pair):
 
 def test_loads_that_cannot_fit_fail_with_the_reason(pair):
     producer, consumer = pair
-    producer.save_request("p-1", [3, 7])
+    producer.save_request("p-1", [3, 7], HIDDEN)
     params = producer.request_finished("p-1", [3, 7])
     consumer.start_load("d-1", params, [0, 1, 2])
     consumer.start_load("d-2", KVTransferParams.remote_decode(), [0])
@@ -123,7 +125,7 @@ def test_a_payload_that_does_not_fit_the_consumer_cache_fails_its_load():
     producer = InMemoryConnector(endpoint(KVRole.PRODUCER, cache(seed=1), "P"), fabric)
     wide = cache(shape=(12, 4, 2, 16))
     consumer = InMemoryConnector(endpoint(KVRole.CONSUMER, wide, "D"), fabric)
-    producer.save_request("p-1", [1])
+    producer.save_request("p-1", [1], HIDDEN)
     consumer.start_load("d-1", producer.request_finished("p-1", [1]), [0])
     (result,) = consumer.poll()
     assert "payload (4, 2, 8), cache (4, 2, 16)" in result.error
@@ -134,7 +136,7 @@ def test_each_half_refuses_the_other_halfs_calls(pair):
     with pytest.raises(RuntimeError, match="start_load needs kv_role kv_consumer or kv_both"):
         producer.start_load("x", KVTransferParams.remote_decode(), [])
     with pytest.raises(RuntimeError, match="save_request needs kv_role kv_producer or kv_both"):
-        consumer.save_request("x", [1])
+        consumer.save_request("x", [1], HIDDEN)
     with pytest.raises(RuntimeError, match="request_finished needs kv_role kv_producer"):
         consumer.request_finished("x", [1])
 
@@ -189,7 +191,7 @@ def test_a_native_cpu_consumer_loads_a_house_layout_producer():
     native = [(torch.zeros(12, 2, 4, 8), torch.zeros(12, 2, 4, 8)) for _ in range(2)]
     settings = KVTransferConfig(CONNECTOR, KVRole.CONSUMER, engine_id="D")
     consumer = InMemoryConnector(KVEndpoint(settings, native, layout), fabric)
-    producer.save_request("p", [4])
+    producer.save_request("p", [4], HIDDEN)
     consumer.start_load("d", producer.request_finished("p", [4]), [0])
     assert consumer.poll() == [LoadResult("d")]
     assert torch.equal(native[1][0][0], producer.endpoint.kv_cache[1][0][4].transpose(0, 1))
