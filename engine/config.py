@@ -18,7 +18,7 @@ from engine.speculative_config import SpeculativeConfig
 if TYPE_CHECKING:
     import torch
 
-ATTENTION_BACKENDS = ("auto", "native", "sdpa", "reference")
+ATTENTION_BACKENDS = ("auto", "native", "triton", "sdpa", "reference")
 MAX_BLOCK_SIZE = 2048  # tokens per block (linear-attention states may need large pages)
 LINEAR_KERNELS = ("auto", "onednn", "torch")
 

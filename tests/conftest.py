@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+import torch
+
+# Triton's kernels run interpreted on a machine without a GPU (cuda_ext/triton_kernels):
+# Triton reads this once, when first imported, so it is set before any test imports it.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tests.network_namespace import two_hosts  # noqa: F401 - a fixture for every test
 

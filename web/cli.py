@@ -143,9 +143,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--attention-backend",
         default="auto",
-        choices=["auto", "native", "sdpa", "reference"],
-        help="auto: the native kernels where they load, else torch SDPA (the choice and "
-        "why are logged and in /v1/info)",
+        choices=["auto", "native", "triton", "sdpa", "reference"],
+        help="auto: the native kernels where they load, else torch SDPA; on CUDA, of the "
+        "native and the Triton kernels the faster on the model's decode step (the choice "
+        "and why are logged and in /v1/info). triton: the Triton kernels (CUDA; on the "
+        "CPU only with TRITON_INTERPRET=1, slowly)",
     )
     p.add_argument(
         "--linear-kernel",

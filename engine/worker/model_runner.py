@@ -11,6 +11,7 @@ import torch
 
 from engine.config import CacheConfig, DeviceConfig, ModelConfig
 from engine.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from engine.worker.attention.backend_race import AttentionShape
 from engine.worker.attention.selector import select_backend
 from engine.worker.compiled_model import compile_model
 from engine.worker.input_batch import ModelInput, batch_order, build_model_input
@@ -94,6 +95,11 @@ class ModelRunner:
                 model_config.attention_features,
                 cache_config.block_size,
                 row_code(cache_config.cache_dtype),
+                AttentionShape(
+                    model_config.num_attention_heads // self.group.world_size,
+                    kv_heads_per_rank(model_config.num_kv_heads, self.group.world_size),
+                    model_config.head_size,
+                ),
             )
         except ValueError as exc:  # name the model: its layers may need what is missing
             raise ValueError(f"{model_config.model} ({model_config.architecture}): {exc}") from None

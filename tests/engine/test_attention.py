@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 
+from cuda_ext.kv_quant import KVRowCode
 from engine.worker.attention import AttentionMetadata, ReferenceBackend, SdpaBackend
 from engine.worker.attention.native import NativeCpuBackend, NativeCudaBackend
 from engine.worker.attention.selector import select_backend
@@ -279,3 +280,42 @@ def test_a_block_size_the_cuda_kernels_lack_picks_sdpa_or_is_refused_by_name():
     assert "blocks of 8, 16, 32 tokens, not block_size=64" in choice.reason
     with pytest.raises(ValueError, match="not block_size=64"):
         select_backend("native", device="cuda", block_size=64)
+
+
+def test_the_triton_backend_is_chosen_by_name_or_refused_with_the_reason(monkeypatch):
+    pytest.importorskip("triton", reason="triton is not installed (bash .ci/setup installs it)")
+    from cuda_ext.triton_kernels import kernel
+
+    monkeypatch.setattr(kernel, "interpreting", lambda: True)
+    choice = select_backend("triton", device="cpu")
+    assert choice.backend.name == "triton" and "TRITON_INTERPRET=1" in choice.reason
+    with pytest.raises(ValueError, match="Triton kernels read float caches, not 'int8'"):
+        select_backend("triton", device="cpu", kv_code=KVRowCode.INT8)
+    assert select_backend("auto", device="cpu").backend.name != "triton"  # CUDA only
+    monkeypatch.setattr(kernel, "interpreting", lambda: False)
+    with pytest.raises(ValueError, match="run on CUDA, not 'cpu' .*TRITON_INTERPRET=1"):
+        select_backend("triton", device="cpu")
+
+
+def test_auto_on_cuda_takes_the_faster_kernels_or_the_native_ones_if_triton_fails(monkeypatch):
+    from engine.worker.attention import selector
+    from engine.worker.attention.backend_race import AttentionShape
+
+    native = selector.BackendChoice(NativeCudaBackend(ops=None), "native CUDA kernels loaded")
+    triton = selector.BackendChoice(ReferenceBackend(), "Triton kernels, compiled for CUDA")
+    shape = AttentionShape(8, 2, 64)
+    for native_ms, winner in ((2.0, triton.backend), (0.5, native.backend)):
+        times = {id(native.backend): native_ms, id(triton.backend): 1.0}
+        monkeypatch.setattr(selector, "decode_ms", lambda b, *_, t=times: t[id(b)])
+        chosen = selector._faster_on_cuda(native, triton, shape, 16, torch.bfloat16)
+        assert chosen.backend is winner and "ms native" in chosen.reason
+
+    def broken(backend, *_):
+        raise RuntimeError("no compiler")
+
+    monkeypatch.setattr(selector, "decode_ms", broken)
+    chosen = selector._faster_on_cuda(native, triton, shape, 16, torch.bfloat16)
+    assert chosen.backend is native.backend and "race failed: no compiler" in chosen.reason
+    lacking = selector.BackendChoice(None, "blocks of 8, 16, 32 tokens, not block_size=64")
+    chosen = selector._faster_on_cuda(lacking, triton, shape, 64, torch.bfloat16)
+    assert chosen.backend is triton.backend and "not block_size=64" in chosen.reason

@@ -1,6 +1,6 @@
 """Greedy token ids from our engine equal transformers' `generate` on the same weights,
-for every architecture, batched, under several block sizes, tiny prefill chunks and
-forced preemption."""
+for every architecture, batched, under several block sizes, tiny prefill chunks, each
+attention backend and forced preemption."""
 
 from __future__ import annotations
 
@@ -33,6 +33,8 @@ SETTINGS = {
     "block32": dict(block_size=32),
     "chunked": dict(block_size=4, max_num_batched_tokens=5),
     "reference-backend": dict(block_size=16, attention_backend="reference"),
+    # the Triton kernels: interpreted here (tests/conftest.py), compiled on a GPU
+    "triton-backend": dict(block_size=16, attention_backend="triton"),
     "torch-linear": dict(block_size=16, linear_kernel="torch"),  # the default packs for oneDNN
 }
 

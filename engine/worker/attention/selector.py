@@ -9,11 +9,12 @@ import torch
 
 from cuda_ext.kv_quant import KVRowCode
 from engine.worker.attention.backend import AttentionBackend, ReferenceBackend
+from engine.worker.attention.backend_race import AttentionShape, decode_ms
 from engine.worker.attention.native import NativeCpuBackend, NativeCudaBackend
 from engine.worker.attention.sdpa import SdpaBackend
 
 logger = logging.getLogger(__name__)
-NAMES = ("auto", "native", "sdpa", "reference")
+NAMES = ("auto", "native", "triton", "sdpa", "reference")
 
 
 @dataclass(frozen=True)
@@ -31,20 +32,30 @@ def select_backend(
     features: frozenset[str] = frozenset(),
     block_size: int | None = None,
     kv_code: KVRowCode | None = None,
+    shape: AttentionShape | None = None,
 ) -> BackendChoice:
     """'auto': the native kernels where they load and do every attention feature the
     model uses (`features`: sliding window, soft cap, sinks) and the cache's dtype
-    (`kv_code`: an 8-bit cache, which the CUDA kernels cannot read), else torch's SDPA.
-    'native' insists on the kernels (an error with the loader's reason if they cannot
-    load, or naming the feature, the block size or the cache dtype they lack); 'sdpa'
-    and 'reference' are the torch backends (both read 8-bit caches)."""
+    (`kv_code`: an 8-bit cache, which the CUDA kernels cannot read), else torch's SDPA;
+    on CUDA, where the Triton kernels run too, whichever of the two attends a decode
+    step of the model's attention `shape` faster. 'native' and 'triton' insist on their
+    kernels (an error with the reason if they cannot run, or naming the feature, the
+    block size or the cache dtype they lack); 'sdpa' and 'reference' are the torch
+    backends (both read 8-bit caches)."""
     if name not in NAMES:
         raise ValueError(f"attention_backend must be one of {list(NAMES)}, got {name!r}")
+    if name == "triton":
+        choice = _triton(device, kv_code)
+        if choice.backend is None:
+            raise ValueError(f"attention_backend='triton' cannot run: {choice.reason}")
+        return _chosen(choice)
     if name in ("auto", "native"):
         choice = _native(device, dtype, block_size, kv_code)
         lacking = sorted(features & choice.backend.unsupported_features) if choice.backend else []
         if lacking:
             choice = BackendChoice(None, f"the native kernels cannot do {' or '.join(lacking)}")
+        if name == "auto" and str(device).startswith("cuda"):
+            choice = _faster_on_cuda(choice, _triton(device, kv_code), shape, block_size, dtype)
         if choice.backend is not None:
             return _chosen(choice)
         if name == "native":
@@ -97,6 +108,56 @@ def _native_cuda(block_size: int | None) -> BackendChoice:
     if kernels is None:
         return BackendChoice(None, f"CUDA kernels unavailable: {cuda_unavailable_reason()}")
     return BackendChoice(NativeCudaBackend(kernels), "native CUDA kernels loaded")
+
+
+def _triton(device: str, kv_code: KVRowCode | None) -> BackendChoice:
+    """The Triton backend, or why it cannot run here."""
+    if kv_code is not None:
+        wanted = kv_code.name.lower()
+        return BackendChoice(None, f"the Triton kernels read float caches, not {wanted!r}")
+    try:
+        from cuda_ext.triton_kernels.kernel import interpreting
+    except ImportError as exc:
+        return BackendChoice(None, f"triton is not installed ({exc})")
+    if str(device).startswith("cuda"):
+        return BackendChoice(_triton_backend(), "Triton kernels, compiled for CUDA")
+    if interpreting():
+        return BackendChoice(_triton_backend(), "Triton kernels under TRITON_INTERPRET=1 (slow)")
+    return BackendChoice(
+        None,
+        f"the Triton kernels run on CUDA, not {device!r} (set TRITON_INTERPRET=1 to run "
+        "them interpreted on the CPU, slowly, for checking)",
+    )
+
+
+def _triton_backend() -> AttentionBackend:
+    from engine.worker.attention.triton_backend import TritonBackend
+
+    return TritonBackend()
+
+
+def _faster_on_cuda(
+    native: BackendChoice,
+    triton: BackendChoice,
+    shape: AttentionShape | None,
+    block_size: int | None,
+    dtype: torch.dtype,
+) -> BackendChoice:
+    """Of the native CUDA and the Triton kernels, the one that can run, or, both
+    running, the faster on a decode step of `shape` (the native ones if either race
+    fails: a kernel that does not compile here loses)."""
+    if triton.backend is None or shape is None or block_size is None:
+        return native
+    if native.backend is None:
+        return BackendChoice(triton.backend, f"auto: {native.reason}; {triton.reason}")
+    try:
+        native_ms = decode_ms(native.backend, shape, block_size, dtype)
+        triton_ms = decode_ms(triton.backend, shape, block_size, dtype)
+    except Exception as exc:  # noqa: BLE001 - a kernel that fails to compile loses the race
+        return BackendChoice(native.backend, f"{native.reason}; Triton's race failed: {exc}")
+    winner = triton if triton_ms < native_ms else native
+    timed = f"decode step {native_ms:.3f} ms native, {triton_ms:.3f} ms Triton"
+    return BackendChoice(winner.backend, f"auto: {winner.reason} ({timed})")
 
 
 def _chosen(choice: BackendChoice) -> BackendChoice:
