@@ -87,6 +87,12 @@ class ZmqConnector:
     def poll(self) -> list[LoadResult]:
         return self.endpoint.poll()
 
+    def wait(self, timeout_s: float) -> None:
+        self.endpoint.wait(timeout_s)
+
+    def cancel(self, request_id: str) -> None:
+        self.endpoint.cancel(request_id)
+
     def close(self) -> None:
         """Closes the sockets; loads in flight end failed at the next `poll()`. Idempotent."""
         if self._closed:

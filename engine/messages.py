@@ -459,7 +459,9 @@ class StepResult:
     `prompt_logprobs` the prompt rows scored; `error` is set if the step failed;
     `busy_seconds` is how long it executed. `failed`: the sequences the worker could not
     run (it has forgotten them; the scheduler ends their requests with the error).
-    `drafts`: what each sequence that verified drafts proposed and accepted."""
+    `drafts`: what each sequence that verified drafts proposed and accepted.
+    `loaded_ids`: requests whose prompt's KV arrived since the last result (a load that
+    failed is in `failed`)."""
 
     step_id: int
     worker_id: int
@@ -471,6 +473,7 @@ class StepResult:
     busy_seconds: float
     failed: tuple[RequestFailed, ...] = ()
     drafts: tuple[DraftCount, ...] = ()
+    loaded_ids: tuple[str, ...] = ()  # loads (StepPlan.load_ids) whose KV arrived
 
     @classmethod
     def empty(cls, step_id: int, worker_id: int) -> StepResult:
@@ -671,6 +674,9 @@ class StepPlan:
     grammars: tuple[StructuredOutputsParams, ...] = ()
     # column-wise with scheduled_ids: draft tokens each row may verify (empty: none may)
     num_lookahead_tokens: tuple[int, ...] = ()
+    # new requests whose prompt's KV the worker fetches from a prefill instance, in the
+    # background (they are not scheduled until a StepResult's loaded_ids names them)
+    load_ids: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

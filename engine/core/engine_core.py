@@ -192,9 +192,10 @@ class EngineCore:
     def schedule(self) -> SchedulerOutput | None:
         """The next step, its tokens counted as computed (None: nothing to tell the
         workers until a result arrives). Its block changes are in the next
-        `block_traffic()`."""
+        `block_traffic()`. While prompts' KV is on its way (`scheduler.loading`) a step
+        with nothing to run still goes out: its result says which loads ended."""
         output = self.scheduler.schedule()
-        if output.is_empty and not self._finished_ids:
+        if output.is_empty and not (self._finished_ids or output.loads or self.scheduler.loading):
             return None
         self.scheduler.advance(output)
         if not output.is_empty:
@@ -237,7 +238,7 @@ class EngineCore:
             num_preemptions=scheduler.num_preemptions,
             num_steps=self.num_steps,
             num_running=len(scheduler.running),
-            num_waiting=len(scheduler.waiting),
+            num_waiting=len(scheduler.waiting) + len(scheduler.loading),
             prefix_cache_queried_tokens=scheduler.prefix_stats.queried_tokens,
             prefix_cache_hit_tokens=scheduler.prefix_stats.hit_tokens,
             num_cached_blocks=blocks.num_cached_blocks,
@@ -289,6 +290,8 @@ class EngineCore:
         placeholder they extend, before those of steps still in flight; each token goes
         through the stop checks in order, so none is kept past a stop."""
         requests = self.scheduler.requests
+        if result.loaded_ids:
+            self.scheduler.on_loaded(result.loaded_ids)
         for scored in result.prompt_logprobs:
             if scored.request_id in requests:
                 self._prompt_rows.setdefault(scored.request_id, []).extend(scored.rows)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
+from collections.abc import Iterable
 
 from engine.config import PreemptionMode, SchedulerConfig
 from engine.core.lookahead_policy import LookaheadPolicy
@@ -36,6 +37,12 @@ class Scheduler:
     instead (when it has room; else the victim is recomputed), and swapped requests come
     back, oldest first, before any waiting request is admitted.
 
+    A request whose prompt a prefill instance computed (`num_remote_tokens`) is
+    admitted into `loading` with blocks for its whole prompt and computes nothing: the
+    plan's `loads` tell its worker to fetch the KV, in the background, while other
+    requests' steps go on. Once a result says the KV arrived (`on_loaded`) it runs,
+    with all but its prompt's last token computed; a load that fails fails the request.
+
     With speculative decoding (`lookahead`), a decoding row also gets the lookahead its
     policy gives it: k slots for draft tokens its worker proposes and verifies in the
     same step, from the token budget and the block table (never by preempting another
@@ -63,6 +70,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.swapped: list[Request] = []  # by arrival_index: swapped back in first come first
         self.running: list[Request] = []  # sorted by arrival_index
+        self.loading: dict[str, Request] = {}  # waiting for their prompt's KV to arrive
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self.num_swaps = 0
@@ -77,6 +85,7 @@ class Scheduler:
         self._cow_pending: set[str] = set()  # forked sequences: copy before writing
         self._lookahead_steps: dict[int, dict[str, int]] = {}  # step -> {request: its k}
         self._trimmed: dict[str, int] = {}  # request -> first table entry a trim dropped
+        self._loads: list[ScheduledRequest] = []  # this step's admissions into `loading`
 
     # -- queue ---------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -97,6 +106,10 @@ class Scheduler:
             return None
         if request in self.running:
             self.running.remove(request)
+        elif self.loading.pop(request_id, None) is not None:
+            request.status = status
+            self.kv_cache.free(request_id)  # its KV never arrived: nothing to cache
+            return request
         elif request in self.waiting:
             self.waiting.remove(request)
         elif request in self.swapped:
@@ -115,6 +128,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         self._copies, self._swap_out, self._swap_in, self._rewritten = [], [], [], []
+        self._loads = []
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
         grow, cow = self.kv_cache.grow, self._cow_pending
@@ -169,6 +183,7 @@ class Scheduler:
             tuple(self._swap_out),
             tuple(self._swap_in),
             tuple(self._rewritten),
+            tuple(self._loads),
         )
 
     def _swap_in_swapped(self, budget: int) -> list[ScheduledRequest]:
@@ -233,14 +248,19 @@ class Scheduler:
 
     def _admit_waiting(self, budget: int) -> list[ScheduledRequest]:
         admitted = []
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        seats = self.config.max_num_seqs
+        while self.waiting and budget > 0 and len(self.running) + len(self.loading) < seats:
             request = self.waiting[0]
             if self._at_limit(request) or not self._group_fits(request):
                 break  # FCFS keeps the rest waiting
+            if request.num_remote_tokens and not request.num_computed_tokens:
+                if not self._admit_loading(request):
+                    break
+                continue
             forked = self._fork_from_leader(request)
             if forked is None:
                 break  # no blocks for its copy of the prompt's last block
-            computed = forked or request.num_remote_tokens or self._match_prefix(request)
+            computed = forked or self._match_prefix(request)
             n = min(request.num_tokens - computed, budget)
             self.kv_cache.slide(request.request_id, computed)
             table = self.kv_cache.grow(request.request_id, computed + n)
@@ -248,15 +268,36 @@ class Scheduler:
                 self.kv_cache.free(request.request_id)  # gives the prefix hits back
                 break
             self.waiting.popleft()
-            if self.kv_cache.enable_prefix_caching and not (forked or request.num_remote_tokens):
+            if self.kv_cache.enable_prefix_caching and not forked:
                 self.prefix_stats.record(request.num_tokens, computed)
-            self.num_remote_tokens += request.num_remote_tokens  # loaded by this step
             request.num_computed_tokens = computed
             request.status = RequestStatus.RUNNING
             bisect.insort(self.running, request, key=lambda r: r.arrival_index)
             admitted.append(ScheduledRequest(request, computed, n, table))
             budget -= n
         return admitted
+
+    def _admit_loading(self, request: Request) -> bool:
+        """Blocks for the whole prompt of a request whose KV a prefill instance holds;
+        it waits in `loading` until the KV is here (False: no blocks for it yet)."""
+        table = self.kv_cache.grow(request.request_id, request.num_prompt_tokens)
+        if table is None:
+            return False
+        self.waiting.popleft()
+        self.num_remote_tokens += request.num_remote_tokens
+        request.num_computed_tokens = request.num_remote_tokens
+        self.loading[request.request_id] = request
+        self._loads.append(ScheduledRequest(request, request.num_computed_tokens, 0, table))
+        return True
+
+    def on_loaded(self, request_ids: Iterable[str]) -> None:
+        """The prompts' KV of these loading requests arrived: they run from the next
+        plan on (ids no longer loading, ended meanwhile, are ignored)."""
+        for request_id in request_ids:
+            request = self.loading.pop(request_id, None)
+            if request is not None:
+                request.status = RequestStatus.RUNNING
+                bisect.insort(self.running, request, key=lambda r: r.arrival_index)
 
     def add_fork(self, request: Request, parent: Request) -> None:
         """Starts `request` running on all of `parent`'s blocks (a beam forking): both
@@ -391,6 +432,7 @@ class Scheduler:
         self._free_blocks(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.num_remote_tokens = 0  # recomputed here: the prefill instance's KV is gone
         self.waiting.appendleft(request)
 
     def _cancel_copies(self, request: Request) -> dict[int, int]:
@@ -505,6 +547,8 @@ class Scheduler:
             reserved = r.num_computed_tokens + r.num_lookahead_tokens
             slots = int(len(kv.block_table(r.request_id)) * slots_per_entry)
             stored[r.request_id] = min(max(slots, reserved), reserved + slack)
+        for r in self.loading.values():  # a table for the prompt, its KV on the way
+            stored[r.request_id] = r.num_prompt_tokens
         self.kv_cache.check_integrity(stored)
         for r in self.waiting:
             assert not self.kv_cache.block_table(r.request_id), f"{r.request_id} waits with blocks"

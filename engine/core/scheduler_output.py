@@ -37,7 +37,9 @@ class SchedulerOutput:
     """The plan of step `step_id`. Before its forward pass: `swap_out` ((device block,
     CPU block) pairs), then `swap_in` ((CPU block, device block)), then `block_copies`
     (copy-on-write, (src, dst) device blocks). `rewritten_tables`: (request id, block
-    index) of each table whose blocks from that index on a copy-on-write replaced."""
+    index) of each table whose blocks from that index on a copy-on-write replaced.
+    `loads`: requests admitted to wait for their prompt's KV from a prefill instance
+    (their tables hold the prompt; nothing is computed for them in this step)."""
 
     step_id: int
     scheduled: tuple[ScheduledRequest, ...]
@@ -46,6 +48,7 @@ class SchedulerOutput:
     swap_out: tuple[tuple[int, int], ...] = ()
     swap_in: tuple[tuple[int, int], ...] = ()
     rewritten_tables: tuple[tuple[str, int], ...] = ()
+    loads: tuple[ScheduledRequest, ...] = ()
 
     @property
     def num_scheduled_tokens(self) -> int:

@@ -18,7 +18,8 @@ class StepPlanBuilder:
     count). A preempted request comes back with its whole new block table and
     `resumed_from_preemption`. A beam whose newest token the search chose (`choose`)
     gets a diff carrying it the next time it is scheduled. Finished ids are forgotten
-    here and passed on so workers drop their state too.
+    here and passed on so workers drop their state too. A request admitted to load its
+    prompt's KV goes out in full with the plan that admits it (`load_ids`).
     """
 
     def __init__(self) -> None:
@@ -45,6 +46,9 @@ class StepPlanBuilder:
         new, cached, ids, counts, lookahead = [], [], [], [], []
         sent = self._sent
         rewritten = dict(plan.rewritten_tables) if plan.rewritten_tables else None
+        for r, computed, _, table, _ in plan.loads:  # sent in full, to load into
+            new.append(self._new(r, computed, table))
+            sent[r.request_id] = (len(table), r.num_preemptions)
         for r, computed, n, table, k in plan.scheduled:
             request_id = r.request_id
             ids.append(request_id)
@@ -52,17 +56,7 @@ class StepPlanBuilder:
             lookahead.append(k)
             seen = sent.get(request_id)
             if seen is None:
-                known = len(r.output_token_ids) - r.num_pending_outputs
-                new.append(
-                    NewRequestData(
-                        request_id=request_id,
-                        prompt_token_ids=tuple(r.prompt_token_ids),
-                        params=r.params,
-                        block_ids=tuple(table),
-                        num_computed_tokens=computed,
-                        output_token_ids=tuple(r.output_token_ids[:known]),
-                    )
-                )
+                new.append(self._new(r, computed, table))
                 if chosen:
                     chosen.pop(request_id, None)
             elif (
@@ -91,6 +85,19 @@ class StepPlanBuilder:
             swap_in_dst=tuple(dst for _, dst in plan.swap_in),
             grammars=self._take_grammars(),
             num_lookahead_tokens=tuple(lookahead) if any(lookahead) else (),
+            load_ids=tuple(s.request.request_id for s in plan.loads),
+        )
+
+    @staticmethod
+    def _new(r: Request, computed: int, table: Sequence[int]) -> NewRequestData:
+        known = len(r.output_token_ids) - r.num_pending_outputs
+        return NewRequestData(
+            request_id=r.request_id,
+            prompt_token_ids=tuple(r.prompt_token_ids),
+            params=r.params,
+            block_ids=tuple(table),
+            num_computed_tokens=computed,
+            output_token_ids=tuple(r.output_token_ids[:known]),
         )
 
     def _take_grammars(self) -> tuple[StructuredOutputsParams, ...]:

@@ -26,6 +26,11 @@ Consumer half (the decode instance):
      within `fetch_timeout_s`, whatever the producer does. The scheduler runs a
      request only after its load is ok, and recomputes its prompt (or fails it) if not.
 
+  3. `wait(timeout_s)`: blocks until a load has ended (for a caller with nothing else
+     to do), or the timeout passes.
+  4. `cancel(request_id)`: the request ended: whatever arrives for it is never written
+     (its blocks may belong to another request by then) and its load never ends.
+
 `close()` stops the transfers: loads in flight end failed at the next `poll()`.
 Methods of the other half raise RuntimeError naming the role.
 """
@@ -75,6 +80,10 @@ class KVConnector(Protocol):
     ) -> None: ...
 
     def poll(self) -> list[LoadResult]: ...
+
+    def wait(self, timeout_s: float) -> None: ...
+
+    def cancel(self, request_id: str) -> None: ...
 
     def close(self) -> None: ...
 

@@ -32,7 +32,8 @@ class KVEndpoint:
     A connector calls `save` and `params` for the producer half; for the consumer half,
     `begin_load` (which remote blocks to fetch), then `arrived` or `failed` when the
     transfer ends (from any thread), and `poll` returns what ended, having written what
-    arrived into the cache in the caller's thread. Each load ends exactly once."""
+    arrived into the cache in the caller's thread. Each load ends exactly once; a
+    cancelled one (`cancel`) never ends, and nothing of it is written."""
 
     def __init__(
         self,
@@ -48,6 +49,7 @@ class KVEndpoint:
         self._loading: dict[str, tuple[int, ...]] = {}  # request id -> local block ids
         self._ended: list[tuple[str, KVPayload | None, str | None]] = []
         self._lock = threading.Lock()
+        self._any_ended = threading.Event()  # set while `_ended` holds something
 
     @property
     def role(self) -> KVRole:
@@ -103,15 +105,27 @@ class KVEndpoint:
     def arrived(self, request_id: str, payload: KVPayload) -> None:
         with self._lock:
             self._ended.append((request_id, payload, None))
+            self._any_ended.set()
 
     def failed(self, request_id: str, error: str) -> None:
         with self._lock:
             self._ended.append((request_id, None, error))
+            self._any_ended.set()
+
+    def wait(self, timeout_s: float) -> bool:
+        """Blocks until a load has ended since the last `poll` (True), or `timeout_s`."""
+        return self._any_ended.wait(timeout_s)
+
+    def cancel(self, request_id: str) -> None:
+        """Forgets `request_id`'s load: whatever arrives for it is never written."""
+        with self._lock:
+            self._loading.pop(request_id, None)
 
     def poll(self) -> list[LoadResult]:
         """The loads that ended since the last call; those that arrived are in the cache."""
         with self._lock:
             ended, self._ended = self._ended, []
+            self._any_ended.clear()
         results = []
         for request_id, payload, error in ended:
             local = self._loading.pop(request_id, None)

@@ -74,6 +74,12 @@ class InMemoryConnector:
     def poll(self) -> list[LoadResult]:
         return self.endpoint.poll()
 
+    def wait(self, timeout_s: float) -> None:
+        self.endpoint.wait(timeout_s)
+
+    def cancel(self, request_id: str) -> None:
+        self.endpoint.cancel(request_id)
+
     def close(self) -> None:
         self.fabric.detach(self.endpoint)
         self.endpoint.fail_all("the KV connector was closed")

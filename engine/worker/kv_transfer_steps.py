@@ -4,28 +4,25 @@
   whole prompt, the blocks holding it are saved with the final hidden state at the
   prompt's last position (copied out of the cache and held for a decode instance to
   fetch) before anything can reuse them.
-- Consumer (`do_remote_prefill`): before the first step that runs such a request (the
-  scheduler counted all but its last prompt token as computed), the prompt's blocks
-  are loaded into the request's own blocks, the last token's KV among them, and the
-  step samples the first token from the hidden state that came with them: no prompt
-  position is computed here (vLLM computes the last one again). A load that fails or
-  outlasts the connector's fetch timeout fails its request, never the step.
-
-Loads run before the step, synchronously: the step waits for its transfers (vLLM
-overlaps them with other requests' steps).
+- Consumer (`do_remote_prefill`): a plan's `load_ids` start fetching those requests'
+  prompts into their blocks, in the background, while steps of other requests run;
+  each step's `poll` reports the loads that ended (the KV written into the cache in
+  the worker's thread, between steps) and those that failed or outlasted the
+  connector's fetch timeout (they fail their request, never a step). A loaded
+  request's first step computes nothing: its last prompt token's KV came with the
+  others and its first output token is sampled from the hidden state sent beside
+  them (vLLM computes that token again).
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from engine.kv_transfer.connector import KVConnector
 from engine.worker.worker_request import WorkerRequest
 
-POLL_INTERVAL_S = 0.001
-LOAD_LIMIT_S = 30.0  # past the connector's own timeouts: a guard, never reached
+IDLE_WAIT_S = 0.01  # with no step to run, how long a poll waits for a load to end
 
 
 class KVTransferSteps:
@@ -34,42 +31,39 @@ class KVTransferSteps:
     def __init__(self, connector: KVConnector, block_size: int) -> None:
         self.connector = connector
         self.block_size = block_size
-        self._loaded: set[str] = set()  # consumer requests whose prompt KV arrived
+        self._pending: dict[str, WorkerRequest] = {}  # loads started, not ended
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._pending)
 
     def prompt_blocks(self, request: WorkerRequest, table: Sequence[int]) -> list[int]:
         """The blocks of `table` that hold `request`'s prompt."""
         return list(table[: -(-request.num_prompt_tokens // self.block_size)])
 
-    def load(self, rows: Iterable[tuple[WorkerRequest, Sequence[int]]]) -> dict[str, str]:
-        """Loads the prompts of the rows that wait for theirs; {request id: error} of
-        those that failed."""
-        pending = {}
-        for request, table in rows:
-            params = request.params.kv_transfer_params
-            if params is None or not params.do_remote_prefill:
-                continue
-            if request.request_id in self._loaded or request.num_computed_tokens == 0:
-                continue  # loaded already, or recomputing after a preemption
-            blocks = self.prompt_blocks(request, table)
-            self.connector.start_load(request.request_id, params, blocks)
-            pending[request.request_id] = request
-        errors: dict[str, str] = {}
-        deadline = time.monotonic() + LOAD_LIMIT_S
-        while pending and time.monotonic() < deadline:
-            for result in self.connector.poll():
-                request = pending.pop(result.request_id, None)
-                if request is None:
-                    continue
-                if result.ok:
-                    self._loaded.add(result.request_id)
-                    request.remote_hidden = result.hidden
-                else:
-                    errors[result.request_id] = f"loading its KV cache failed: {result.error}"
-            if pending:
-                time.sleep(POLL_INTERVAL_S)
-        for request_id in pending:
-            errors[request_id] = "loading its KV cache did not finish"
-        return errors
+    def start(self, request: WorkerRequest, table: Sequence[int]) -> None:
+        """Starts fetching `request`'s prompt into the blocks of `table` holding it."""
+        params = request.params.kv_transfer_params
+        self._pending[request.request_id] = request
+        self.connector.start_load(request.request_id, params, self.prompt_blocks(request, table))
+
+    def poll(self, wait: bool = False) -> tuple[list[str], dict[str, str]]:
+        """The loads that ended since the last call: the ids whose KV is in the cache
+        (each request's `remote_hidden` set), and {id: error} of those that failed.
+        `wait`: with loads pending and none ended, first wait up to IDLE_WAIT_S."""
+        if wait and self._pending:
+            self.connector.wait(IDLE_WAIT_S)
+        loaded, errors = [], {}
+        for result in self.connector.poll():
+            request = self._pending.pop(result.request_id, None)
+            if request is None:
+                continue  # cancelled (its request ended) before its KV arrived
+            if result.ok:
+                request.remote_hidden = result.hidden
+                loaded.append(result.request_id)
+            else:
+                errors[result.request_id] = f"loading its KV cache failed: {result.error}"
+        return loaded, errors
 
     def save(
         self, rows: Iterable[tuple[WorkerRequest, Sequence[int]]], hidden: Mapping[str, Any]
@@ -83,8 +77,11 @@ class KVTransferSteps:
                 self.connector.save_request(request.request_id, blocks, last_hidden)
 
     def forget(self, request_ids: Iterable[str]) -> None:
-        """Finished requests: nothing more to load for them."""
-        self._loaded.difference_update(request_ids)
+        """Ended requests: a load still on its way is cancelled (what arrives for it is
+        never written: its blocks may already be another request's)."""
+        for request_id in request_ids:
+            if self._pending.pop(request_id, None) is not None:
+                self.connector.cancel(request_id)
 
     def close(self) -> None:
         self.connector.close()

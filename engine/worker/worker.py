@@ -97,14 +97,15 @@ class Worker:
         swap_out = tuple(zip(plan.swap_out_src, plan.swap_out_dst, strict=True))
         swap_in = tuple(zip(plan.swap_in_src, plan.swap_in_dst, strict=True))
         runnable = self._runnable(plan, failures)
-        if self.kv_transfer is not None and runnable:
-            runnable = self._load_prompts(runnable, failures)
-        if not runnable:  # a plan may only carry finished ids (and block moves)
+        transfer = self.kv_transfer is not None
+        loaded = self._transfer(plan, bool(runnable), failures) if transfer else ()
+        if not runnable:  # a plan may only carry finished ids (and block moves, loads)
             if self.runner is not None:
                 self.runner.move_blocks(
                     SchedulerOutput(plan.step_id, (), (), copies, swap_out, swap_in)
                 )
-            return self._result(StepResult.empty(plan.step_id, self.worker_id), failures)
+            empty = StepResult.empty(plan.step_id, self.worker_id)
+            return self._result(empty, failures, loaded)
         if plan.num_lookahead_tokens and self.proposer is not None:
             ks = dict(zip(plan.scheduled_ids, plan.num_lookahead_tokens, strict=True))
             self._propose_all([(rid, ks[rid]) for rid, _ in runnable if ks[rid]])
@@ -124,19 +125,22 @@ class Worker:
             if copies or swap_out or swap_in or self._is_rank_of_group:
                 raise  # a group's rank cannot fail alone: the ranks' caches would differ
             self._forget([rid for rid, _ in runnable], describe(exc), failures)
-            return self._result(StepResult.empty(plan.step_id, self.worker_id), failures)
-        return self._result(result, failures)
+            empty = StepResult.empty(plan.step_id, self.worker_id)
+            return self._result(empty, failures, loaded)
+        return self._result(result, failures, loaded)
 
-    def _load_prompts(
-        self, runnable: list[tuple[str, int]], failures: dict[str, str]
-    ) -> list[tuple[str, int]]:
-        """Loads the KV of the rows whose prompt a prefill instance computed; those whose
-        load failed are failed and dropped from the step."""
-        rows = [(self.requests[rid], self.block_tables[rid]) for rid, _ in runnable]
-        errors = self.kv_transfer.load(rows)
+    def _transfer(self, plan: StepPlan, busy: bool, failures: dict[str, str]) -> tuple[str, ...]:
+        """Starts the plan's loads (in the background) and collects the loads that
+        ended: the ids whose KV arrived; those that failed are failed. With no step to
+        run (`busy` False) it first waits a little for a load to end."""
+        for request_id in plan.load_ids:
+            if request_id in self.requests:
+                request = self.requests[request_id]
+                self.kv_transfer.start(request, self.block_tables[request_id])
+        loaded, errors = self.kv_transfer.poll(wait=not busy)
         for request_id, error in errors.items():
             self._forget([request_id], error, failures)
-        return [(rid, n) for rid, n in runnable if rid not in errors]
+        return tuple(rid for rid in loaded if rid in self.requests)
 
     def expert_load(self) -> tuple[int, ...]:
         """Each expert's assignments so far, summed over the MoE layers (empty: no experts)."""
@@ -251,11 +255,13 @@ class Worker:
         return ModelOutput(sampled, logprobs, prompt, result.verified)
 
     @staticmethod
-    def _result(result: StepResult, failures: dict[str, str]) -> StepResult:
-        if not failures:
+    def _result(
+        result: StepResult, failures: dict[str, str], loaded: tuple[str, ...] = ()
+    ) -> StepResult:
+        if not failures and not loaded:
             return result
         failed = tuple(RequestFailed(rid, error) for rid, error in failures.items())
-        return dataclasses.replace(result, failed=failed)
+        return dataclasses.replace(result, failed=failed, loaded_ids=loaded)
 
     def _forget(self, request_ids: list[str], error: str, failures: dict[str, str]) -> None:
         for request_id in request_ids:

@@ -366,6 +366,7 @@ FIELD_ORDER = {
         "busy_seconds",
         "failed",
         "drafts",
+        "loaded_ids",
     ],
     "DraftCount": ["request_id", "num_drafts", "num_accepted"],
     "RequestFailed": ["request_id", "error"],
@@ -425,6 +426,7 @@ FIELD_ORDER = {
         "swap_in_dst",
         "grammars",
         "num_lookahead_tokens",
+        "load_ids",
     ],
     "PrepareGrammar": ["params"],
     "OutputDelta": [
@@ -548,21 +550,21 @@ def _frame(name, fields):
         (_frame("AddRequest", ["r", [1, True], [], 0.0]), "prompt_token_ids"),
         (_frame("AddRequest", ["r", [1], [1] * 5, 0.0]), "params"),
         (
-            _frame("StepResult", [1, 0, ["r"], [1.5], [], [], None, 0.0, [], []]),
+            _frame("StepResult", [1, 0, ["r"], [1.5], [], [], None, 0.0, [], [], []]),
             "sampled_token_ids",
         ),
         (
-            _frame("StepResult", [1, 0, ["r"], [True], [], [], None, 0.0, [], []]),
+            _frame("StepResult", [1, 0, ["r"], [True], [], [], None, 0.0, [], [], []]),
             "sampled_token_ids",
         ),
         (
             _frame(
                 "StepResult",
-                [1, 0, [], [], [["r", [[[1, -0.5, "x", None]]]]], [], None, 0.0, [], []],
+                [1, 0, [], [], [["r", [[[1, -0.5, "x", None]]]]], [], None, 0.0, [], [], []],
             ),
             "rank",
         ),
-        (_frame("StepResult", [1, 0, [], None]), "expected 10 fields"),
+        (_frame("StepResult", [1, 0, [], None]), "expected 11 fields"),
     ],
 )
 def test_garbage_and_wrong_types_are_rejected(frame, reason):

@@ -220,3 +220,117 @@ def test_kv_both_instances_hand_prompts_to_each_other(tmp_path):
             handoffs = first.generate(PROMPTS[:3], HANDOFF, use_tqdm=False)
             moved = [decode_params(h, params) for h in handoffs]
             assert tokens(second.generate(PROMPTS[:3], moved, use_tqdm=False)) == expected
+
+
+class HeldConnector:
+    """An in-memory connector whose loads end only once `release()` is called: until
+    then what was fetched stays on its way (nothing is written, `poll` reports
+    nothing), as over a slow link."""
+
+    def __init__(self, inner: InMemoryConnector) -> None:
+        self.inner = inner
+        self.held = True
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def poll(self):
+        return [] if self.held else self.inner.poll()
+
+    def release(self) -> None:
+        self.held = False
+
+
+def attach_held(llm: LLM, fabric: InMemoryFabric) -> HeldConnector:
+    attach(llm, fabric)
+    steps = llm.engine.worker.kv_transfer
+    steps.connector = HeldConnector(steps.connector)
+    return steps.connector
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("depth", [1, 2])
+def test_other_requests_decode_while_a_prompt_kv_is_on_its_way(depth, tmp_path):
+    """The load runs beside the steps: a running request keeps decoding while another
+    waits for its KV (counted as waiting), which then decodes as one engine would."""
+    save_hf_model("llama", tmp_path)
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    busy, moved_prompt = PROMPTS[4], PROMPTS[5]
+    with LLM(str(tmp_path), kv_cache_memory=8 << 20, **ENGINE) as lone:
+        expected = tokens(lone.generate([busy, moved_prompt], params, use_tqdm=False))
+    fabric = InMemoryFabric()
+    with (
+        LLM(
+            str(tmp_path), kv_cache_memory=8 << 20, kv_transfer_config=PRODUCER, **ENGINE
+        ) as prefill,
+        LLM(
+            str(tmp_path),
+            kv_cache_memory=8 << 20,
+            kv_transfer_config=CONSUMER,
+            pipeline_depth=depth,
+            **ENGINE,
+        ) as decode,
+    ):
+        attach(prefill, fabric)
+        held = attach_held(decode, fabric)
+        [handoff] = prefill.generate([moved_prompt], HANDOFF, use_tqdm=False)
+        engine, scheduler = decode.engine, decode.engine.core.scheduler
+        engine.add_request("busy", busy, params)
+        engine.add_request("moved", moved_prompt, decode_params(handoff, params))
+        done = {}
+        for _ in range(6):
+            done.update({o.request_id: o for o in engine.step()})
+        assert "moved" in scheduler.loading
+        assert decode.stats().num_waiting == 1
+        assert scheduler.requests["busy"].num_computed_tokens > len(busy) + 3  # it went on
+        held.release()
+        while engine.has_unfinished_requests():
+            done.update({o.request_id: o for o in engine.step()})
+        engine.flush()
+        stats = decode.stats()
+        decode.engine.check_integrity()
+    assert [list(done[r].outputs[0].token_ids) for r in ("busy", "moved")] == expected
+    assert stats.kv_transfer_loaded_tokens == len(moved_prompt)
+    assert stats.num_prompt_tokens_computed == len(busy)
+
+
+@pytest.mark.timeout(180)
+def test_a_request_aborted_while_its_kv_is_on_its_way_writes_nothing(tmp_path):
+    """Its blocks go back at once; the KV that arrives later is dropped, not written
+    over the blocks another request took meanwhile."""
+    save_hf_model("llama", tmp_path)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    with LLM(str(tmp_path), kv_cache_memory=8 << 20, **ENGINE) as lone:
+        [expected] = tokens(lone.generate([PROMPTS[5]], params, use_tqdm=False))
+        per_block = lone.engine.worker.runner._block_bytes()
+    fabric = InMemoryFabric()
+    with (
+        LLM(
+            str(tmp_path), kv_cache_memory=8 << 20, kv_transfer_config=PRODUCER, **ENGINE
+        ) as prefill,
+        LLM(  # 8 blocks: the next request needs 7 of them, so it reuses the freed ones
+            str(tmp_path),
+            kv_cache_memory=9 * per_block,
+            kv_transfer_config=CONSUMER,
+            **{**ENGINE, "max_model_len": 32},
+        ) as decode,
+    ):
+        attach(prefill, fabric)
+        held = attach_held(decode, fabric)
+        [handoff] = prefill.generate([PROMPTS[4]], HANDOFF, use_tqdm=False)
+        engine, blocks = decode.engine, decode.engine.core.blocks
+        engine.add_request("moved", PROMPTS[4], decode_params(handoff, params))
+        engine.step()
+        taken = set(blocks.block_table("moved"))
+        engine.abort_request("moved")
+        engine.add_request("next", PROMPTS[5], params)
+        done = {}
+        while not taken & set(blocks.block_table("next")):  # until it takes a freed block
+            done.update({o.request_id: o for o in engine.step()})
+            assert "next" not in done
+        held.release()  # the producer's KV arrives now, for a request that is gone
+        while engine.has_unfinished_requests():
+            done.update({o.request_id: o for o in engine.step()})
+        engine.flush()
+        decode.engine.check_integrity()
+    assert list(done["next"].outputs[0].token_ids) == expected
