@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 ATTENTION_BACKENDS = ("auto", "native", "triton", "sdpa", "reference")
 MAX_BLOCK_SIZE = 2048  # tokens per block (linear-attention states may need large pages)
 LINEAR_KERNELS = ("auto", "onednn", "torch")
+INPUT_PREPARATIONS = ("auto", "host", "device")
 
 
 def layer_sliding_window(hf_config: Any, index: int) -> int | None:
@@ -242,12 +243,16 @@ class DeviceConfig:
     forward pass goes through `torch.compile` (off by default: measured no faster on
     CPU, see docs/performance.md), and which GEMM its linear layers run (`linear_kernel`:
     'auto' prepacks weights for oneDNN where it can, 'onednn' insists, 'torch' keeps
-    torch's plain linear)."""
+    torch's plain linear). `input_preparation`: where a step's model input is built,
+    'host' (Python over the step's tokens) or 'device' (Triton kernels over buffers
+    kept on the device: engine/worker/device_inputs.py); 'auto' is 'device' on CUDA
+    where Triton is installed, else 'host'."""
 
     device: str = "cpu"
     attention_backend: str = "auto"
     compile_model: bool = False
     linear_kernel: str = "auto"
+    input_preparation: str = "auto"
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -258,6 +263,11 @@ class DeviceConfig:
         if self.linear_kernel not in LINEAR_KERNELS:
             raise ValueError(
                 f"linear_kernel must be one of {LINEAR_KERNELS}, got {self.linear_kernel!r}"
+            )
+        if self.input_preparation not in INPUT_PREPARATIONS:
+            raise ValueError(
+                f"input_preparation must be one of {INPUT_PREPARATIONS}, "
+                f"got {self.input_preparation!r}"
             )
 
 

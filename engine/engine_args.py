@@ -55,6 +55,7 @@ class EngineArgs:
     attention_backend: str = "auto"
     compile_model: bool = False
     linear_kernel: str = "auto"  # auto | onednn | torch: the linear layers' GEMM
+    input_preparation: str = "auto"  # auto | host | device: where a step's input is built
     skip_tokenizer_init: bool = False
     chat_template: str | None = None  # a file or the Jinja text itself
     enable_prefix_caching: bool = True
@@ -156,7 +157,11 @@ class EngineArgs:
             ),
             scheduler=scheduler,
             device=DeviceConfig(
-                device, self.attention_backend, self.compile_model, self.linear_kernel
+                device,
+                self.attention_backend,
+                self.compile_model,
+                self.linear_kernel,
+                self.input_preparation,
             ),
             tokenizer=self.tokenizer,
             skip_tokenizer_init=self.skip_tokenizer_init,

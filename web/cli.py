@@ -157,6 +157,14 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "where it can (else torch's linear); torch keeps torch's plain linear",
     )
     p.add_argument(
+        "--input-preparation",
+        default="auto",
+        choices=["auto", "host", "device"],
+        help="where each step's model input is built: host (Python) or device (Triton "
+        "kernels over buffers kept on the GPU; only what changed is sent); auto: device on "
+        "CUDA where Triton is installed",
+    )
+    p.add_argument(
         "--compile-model",
         action="store_true",
         help="run the model's forward pass through torch.compile (the first steps of each "
@@ -466,6 +474,7 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         "attention_backend": args.attention_backend,
         "compile_model": args.compile_model,
         "linear_kernel": args.linear_kernel,
+        "input_preparation": args.input_preparation,
         "tokenizer": args.tokenizer,
         "chat_template": args.chat_template,
         "parse_special_tokens_in_content": args.parse_special_tokens_in_content,

@@ -41,6 +41,7 @@ from engine.worker.sampling_metadata import SamplingMetadata, SamplingRow
 from engine.worker.speculative.draft_verifier import DraftVerifier
 
 if TYPE_CHECKING:
+    from engine.worker.device_inputs import DeviceInputBatch
     from engine.worker.grammar.matchers import GrammarMatchers
     from engine.worker.grammar.step_bitmask import GrammarBitmask
 
@@ -104,6 +105,7 @@ class ModelRunner:
         except ValueError as exc:  # name the model: its layers may need what is missing
             raise ValueError(f"{model_config.model} ({model_config.architecture}): {exc}") from None
         self.backend, self.backend_reason = choice.backend, choice.reason
+        self.device_inputs = self._device_inputs(device_config.input_preparation)
         self.model = load_model(model_config, self.backend, self.device, self.group)
         stage = self.group.stage  # a pipeline stage caches its own layers only
         self.cache_layers = (
@@ -249,9 +251,12 @@ class ModelRunner:
             return self._execute_stage(plan, sample)
         handed = [r for r in plan.scheduled if _samples_handed_hidden(r)]
         computed = [r for r in plan.scheduled if not _samples_handed_hidden(r)]
-        batch = build_model_input(
-            computed, self.cache_config.block_size, self.device, self.kv_layout
-        )
+        if self.device_inputs is not None:
+            batch = self.device_inputs.build(computed)
+        else:
+            batch = build_model_input(
+                computed, self.cache_config.block_size, self.device, self.kv_layout
+            )
         if not computed:
             hidden = None  # every row samples from a prefill instance's hidden state
         elif self.group.context.splits(batch.input_ids.shape[0]):
@@ -270,6 +275,33 @@ class ModelRunner:
             return self._sample_with_drafts(batch, logits, prompt_lp)
         sampled, rows = self._sample(batch.sample_rows, logits)
         return ModelOutput(sampled, rows, prompt_lp, prompt_hidden=prompt_hidden)
+
+    def _device_inputs(self, preparation: str) -> DeviceInputBatch | None:
+        """The device-side input builder ('device', or 'auto' on CUDA with Triton), or
+        None for the host one. Pipeline and context parallelism build on the host."""
+        on_cuda = str(self.device).startswith("cuda")
+        split = self.group.stage.is_split or self.group.context.is_split
+        if preparation == "host" or split or (preparation == "auto" and not on_cuda):
+            return None
+        try:
+            from engine.worker.device_inputs import DeviceInputBatch
+        except ImportError as exc:  # triton is not installed
+            if preparation == "device":
+                raise ValueError(f"input_preparation='device' needs triton ({exc})") from None
+            return None
+        entries = -(-self.max_model_len // self.cache_config.block_size) * self.num_table_groups
+        return DeviceInputBatch(
+            self.max_model_len,
+            entries + 2,
+            self.cache_config.block_size,
+            self.device,
+            self.kv_layout,
+        )
+
+    def release_requests(self, request_ids) -> None:
+        """Ended requests: their device input slots go back (a no-op on the host path)."""
+        if self.device_inputs is not None:
+            self.device_inputs.release(request_ids)
 
     def _append_handed(
         self, batch: ModelInput, logits: torch.Tensor | None, handed: Sequence[ScheduledRequest]

@@ -269,6 +269,8 @@ class Worker:
             self.block_tables.pop(request_id, None)
             self.failed.add(request_id)
             failures.setdefault(request_id, error)
+        if self.runner is not None:
+            self.runner.release_requests(request_ids)
 
     def _run(self, step: SchedulerOutput) -> ModelOutput:
         return self.runner.execute(step)
@@ -296,6 +298,8 @@ class Worker:
             self.requests.pop(request_id, None)
             self.block_tables.pop(request_id, None)
             self.failed.discard(request_id)
+        if self.runner is not None and plan.finished_ids:
+            self.runner.release_requests(plan.finished_ids)
         if self.kv_transfer is not None:
             self.kv_transfer.forget(plan.finished_ids)
         diffs = [(new.request_id, self._add, new) for new in plan.new_requests]

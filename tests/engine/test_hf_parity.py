@@ -1,6 +1,6 @@
 """Greedy token ids from our engine equal transformers' `generate` on the same weights,
 for every architecture, batched, under several block sizes, tiny prefill chunks, each
-attention backend and forced preemption."""
+attention backend, either input preparation and forced preemption."""
 
 from __future__ import annotations
 
@@ -35,6 +35,8 @@ SETTINGS = {
     "reference-backend": dict(block_size=16, attention_backend="reference"),
     # the Triton kernels: interpreted here (tests/conftest.py), compiled on a GPU
     "triton-backend": dict(block_size=16, attention_backend="triton"),
+    # the step's input built by the device-side path (Triton kernels, interpreted here)
+    "device-inputs": dict(block_size=4, max_num_batched_tokens=9, input_preparation="device"),
     "torch-linear": dict(block_size=16, linear_kernel="torch"),  # the default packs for oneDNN
 }
 

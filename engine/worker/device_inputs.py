@@ -1,0 +1,228 @@
+"""`DeviceInputBatch`: a step's model input prepared on the device (GPU-native input
+preparation), from buffers that persist across steps.
+
+The host builder (`input_batch.build_model_input`) walks every token of a step in
+Python. Here each request keeps a slot in two device buffers, its known tokens
+(`tokens[slot, position]`) and its block table (`tables[slot, entry]`), and a step
+sends only what changed since the last one: the tokens a slot does not hold yet (and
+its newest, which a beam search may have replaced), the draft tokens it verifies, the
+table entries that differ, and four numbers per row (slot, computed tokens, tokens
+this step, where they start). One Triton launch (`cuda_ext.triton_kernels.input_prep`)
+writes the input ids, positions and KV slot mappings; the block tables are a gather of
+the rows' slots. The per-row parts (sampling rows, logit indices, prompt logprob spans)
+stay on the host: they are per row, not per token.
+
+The result is the host builder's `ModelInput`, field for field (tests compare them on
+random step sequences under Triton's interpreter); it needs the Triton kernels to run
+(compiled on CUDA, or interpreted anywhere).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from engine.kv.kv_cache_groups import KVCacheLayout
+from engine.worker.attention.metadata import AttentionMetadata, GroupedAttentionMetadata
+from engine.worker.input_batch import (
+    ModelInput,
+    Row,
+    _leading_decodes,
+    _prompt_logprob_span,
+    batch_order,
+)
+
+INITIAL_SLOTS = 64
+
+
+class DeviceInputBatch:
+    """Slots and buffers for requests of up to `max_model_len` tokens and
+    `max_entries` table entries; `build(scheduled)` gives a step's `ModelInput`,
+    `release(request_ids)` frees the slots of requests that ended."""
+
+    def __init__(
+        self,
+        max_model_len: int,
+        max_entries: int,
+        block_size: int,
+        device: str | torch.device,
+        layout: KVCacheLayout | None = None,
+    ) -> None:
+        from cuda_ext.triton_kernels.input_prep import prepare_inputs
+
+        self._prepare = prepare_inputs
+        self.device = torch.device(device)
+        self.block_size = block_size
+        self.layout = layout
+        self.num_groups = layout.num_groups if layout is not None and layout.is_hybrid else 1
+        self.max_model_len = max_model_len
+        # [slots, max_model_len + 1]: one spare position for a last step's drafts' end
+        self.tokens = torch.zeros(
+            (INITIAL_SLOTS, max_model_len + 1), dtype=torch.int32, device=self.device
+        )
+        self.tables = torch.zeros(
+            (INITIAL_SLOTS, max_entries), dtype=torch.int32, device=self.device
+        )
+        self._slot: dict[str, int] = {}
+        self._free = list(range(INITIAL_SLOTS - 1, -1, -1))
+        self._written = [0] * INITIAL_SLOTS  # real tokens each slot holds
+        self._table = [[] for _ in range(INITIAL_SLOTS)]  # each slot's table, as written
+
+    @property
+    def num_slots(self) -> int:
+        return self.tokens.shape[0]
+
+    def release(self, request_ids: Iterable[str]) -> None:
+        for request_id in request_ids:
+            slot = self._slot.pop(request_id, None)
+            if slot is not None:
+                self._written[slot] = 0
+                self._free.append(slot)
+
+    def build(self, scheduled: Sequence[Row], ordered: bool = False) -> ModelInput:
+        rows = list(scheduled) if ordered else batch_order(scheduled)
+        token_writes: tuple[list[int], list[int], list[int]] = ([], [], [])
+        table_writes: tuple[list[int], list[int], list[int]] = ([], [], [])
+        slots, computed, counts, starts = [], [], [], [0]
+        logits_indices, num_drafts, spans = [], [], []
+        for row in rows:
+            slot = self._slot_of(row.request.request_id)
+            drafts = row.request.draft_token_ids
+            self._sync_tokens(slot, row.request, drafts, token_writes)
+            self._sync_table(slot, row.block_table, table_writes)
+            n = row.num_scheduled_tokens
+            slots.append(slot)
+            computed.append(row.num_computed_tokens)
+            counts.append(n)
+            end = starts[-1] + n
+            if row.samples:
+                d = len(drafts)
+                logits_indices += range(end - 1 - d, end)
+                num_drafts.append(d)
+            span = _prompt_logprob_span(row, starts[-1])
+            if span is not None:
+                spans.append(span)
+            starts.append(end)
+        self._upload(self.tokens, token_writes)
+        self._upload(self.tables, table_writes)
+        num_tokens = starts[-1]
+        per_row = torch.tensor([slots, computed, counts, starts[:-1]], dtype=torch.int32)
+        per_row = per_row.to(self.device, non_blocking=True)  # [4, R]
+        input_ids, positions, slot_mapping = self._prepare(
+            self.tokens,
+            self.tables,
+            *per_row,
+            num_tokens=num_tokens,
+            max_count=max(counts, default=0),
+            block_size=self.block_size,
+            num_groups=self.num_groups,
+        )
+        metadata = self._metadata(rows, slots, starts, slot_mapping)
+        return ModelInput(
+            input_ids=input_ids,
+            positions=positions,
+            metadata=metadata,
+            rows=tuple(rows),
+            sample_rows=tuple(r for r in rows if r.samples),
+            logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=self.device),
+            prompt_logprob_spans=tuple(spans),
+            num_drafts=tuple(num_drafts) if any(num_drafts) else (),
+        )
+
+    # -- what changed ------------------------------------------------------------------
+    def _slot_of(self, request_id: str) -> int:
+        slot = self._slot.get(request_id)
+        if slot is None:
+            if not self._free:
+                self._grow()
+            slot = self._slot[request_id] = self._free.pop()
+        return slot
+
+    def _grow(self) -> None:
+        """Twice the slots (the old ones keep their contents)."""
+        old = self.num_slots
+        self.tokens = torch.cat([self.tokens, torch.zeros_like(self.tokens)])
+        self.tables = torch.cat([self.tables, torch.zeros_like(self.tables)])
+        self._free += range(2 * old - 1, old - 1, -1)
+        self._written += [0] * old
+        self._table += [[] for _ in range(old)]
+
+    def _widen(self, entries: int) -> None:
+        """Room for tables of `entries` entries (at least twice the old width)."""
+        extra = max(entries, 2 * self.tables.shape[1]) - self.tables.shape[1]
+        pad = torch.zeros((self.num_slots, extra), dtype=self.tables.dtype, device=self.device)
+        self.tables = torch.cat([self.tables, pad], dim=1)
+
+    def _sync_tokens(self, slot: int, request, drafts: list[int], writes) -> None:
+        """The slot's known tokens from its newest on (a beam search may replace the
+        newest), then the row's drafts after them."""
+        known = request.num_tokens
+        first = max(0, min(self._written[slot], known) - 1)
+        new = request.token_ids(first, known) + list(drafts)
+        writes[0].extend([slot] * len(new))
+        writes[1].extend(range(first, first + len(new)))
+        writes[2].extend(new)
+        self._written[slot] = known
+
+    def _sync_table(self, slot: int, table: Sequence[int], writes) -> None:
+        """The table entries that differ from what the slot holds (a shorter table
+        zeroes the rest: unused entries read 0, as the host builder pads)."""
+        held = self._table[slot]
+        if len(table) == len(held) and table == held:
+            return
+        if len(table) > self.tables.shape[1]:
+            self._widen(len(table))
+        first = len(held) if table[: len(held)] == held else _first_difference(table, held)
+        tail = list(table[first:]) + [0] * max(0, len(held) - len(table))
+        writes[0].extend([slot] * len(tail))
+        writes[1].extend(range(first, first + len(tail)))
+        writes[2].extend(tail)
+        self._table[slot] = list(table)
+
+    def _upload(self, buffer: torch.Tensor, writes) -> None:
+        """`buffer[slots, index] = values` in one host-to-device copy and one scatter."""
+        if not writes[0]:
+            return
+        packed = torch.tensor(writes, dtype=torch.int64).to(self.device, non_blocking=True)
+        buffer[packed[0], packed[1]] = packed[2].to(buffer.dtype)
+
+    # -- per batch -----------------------------------------------------------------
+    def _metadata(
+        self, rows, slots, starts, slot_mapping: torch.Tensor
+    ) -> AttentionMetadata | GroupedAttentionMetadata:
+        num_groups, device = self.num_groups, self.device
+        seq_lens = [r.num_computed_tokens + r.num_scheduled_tokens for r in rows]
+        width = max((len(r.block_table) for r in rows), default=0)
+        index = torch.tensor(slots, dtype=torch.int64).to(device, non_blocking=True)
+        tables = self.tables.index_select(0, index)[:, :width].to(torch.int64)  # [R, width]
+        if num_groups > 1:  # group g's table: entries g, g + G, ...
+            grouped = tables.view(len(rows), width // num_groups, num_groups)
+            group_tables = [grouped[:, :, g].contiguous() for g in range(num_groups)]
+        else:
+            group_tables = [tables]
+        query_start_loc = torch.tensor(starts, dtype=torch.int64).to(device, non_blocking=True)
+        seq_lens_t = torch.tensor(seq_lens, dtype=torch.int64).to(device, non_blocking=True)
+        per_group = [
+            AttentionMetadata(
+                query_start_loc=query_start_loc,
+                seq_lens=seq_lens_t,
+                block_tables=group_tables[g],
+                slot_mapping=slot_mapping[g],
+                query_lens_cpu=tuple(r.num_scheduled_tokens for r in rows),
+                seq_lens_cpu=tuple(seq_lens),
+                num_decodes=_leading_decodes(rows),
+                block_size=self.block_size,
+            )
+            for g in range(num_groups)
+        ]
+        if self.layout is not None and self.layout.is_hybrid:
+            return GroupedAttentionMetadata(tuple(per_group), self.layout.group_of_layer)
+        return per_group[0]
+
+
+def _first_difference(a: Sequence[int], b: Sequence[int]) -> int:
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):  # up to the shorter
+        if x != y:
+            return i
+    return min(len(a), len(b))
