@@ -246,13 +246,18 @@ class DeviceConfig:
     torch's plain linear). `input_preparation`: where a step's model input is built,
     'host' (Python over the step's tokens) or 'device' (Triton kernels over buffers
     kept on the device: engine/worker/device_inputs.py); 'auto' is 'device' on CUDA
-    where Triton is installed, else 'host'."""
+    where Triton is installed, else 'host'. Piecewise CUDA graphs
+    (engine/worker/piecewise_graphs.py) run at the `cudagraph_capture_sizes` token
+    counts when they are given and not `enforce_eager` (on the CPU the pieces are plain
+    calls: the split and padding, checked)."""
 
     device: str = "cpu"
     attention_backend: str = "auto"
     compile_model: bool = False
     linear_kernel: str = "auto"
     input_preparation: str = "auto"
+    enforce_eager: bool = False
+    cudagraph_capture_sizes: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -263,6 +268,11 @@ class DeviceConfig:
         if self.linear_kernel not in LINEAR_KERNELS:
             raise ValueError(
                 f"linear_kernel must be one of {LINEAR_KERNELS}, got {self.linear_kernel!r}"
+            )
+        sizes = self.cudagraph_capture_sizes
+        if sizes is not None and (not sizes or any(type(n) is not int or n < 1 for n in sizes)):
+            raise ValueError(
+                f"cudagraph_capture_sizes must be a non-empty list of ints >= 1, got {sizes!r}"
             )
         if self.input_preparation not in INPUT_PREPARATIONS:
             raise ValueError(

@@ -56,6 +56,8 @@ class EngineArgs:
     compile_model: bool = False
     linear_kernel: str = "auto"  # auto | onednn | torch: the linear layers' GEMM
     input_preparation: str = "auto"  # auto | host | device: where a step's input is built
+    enforce_eager: bool = False  # no piecewise CUDA graphs
+    cudagraph_capture_sizes: list[int] | None = None  # token counts graphs are captured at
     skip_tokenizer_init: bool = False
     chat_template: str | None = None  # a file or the Jinja text itself
     enable_prefix_caching: bool = True
@@ -162,6 +164,8 @@ class EngineArgs:
                 self.compile_model,
                 self.linear_kernel,
                 self.input_preparation,
+                self.enforce_eager,
+                _sizes(self.cudagraph_capture_sizes),
             ),
             tokenizer=self.tokenizer,
             skip_tokenizer_init=self.skip_tokenizer_init,
@@ -283,3 +287,10 @@ class EngineArgs:
             model_config.architecture,
         )
         return need
+
+
+def _sizes(sizes) -> tuple[int, ...] | None:
+    """`cudagraph_capture_sizes` as given (a list or a tuple), as a tuple."""
+    if sizes is None or isinstance(sizes, str | int):
+        return sizes
+    return tuple(sizes)

@@ -165,6 +165,21 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "CUDA where Triton is installed",
     )
     p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="no piecewise CUDA graphs: every step's forward runs eagerly",
+    )
+    p.add_argument(
+        "--cudagraph-capture-sizes",
+        type=int,
+        nargs="+",
+        default=None,
+        metavar="N",
+        help="run the forward as piecewise CUDA graphs captured at these token counts (a "
+        "step is padded to the next one; past the largest it runs eagerly; e.g. 1 2 4 8 "
+        "16 32 64 128 256); off when not given",
+    )
+    p.add_argument(
         "--compile-model",
         action="store_true",
         help="run the model's forward pass through torch.compile (the first steps of each "
@@ -475,6 +490,8 @@ def _engine_kwargs(args: argparse.Namespace) -> dict:
         "compile_model": args.compile_model,
         "linear_kernel": args.linear_kernel,
         "input_preparation": args.input_preparation,
+        "enforce_eager": args.enforce_eager,
+        "cudagraph_capture_sizes": args.cudagraph_capture_sizes,
         "tokenizer": args.tokenizer,
         "chat_template": args.chat_template,
         "parse_special_tokens_in_content": args.parse_special_tokens_in_content,

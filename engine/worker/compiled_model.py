@@ -19,20 +19,37 @@ from engine.worker.models.layers import PagedAttention
 
 class OpaqueBackend:
     """The same attention backend, run eagerly inside a compiled model: `forward` is
-    `torch.compiler.disable`d; every other attribute is the wrapped backend's."""
+    `torch.compiler.disable`d; every other attribute is the wrapped backend's. A batch
+    padded past the step's tokens (piecewise CUDA graphs run at fixed sizes) attends
+    with its real tokens only; its padding rows get zeros."""
 
     def __init__(self, backend: AttentionBackend) -> None:
         self.backend = backend
-        self.forward = torch.compiler.disable(backend.forward)
+        self.forward = torch.compiler.disable(self._forward)
+
+    def _forward(self, query, key, value, kv_cache, metadata, spec, sinks=None):
+        num_rows, num_tokens = query.shape[0], metadata.num_tokens  # [S], [T]
+        if num_rows == num_tokens:
+            return self.backend.forward(query, key, value, kv_cache, metadata, spec, sinks)
+        real = (query[:num_tokens], key[:num_tokens], value[:num_tokens])
+        out = self.backend.forward(*real, kv_cache, metadata, spec, sinks)
+        padded = out.new_zeros((num_rows, *out.shape[1:]))
+        padded[:num_tokens] = out
+        return padded
 
     def __getattr__(self, name: str):
         return getattr(self.backend, name)
 
 
-def compile_model(model: nn.Module) -> None:
-    """Route `model.forward` through `torch.compile(dynamic=True)`, in place; the first
-    call at each new shape class compiles (seconds to a minute)."""
+def wrap_attention_backends(model: nn.Module) -> None:
+    """Every attention layer of `model` calls its backend through an `OpaqueBackend`."""
     for module in model.modules():
         if isinstance(module, PagedAttention) and not isinstance(module.backend, OpaqueBackend):
             module.backend = OpaqueBackend(module.backend)
+
+
+def compile_model(model: nn.Module) -> None:
+    """Route `model.forward` through `torch.compile(dynamic=True)`, in place; the first
+    call at each new shape class compiles (seconds to a minute)."""
+    wrap_attention_backends(model)
     model.forward = torch.compile(model.forward, dynamic=True)

@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from engine.worker.device_inputs import DeviceInputBatch
     from engine.worker.grammar.matchers import GrammarMatchers
     from engine.worker.grammar.step_bitmask import GrammarBitmask
+    from engine.worker.piecewise_graphs import PiecewiseGraphs
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +124,7 @@ class ModelRunner:
         if device_config.compile_model:
             compile_model(self.model)
             logger.info("the model's forward pass runs through torch.compile")
+        self.graphs = self._piecewise_graphs(device_config, max_num_batched_tokens)
         gen = torch.Generator(device=self.device).manual_seed(model_config.seed)
         self.sampler = Sampler(gen)
         self.verifier = DraftVerifier(model_config.vocab_size, self.device, gen)
@@ -262,7 +264,8 @@ class ModelRunner:
         elif self.group.context.splits(batch.input_ids.shape[0]):
             hidden = self._forward_shard(batch)
         else:
-            hidden = self.model(batch.input_ids, batch.positions, self.kv_cache, batch.metadata)
+            forward = self.graphs or self.model
+            hidden = forward(batch.input_ids, batch.positions, self.kv_cache, batch.metadata)
         prompt_lp = self._prompt_logprobs(batch, hidden)
         prompt_hidden = _prompt_hidden(batch, hidden)
         if not sample or not (batch.sample_rows or handed):
@@ -275,6 +278,21 @@ class ModelRunner:
             return self._sample_with_drafts(batch, logits, prompt_lp)
         sampled, rows = self._sample(batch.sample_rows, logits)
         return ModelOutput(sampled, rows, prompt_lp, prompt_hidden=prompt_hidden)
+
+    def _piecewise_graphs(self, config: DeviceConfig, max_tokens: int) -> PiecewiseGraphs | None:
+        """The model split at attention into pieces replayed from CUDA graphs (on the
+        CPU, plain calls: the split and padding checked), when capture sizes are given
+        and not `enforce_eager`. Not with pipeline or context parallelism, nor with
+        compile_model (which compiles the whole forward its own way). Opt-in on CUDA
+        too until a GPU run has checked the capture (docs/performance.md)."""
+        split = self.group.stage.is_split or self.group.context.is_split
+        wanted = config.cudagraph_capture_sizes is not None
+        if config.enforce_eager or config.compile_model or split or not wanted:
+            return None
+        from engine.worker.piecewise_graphs import PiecewiseGraphs, capture_sizes
+
+        sizes = capture_sizes(config.cudagraph_capture_sizes, max_tokens)
+        return PiecewiseGraphs(self.model, sizes, self.device)
 
     def _device_inputs(self, preparation: str) -> DeviceInputBatch | None:
         """The device-side input builder ('device', or 'auto' on CUDA with Triton), or
