@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The Triton kernels on a lent GPU, compiled (CI runs them interpreted): their tests on
-# CUDA tensors, every model family through the Triton backend against transformers, and
-# a decode step timed against torch SDPA at a 1B-like and an 8B-like attention shape.
+# CUDA tensors; the device-side input preparation against the host builder and the
+# piecewise CUDA graphs captured and replayed against eager; a decode step timed against
+# torch SDPA at a 1B-like and an 8B-like attention shape; every model family through the
+# Triton backend against transformers.
 # $OUT (default /tmp/gpu_triton) gets summary.txt. Wheels the machine lacks go in .whl/
 # (see bench/gpu_check.sh). NATIVE=1 also builds the CUDA C++ kernels and runs the test
 # that compares the two kernel sets (about a minute more).
@@ -23,6 +25,11 @@ timeout "${TEST_LIMIT:-120}" python3 -m pytest -q -p no:cacheprovider -n 8 --tim
   tests/cuda_ext/test_triton_kernels.py -k "$SELECT" >"$OUT/kernels.log" 2>&1
 echo "kernel tests rc $?: $(tail -1 "$OUT/kernels.log")" >>"$SUMMARY"
 grep -aE '^(FAILED|ERROR)' "$OUT/kernels.log" | head -20 >>"$SUMMARY"
+echo "== device input preparation and piecewise CUDA graphs $(date +%T)" >>"$SUMMARY"
+timeout "${GRAPH_LIMIT:-120}" python3 -m pytest -q -p no:cacheprovider --timeout 110 -rfE \
+  tests/engine/test_device_inputs.py tests/engine/test_piecewise_graphs.py >"$OUT/graphs.log" 2>&1
+echo "device inputs + graphs rc $?: $(tail -1 "$OUT/graphs.log")" >>"$SUMMARY"
+grep -aE '^(FAILED|ERROR)' "$OUT/graphs.log" | head -20 >>"$SUMMARY"
 echo "== decode step timings $(date +%T)" >>"$SUMMARY"
 timeout 60 python3 - >>"$SUMMARY" 2>&1 <<'PY'
 import torch

@@ -224,3 +224,49 @@ def test_triton_and_cuda_kernels_agree(dtype):
     assert_close(ours, want, dtype)
     assert_close(theirs, want, dtype)
     assert_close(ours, theirs, dtype)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="compares with the CPU kernels, on the CPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "features", [NO_FEATURES, Features(sliding_window=9, soft_cap=30.0, sinks=True)]
+)
+def test_triton_and_native_cpu_kernels_agree(dtype, features):
+    """The same inputs through the Triton kernel (interpreted) and the C++ CPU kernels
+    (their head-major cache): they agree with each other and with the reference."""
+    from engine.worker.attention.metadata import AttentionMetadata
+    from engine.worker.attention.spec import AttentionSpec
+    from engine.worker.attention.triton_backend import TritonBackend
+    from tests.engine.native_backend import native_backend
+
+    native = native_backend()
+    query, kc, vc, tables, query_lens, seq_lens, rng = attention_case(dtype, 16, 8, 2, 64, MIXED)
+    extra = features.arguments(8, rng)
+    tables = tables.clamp(max=kc.shape[0] - 1)
+    starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()])
+    metadata = AttentionMetadata(
+        starts,
+        torch.tensor(seq_lens),
+        tables,
+        torch.zeros(len(query), dtype=torch.int64),
+        tuple(query_lens),
+        tuple(seq_lens),
+        num_decodes=sum(q == 1 for q in query_lens),
+        block_size=16,
+    )
+    spec = AttentionSpec(
+        scale=64**-0.5,
+        sliding_window=extra["sliding_window"] or None,
+        logit_soft_cap=extra["soft_cap"] or None,
+        has_sinks=extra["sinks"] is not None,
+    )
+    sinks = extra["sinks"]
+    ours = TritonBackend().attend(query, kc, vc, metadata, spec, sinks)
+    head_major = (reference.head_major(kc), reference.head_major(vc))
+    theirs = native.attend(query, *head_major, metadata, spec, sinks)
+    want = reference.paged_attention_reference(
+        query, kc, vc, tables, query_lens, seq_lens, 64**-0.5, **extra
+    )
+    assert_close(ours, want, dtype)
+    assert_close(theirs, want, dtype)
+    assert_close(ours, theirs, dtype)
