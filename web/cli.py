@@ -161,8 +161,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         default="auto",
         choices=["auto", "host", "device"],
         help="where each step's model input is built: host (Python) or device (Triton "
-        "kernels over buffers kept on the GPU; only what changed is sent); auto: device on "
-        "CUDA where Triton is installed",
+        "kernels over buffers kept on the GPU; only what changed is sent); auto: host, "
+        "until the device path is checked on a GPU",
     )
     p.add_argument(
         "--enforce-eager",

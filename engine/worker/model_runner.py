@@ -295,18 +295,16 @@ class ModelRunner:
         return PiecewiseGraphs(self.model, sizes, self.device)
 
     def _device_inputs(self, preparation: str) -> DeviceInputBatch | None:
-        """The device-side input builder ('device', or 'auto' on CUDA with Triton), or
-        None for the host one. Pipeline and context parallelism build on the host."""
-        on_cuda = str(self.device).startswith("cuda")
+        """The device-side input builder ('device'), or None for the host one ('host',
+        and 'auto' until a GPU run has checked the device path on CUDA). Pipeline and
+        context parallelism build on the host."""
         split = self.group.stage.is_split or self.group.context.is_split
-        if preparation == "host" or split or (preparation == "auto" and not on_cuda):
+        if preparation != "device" or split:
             return None
         try:
             from engine.worker.device_inputs import DeviceInputBatch
         except ImportError as exc:  # triton is not installed
-            if preparation == "device":
-                raise ValueError(f"input_preparation='device' needs triton ({exc})") from None
-            return None
+            raise ValueError(f"input_preparation='device' needs triton ({exc})") from None
         entries = -(-self.max_model_len // self.cache_config.block_size) * self.num_table_groups
         return DeviceInputBatch(
             self.max_model_len,
