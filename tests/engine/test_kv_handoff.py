@@ -10,6 +10,8 @@ cache."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 from engine import LLM, SamplingParams
@@ -38,6 +40,27 @@ def attach(llm: LLM, fabric: InMemoryFabric) -> None:
     )
 
 
+@contextlib.contextmanager
+def handoff_pair(directory, consumer_memory: int = 8 << 20, **consumer):
+    """A producer and a consumer engine on one in-memory fabric (`consumer`: settings
+    of the consumer beyond ENGINE's)."""
+    fabric = InMemoryFabric()
+    with (
+        LLM(
+            str(directory), kv_cache_memory=8 << 20, kv_transfer_config=PRODUCER, **ENGINE
+        ) as prefill,
+        LLM(
+            str(directory),
+            kv_cache_memory=consumer_memory,
+            kv_transfer_config=CONSUMER,
+            **{**ENGINE, **consumer},
+        ) as decode,
+    ):
+        attach(prefill, fabric)
+        attach(decode, fabric)
+        yield prefill, decode
+
+
 def decode_params(handoff, params: SamplingParams) -> SamplingParams:
     """`params` carrying the producer's answer for one prompt."""
     import dataclasses
@@ -60,17 +83,7 @@ def test_handed_off_prompts_decode_as_one_engine(name, tmp_path):
     wanted = [params[i % 2] for i in range(len(PROMPTS))]
     with LLM(str(tmp_path), kv_cache_memory=8 << 20, **ENGINE) as lone:
         expected = tokens(lone.generate(PROMPTS, wanted, use_tqdm=False))
-    fabric = InMemoryFabric()
-    with (
-        LLM(
-            str(tmp_path), kv_cache_memory=8 << 20, kv_transfer_config=PRODUCER, **ENGINE
-        ) as prefill,
-        LLM(
-            str(tmp_path), kv_cache_memory=8 << 20, kv_transfer_config=CONSUMER, **ENGINE
-        ) as decode,
-    ):
-        attach(prefill, fabric)
-        attach(decode, fabric)
+    with handoff_pair(tmp_path) as (prefill, decode):
         handoffs = prefill.generate(PROMPTS, HANDOFF, use_tqdm=False)
         assert all(h.kv_transfer_params["do_remote_prefill"] for h in handoffs)
         moved = [decode_params(h, p) for h, p in zip(handoffs, wanted, strict=True)]
@@ -90,17 +103,7 @@ def test_a_transferred_prompt_first_token_needs_no_forward_pass(tmp_path, monkey
     params = SamplingParams(max_tokens=1, temperature=0, logprobs=2)
     with LLM(str(tmp_path), kv_cache_memory=8 << 20, **ENGINE) as lone:
         expected = lone.generate(PROMPTS, params, use_tqdm=False)
-    fabric = InMemoryFabric()
-    with (
-        LLM(
-            str(tmp_path), kv_cache_memory=8 << 20, kv_transfer_config=PRODUCER, **ENGINE
-        ) as prefill,
-        LLM(
-            str(tmp_path), kv_cache_memory=8 << 20, kv_transfer_config=CONSUMER, **ENGINE
-        ) as decode,
-    ):
-        attach(prefill, fabric)
-        attach(decode, fabric)
+    with handoff_pair(tmp_path) as (prefill, decode):
         model = decode.engine.worker.runner.model
         forwards = []
         monkeypatch.setattr(model, "forward", lambda *a, **k: forwards.append(a))
@@ -121,20 +124,10 @@ def test_a_transferred_prompt_first_token_needs_no_forward_pass(tmp_path, monkey
 def test_a_consumer_that_preempts_after_the_load_recomputes_as_usual(tmp_path):
     save_hf_model("llama", tmp_path)
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    fabric = InMemoryFabric()
     with LLM(str(tmp_path), kv_cache_memory=8 << 20, **ENGINE) as lone:
         expected = tokens(lone.generate(PROMPTS, params, use_tqdm=False))
         per_block = lone.engine.worker.runner._block_bytes()
-    with (
-        LLM(
-            str(tmp_path), kv_cache_memory=8 << 20, kv_transfer_config=PRODUCER, **ENGINE
-        ) as prefill,
-        LLM(
-            str(tmp_path), kv_cache_memory=24 * per_block, kv_transfer_config=CONSUMER, **ENGINE
-        ) as decode,
-    ):
-        attach(prefill, fabric)
-        attach(decode, fabric)
+    with handoff_pair(tmp_path, 24 * per_block) as (prefill, decode):
         handoffs = prefill.generate(PROMPTS, HANDOFF, use_tqdm=False)
         moved = [decode_params(h, params) for h in handoffs]
         got = decode.generate(PROMPTS, moved, use_tqdm=False)
@@ -241,8 +234,8 @@ class HeldConnector:
         self.held = False
 
 
-def attach_held(llm: LLM, fabric: InMemoryFabric) -> HeldConnector:
-    attach(llm, fabric)
+def hold_loads(llm: LLM) -> HeldConnector:
+    """The engine's loads, held on their way until `release()`."""
     steps = llm.engine.worker.kv_transfer
     steps.connector = HeldConnector(steps.connector)
     return steps.connector
@@ -258,21 +251,8 @@ def test_other_requests_decode_while_a_prompt_kv_is_on_its_way(depth, tmp_path):
     busy, moved_prompt = PROMPTS[4], PROMPTS[5]
     with LLM(str(tmp_path), kv_cache_memory=8 << 20, **ENGINE) as lone:
         expected = tokens(lone.generate([busy, moved_prompt], params, use_tqdm=False))
-    fabric = InMemoryFabric()
-    with (
-        LLM(
-            str(tmp_path), kv_cache_memory=8 << 20, kv_transfer_config=PRODUCER, **ENGINE
-        ) as prefill,
-        LLM(
-            str(tmp_path),
-            kv_cache_memory=8 << 20,
-            kv_transfer_config=CONSUMER,
-            pipeline_depth=depth,
-            **ENGINE,
-        ) as decode,
-    ):
-        attach(prefill, fabric)
-        held = attach_held(decode, fabric)
+    with handoff_pair(tmp_path, pipeline_depth=depth) as (prefill, decode):
+        held = hold_loads(decode)
         [handoff] = prefill.generate([moved_prompt], HANDOFF, use_tqdm=False)
         engine, scheduler = decode.engine, decode.engine.core.scheduler
         engine.add_request("busy", busy, params)
@@ -303,20 +283,9 @@ def test_a_request_aborted_while_its_kv_is_on_its_way_writes_nothing(tmp_path):
     with LLM(str(tmp_path), kv_cache_memory=8 << 20, **ENGINE) as lone:
         [expected] = tokens(lone.generate([PROMPTS[5]], params, use_tqdm=False))
         per_block = lone.engine.worker.runner._block_bytes()
-    fabric = InMemoryFabric()
-    with (
-        LLM(
-            str(tmp_path), kv_cache_memory=8 << 20, kv_transfer_config=PRODUCER, **ENGINE
-        ) as prefill,
-        LLM(  # 8 blocks: the next request needs 7 of them, so it reuses the freed ones
-            str(tmp_path),
-            kv_cache_memory=9 * per_block,
-            kv_transfer_config=CONSUMER,
-            **{**ENGINE, "max_model_len": 32},
-        ) as decode,
-    ):
-        attach(prefill, fabric)
-        held = attach_held(decode, fabric)
+    # 8 blocks: the next request needs 7 of them, so it reuses the freed ones
+    with handoff_pair(tmp_path, 9 * per_block, max_model_len=32) as (prefill, decode):
+        held = hold_loads(decode)
         [handoff] = prefill.generate([PROMPTS[4]], HANDOFF, use_tqdm=False)
         engine, blocks = decode.engine, decode.engine.core.blocks
         engine.add_request("moved", PROMPTS[4], decode_params(handoff, params))
