@@ -8,7 +8,8 @@ handoff's `kv_transfer_params` (fetching the blocks and the prompt's last hidden
 over ZeroMQ, sampling the first token from it, decoding); the KV bytes moved (2 x
 layers x prompt tokens x KV heads x head size x 4 bytes). Texts are checked equal to
 the lone server's. Medians of `--repeats` distinct prompts per length (no prefix cache
-hits).
+hits). Then a stream decoding on the consumer, alone and while four handed-off prompts
+of the longest length arrive (their loads run beside its steps): its chunk gaps.
 
     python bench/prefill_decode.py --out bench/results/prefill_decode.json
 """
@@ -21,6 +22,7 @@ import random
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -99,6 +101,49 @@ def measure(servers, prompts: list[list[int]], out_len: int) -> dict:
     )
 
 
+def stream_gaps(url: str, body: dict) -> list[float]:
+    """Seconds between the streamed chunks of one completion."""
+    data = json.dumps({**body, "stream": True}).encode()
+    request = urllib.request.Request(url, data, {"Content-Type": "application/json"})
+    times = []
+    with urllib.request.urlopen(request, timeout=300) as reply:
+        for line in reply:
+            if line.startswith(b"data: {"):
+                times.append(time.perf_counter())
+    return [b - a for a, b in zip(times, times[1:], strict=False)]
+
+
+def stall(servers, prompts: list[list[int]], stream_len: int) -> dict:
+    """A stream decoding on the consumer, alone and while handed-off prompts arrive
+    (their KV loads run beside its steps): its chunk gaps, median and largest."""
+    producer, consumer, _ = servers
+    stream = {"model": "m", "prompt": [5, 6, 7, 8], "max_tokens": stream_len, "temperature": 0}
+    stream["ignore_eos"] = True
+    alone = stream_gaps(f"{consumer.url}/v1/completions", stream)
+    moved = []
+    for prompt in prompts:
+        body = {"model": "m", "prompt": prompt, "max_tokens": 4, "temperature": 0}
+        remote = {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+        _, handoff = post(f"{producer.url}/v1/completions", remote)
+        moved.append({**body, "kv_transfer_params": handoff["kv_transfer_params"]})
+    gaps: list[float] = []
+    runner = threading.Thread(
+        target=lambda: gaps.extend(stream_gaps(f"{consumer.url}/v1/completions", stream))
+    )
+    runner.start()
+    time.sleep(0.2)  # the stream is decoding: the transfers land in its steps
+    for body in moved:
+        post(f"{consumer.url}/v1/completions", body)
+    runner.join()
+    ms = lambda xs: round(1000 * xs, 2)  # noqa: E731
+    return dict(
+        transfers=len(moved),
+        prompt_len=len(prompts[0]),
+        alone_gap_ms=dict(median=ms(statistics.median(alone)), max=ms(max(alone))),
+        during_gap_ms=dict(median=ms(statistics.median(gaps)), max=ms(max(gaps))),
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--hidden", type=int, default=512)
@@ -106,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-lens", type=int, nargs="+", default=[64, 512, 1536])
     p.add_argument("--output-len", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--stream-len", type=int, default=120, help="tokens of the timed stream")
     p.add_argument("--out", type=Path)
     a = p.parse_args(argv)
     kv_heads, head_size = max(1, a.hidden // 256), 64
@@ -125,6 +171,10 @@ def main(argv: list[str] | None = None) -> int:
                 row["kv_bytes"] = 2 * a.layers * length * kv_heads * head_size * 4
                 print(row, file=sys.stderr, flush=True)
                 rows.append(row)
+            longest = max(a.prompt_lens)
+            moving = [[rng.randrange(3, 256) for _ in range(longest)] for _ in range(4)]
+            stalls = stall(servers, moving, a.stream_len)
+            print(stalls, file=sys.stderr, flush=True)
         finally:
             for server in servers:
                 server.stop()
@@ -136,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         output_len=a.output_len,
         texts_identical=True,
         rows=rows,
+        stream_during_transfers=stalls,
     )
     write_report(report, a.out)
     return 0

@@ -9,8 +9,10 @@ its newest, which a beam search may have replaced), the draft tokens it verifies
 table entries that differ, and four numbers per row (slot, computed tokens, tokens
 this step, where they start). One Triton launch (`cuda_ext.triton_kernels.input_prep`)
 writes the input ids, positions and KV slot mappings; the block tables are a gather of
-the rows' slots. The per-row parts (sampling rows, logit indices, prompt logprob spans)
-stay on the host: they are per row, not per token.
+the rows' slots. Each slot also keeps its request's per-row sampling parameters
+(`sampling_table`: written once, gathered per step). The per-row parts (sampling rows,
+logit indices, prompt logprob spans, the sparse sampling inputs) stay on the host: they
+are per row, not per token.
 
 The result is the host builder's `ModelInput`, field for field (tests compare them on
 random step sequences under Triton's interpreter); it needs the Triton kernels to run
@@ -32,6 +34,7 @@ from engine.worker.input_batch import (
     _prompt_logprob_span,
     batch_order,
 )
+from engine.worker.sampling_metadata import COLUMNS, param_columns
 
 INITIAL_SLOTS = 64
 
@@ -68,6 +71,9 @@ class DeviceInputBatch:
         self._free = list(range(INITIAL_SLOTS - 1, -1, -1))
         self._written = [0] * INITIAL_SLOTS  # real tokens each slot holds
         self._table = [[] for _ in range(INITIAL_SLOTS)]  # each slot's table, as written
+        # [slots, len(COLUMNS)] float32: each slot's request's per-row sampling parameters
+        self.params = torch.zeros((INITIAL_SLOTS, len(COLUMNS)), device=self.device)
+        self._has_params = [False] * INITIAL_SLOTS
 
     @property
     def num_slots(self) -> int:
@@ -78,6 +84,7 @@ class DeviceInputBatch:
             slot = self._slot.pop(request_id, None)
             if slot is not None:
                 self._written[slot] = 0
+                self._has_params[slot] = False
                 self._free.append(slot)
 
     def build(self, scheduled: Sequence[Row], ordered: bool = False) -> ModelInput:
@@ -130,6 +137,25 @@ class DeviceInputBatch:
             num_drafts=tuple(num_drafts) if any(num_drafts) else (),
         )
 
+    def sampling_table(self, rows: Sequence[Row], vocab_size: int) -> torch.Tensor:
+        """The sampling rows' per-row parameters ([B, len(COLUMNS)] float32, for
+        `SamplingMetadata.from_rows`), gathered from the slots; a request's parameters
+        go up once, when it first samples."""
+        slots, new_slots, new_values = [], [], []
+        for row in rows:
+            slot = self._slot_of(row.request.request_id)
+            if not self._has_params[slot]:
+                self._has_params[slot] = True
+                new_slots.append(slot)
+                new_values.append(param_columns(row.request.params, vocab_size))
+            slots.append(slot)
+        if new_slots:
+            values = torch.tensor(new_values, dtype=torch.float32).to(self.device)
+            index = torch.tensor(new_slots, dtype=torch.int64).to(self.device)
+            self.params.index_copy_(0, index, values)
+        index = torch.tensor(slots, dtype=torch.int64).to(self.device, non_blocking=True)
+        return self.params.index_select(0, index)  # [B, len(COLUMNS)]
+
     # -- what changed ------------------------------------------------------------------
     def _slot_of(self, request_id: str) -> int:
         slot = self._slot.get(request_id)
@@ -147,6 +173,8 @@ class DeviceInputBatch:
         self._free += range(2 * old - 1, old - 1, -1)
         self._written += [0] * old
         self._table += [[] for _ in range(old)]
+        self.params = torch.cat([self.params, torch.zeros_like(self.params)])
+        self._has_params += [False] * old
 
     def _widen(self, entries: int) -> None:
         """Room for tables of `entries` entries (at least twice the old width)."""

@@ -480,7 +480,11 @@ class ModelRunner:
     def _sampling_metadata(self, sample_rows: Sequence[ScheduledRequest]) -> SamplingMetadata:
         rows = [self._sampling_row(item) for item in sample_rows]
         grammar = self._grammar_bitmask(sample_rows)
-        return SamplingMetadata.from_rows(rows, self.model_config.vocab_size, self.device, grammar)
+        vocab = self.model_config.vocab_size
+        table = None
+        if self.device_inputs is not None:  # the parameters kept on the device, per slot
+            table = self.device_inputs.sampling_table(sample_rows, vocab)
+        return SamplingMetadata.from_rows(rows, vocab, self.device, grammar, table)
 
     @staticmethod
     def _sampling_row(item: ScheduledRequest) -> SamplingRow:

@@ -100,30 +100,32 @@ class SamplingMetadata:
         vocab_size: int,
         device: torch.device | str,
         grammar: GrammarBitmask | None = None,
+        table: Tensor | None = None,
     ) -> SamplingMetadata:
-        """Build every tensor of the step at once (a few host-to-device copies)."""
+        """Build every tensor of the step at once (a few host-to-device copies).
+        `table`: the rows' `param_columns` already on the device ([B, 8] float32, e.g.
+        gathered from per-request state kept there), instead of built here."""
         params = [row.params for row in rows]
         greedy = [p.is_greedy for p in params]
         random = [not g for g in greedy]
-        top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
+        top_k = [_top_k(p, vocab_size) for p in params]
         penalized = [_has_penalty(p) for p in params]
         logprobs_rows = [p.logprobs for p in params]
-
-        def floats(values: list[float]) -> Tensor:
-            return torch.tensor(values, dtype=torch.float32, device=device)  # [B]
-
+        if table is None:
+            columns = [param_columns(p, vocab_size) for p in params]
+            table = torch.tensor(columns, dtype=torch.float32).reshape(len(rows), len(COLUMNS))
+            table = table.to(device)
+        column = dict(zip(COLUMNS, table.t().contiguous(), strict=True))  # each [B]
         md = cls(
             vocab_size=vocab_size,
-            temperature=floats(
-                [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)]
-            ),
-            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
-            top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
-            top_p=floats([p.top_p for p in params]),
-            min_p=floats([p.min_p for p in params]),
-            repetition_penalty=floats([p.repetition_penalty for p in params]),
-            presence_penalty=floats([p.presence_penalty for p in params]),
-            frequency_penalty=floats([p.frequency_penalty for p in params]),
+            temperature=column["temperature"],
+            greedy=column["greedy"].bool(),
+            top_k=column["top_k"].long(),
+            top_p=column["top_p"],
+            min_p=column["min_p"],
+            repetition_penalty=column["repetition_penalty"],
+            presence_penalty=column["presence_penalty"],
+            frequency_penalty=column["frequency_penalty"],
             all_greedy=all(greedy),
             all_random=not any(greedy),
             any_top_k=any(r and k < vocab_size for r, k in zip(random, top_k, strict=True)),
@@ -140,6 +142,38 @@ class SamplingMetadata:
         if md.any_penalties:
             md.output_counts, md.prompt_mask = _penalty_tensors(rows, penalized, vocab_size, device)
         return md
+
+
+COLUMNS = (
+    "temperature",
+    "greedy",
+    "top_k",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
+
+
+def param_columns(p: SamplingParams, vocab_size: int) -> list[float]:
+    """A row's per-row sampling parameters, in COLUMNS order (greedy rows carry
+    temperature 1.0; top_k in [1, V]; every value exact in float32)."""
+    greedy = p.is_greedy
+    return [
+        1.0 if greedy else p.temperature,
+        float(greedy),
+        float(_top_k(p, vocab_size)),
+        p.top_p,
+        p.min_p,
+        p.repetition_penalty,
+        p.presence_penalty,
+        p.frequency_penalty,
+    ]
+
+
+def _top_k(p: SamplingParams, vocab_size: int) -> int:
+    return p.top_k if 0 < p.top_k < vocab_size else vocab_size
 
 
 def _has_penalty(p: SamplingParams) -> bool:

@@ -202,3 +202,48 @@ def test_an_engine_on_device_inputs_answers_as_on_host_inputs(tmp_path):
         preemptions = llm.stats().num_preemptions
     assert preemptions > 0
     assert outputs["device"] == outputs["host"]
+
+
+def test_sampling_parameters_kept_per_slot_build_the_same_metadata():
+    """Each request's per-row sampling parameters go up once and are gathered per step:
+    the sampler's tensors equal the ones built from the rows."""
+    from engine.worker.sampling_metadata import SamplingMetadata, SamplingRow
+
+    rng = random.Random(9)
+    vocab = 300
+    builder = DeviceInputBatch(MAX_LEN, 8, BLOCK, DEVICE)
+
+    def params():
+        if rng.random() < 0.3:
+            return SamplingParams(temperature=0)
+        return SamplingParams(
+            temperature=rng.choice([0.5, 1.0, 1.7]),
+            top_k=rng.choice([0, 5, 1000]),
+            top_p=rng.choice([1.0, 0.9]),
+            min_p=rng.choice([0.0, 0.1]),
+            repetition_penalty=rng.choice([1.0, 1.2]),
+            presence_penalty=rng.choice([0.0, 0.5]),
+            frequency_penalty=rng.choice([0.0, -0.3]),
+            seed=rng.choice([None, 4]),
+        )
+
+    requests = [
+        WorkerRequest(f"r{i}", [1, 2, 3], params(), frozenset(), [4] * i, 0) for i in range(12)
+    ]
+    for _ in range(5):
+        chosen = rng.sample(requests, 7)
+        rows = [ScheduledRequest(r, r.num_tokens - 1, 1, [0]) for r in chosen]
+        sampling = [SamplingRow(r.params, r.prompt_token_ids, r.output_token_ids) for r in chosen]
+        host = SamplingMetadata.from_rows(sampling, vocab, "cpu")
+        table = builder.sampling_table(rows, vocab)
+        device = SamplingMetadata.from_rows(sampling, vocab, DEVICE, table=table)
+        for name in ("temperature", "greedy", "top_k", "top_p", "min_p", "repetition_penalty"):
+            assert torch.equal(getattr(device, name).cpu(), getattr(host, name)), name
+        for name in ("presence_penalty", "frequency_penalty"):
+            assert torch.equal(getattr(device, name).cpu(), getattr(host, name)), name
+        assert (device.all_greedy, device.any_top_k, device.any_penalties) == (
+            host.all_greedy,
+            host.any_top_k,
+            host.any_penalties,
+        )
+        builder.release([chosen[0].request_id])  # its slot is reused with other params
