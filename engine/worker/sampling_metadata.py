@@ -112,20 +112,13 @@ class SamplingMetadata:
         penalized = [_has_penalty(p) for p in params]
         logprobs_rows = [p.logprobs for p in params]
         if table is None:
-            columns = [param_columns(p, vocab_size) for p in params]
-            table = torch.tensor(columns, dtype=torch.float32).reshape(len(rows), len(COLUMNS))
-            table = table.to(device)
-        column = dict(zip(COLUMNS, table.t().contiguous(), strict=True))  # each [B]
+            column = _columns(params, greedy, top_k, device)
+        else:
+            column = dict(zip(COLUMNS, table.t().contiguous(), strict=True))  # each [B]
+            column.update(greedy=column["greedy"].bool(), top_k=column["top_k"].long())
         md = cls(
             vocab_size=vocab_size,
-            temperature=column["temperature"],
-            greedy=column["greedy"].bool(),
-            top_k=column["top_k"].long(),
-            top_p=column["top_p"],
-            min_p=column["min_p"],
-            repetition_penalty=column["repetition_penalty"],
-            presence_penalty=column["presence_penalty"],
-            frequency_penalty=column["frequency_penalty"],
+            **column,
             all_greedy=all(greedy),
             all_random=not any(greedy),
             any_top_k=any(r and k < vocab_size for r, k in zip(random, top_k, strict=True)),
@@ -170,6 +163,26 @@ def param_columns(p: SamplingParams, vocab_size: int) -> list[float]:
         p.presence_penalty,
         p.frequency_penalty,
     ]
+
+
+def _columns(params, greedy, top_k, device) -> dict[str, Tensor]:
+    """The per-row parameter tensors, each [B], built from the rows (host path)."""
+
+    def floats(values: list[float]) -> Tensor:
+        return torch.tensor(values, dtype=torch.float32, device=device)  # [B]
+
+    return dict(
+        temperature=floats(
+            [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)]
+        ),
+        greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+        top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
+        top_p=floats([p.top_p for p in params]),
+        min_p=floats([p.min_p for p in params]),
+        repetition_penalty=floats([p.repetition_penalty for p in params]),
+        presence_penalty=floats([p.presence_penalty for p in params]),
+        frequency_penalty=floats([p.frequency_penalty for p in params]),
+    )
 
 
 def _top_k(p: SamplingParams, vocab_size: int) -> int:
