@@ -453,14 +453,15 @@ class Scheduler:
         takes from the prefill instance: its last token's KV and hidden state came with
         the load, so nothing is computed); a prompt computed here enters the prefix
         cache at once, a transferred one once it finishes (the load may fail)."""
+        prompt_tokens = min(n, len(request.prompt_token_ids) - computed)
         if request.num_remote_tokens:
             if n == 1 and not k:  # the worker samples it from the sent hidden state
                 self.num_remote_tokens += 1
             else:
-                self.num_prompt_tokens_computed += n
+                self.num_prompt_tokens_computed += prompt_tokens
             request.num_remote_tokens = 0  # after a preemption: computed here
             return
-        self.num_prompt_tokens_computed += min(n, len(request.prompt_token_ids) - computed)
+        self.num_prompt_tokens_computed += prompt_tokens
         self._prompt_computed(request, computed + n)
 
     # -- results -------------------------------------------------------------------

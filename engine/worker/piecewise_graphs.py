@@ -23,6 +23,7 @@ checks. The runner builds this when `cudagraph_capture_sizes` is given (and not
 from __future__ import annotations
 
 import bisect
+import logging
 from collections.abc import Callable, Sequence
 
 import torch
@@ -30,6 +31,7 @@ from torch import nn
 
 from engine.worker.compiled_model import wrap_attention_backends
 
+logger = logging.getLogger(__name__)
 DEFAULT_CAPTURE_SIZES = (1, 2, 4, *range(8, 257, 8))  # vLLM's default shape, up to 256
 
 
@@ -57,6 +59,7 @@ class GraphPiece:
         self.num_calls = 0
         self.num_replays = 0
         self._seen: set[tuple] = set()
+        self._uncapturable: set[tuple] = set()
         self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, list, object]] = {}
 
     def __call__(self, *args):
@@ -67,12 +70,17 @@ class GraphPiece:
         captured = self._graphs.get(key)
         if captured is not None:
             return self._replay(captured, args)
-        if key not in self._seen:  # first time: warm up (allocator, lazy inits) eagerly
+        if key not in self._seen or key in self._uncapturable:  # warm-up, or eager for good
             self._seen.add(key)
             return self.fn(*args)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = self.fn(*args)
+        try:
+            with torch.cuda.graph(graph, pool=self.pool):
+                out = self.fn(*args)
+        except RuntimeError as exc:  # e.g. a host sync inside the piece: it stays eager
+            logger.warning("a forward piece cannot be captured as a CUDA graph: %s", exc)
+            self._uncapturable.add(key)
+            return self.fn(*args)
         self._graphs[key] = (graph, list(args), out)
         graph.replay()
         return out
