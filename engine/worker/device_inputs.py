@@ -30,9 +30,9 @@ from engine.worker.attention.metadata import AttentionMetadata, GroupedAttention
 from engine.worker.input_batch import (
     ModelInput,
     Row,
-    _leading_decodes,
-    _prompt_logprob_span,
     batch_order,
+    leading_decodes,
+    prompt_logprob_span,
 )
 from engine.worker.sampling_metadata import COLUMNS, param_columns
 
@@ -107,7 +107,7 @@ class DeviceInputBatch:
                 d = len(drafts)
                 logits_indices += range(end - 1 - d, end)
                 num_drafts.append(d)
-            span = _prompt_logprob_span(row, starts[-1])
+            span = prompt_logprob_span(row, starts[-1])
             if span is not None:
                 spans.append(span)
             starts.append(end)
@@ -239,7 +239,7 @@ class DeviceInputBatch:
                 slot_mapping=slot_mapping[g],
                 query_lens_cpu=tuple(r.num_scheduled_tokens for r in rows),
                 seq_lens_cpu=tuple(seq_lens),
-                num_decodes=_leading_decodes(rows),
+                num_decodes=leading_decodes(rows),
                 block_size=self.block_size,
             )
             for g in range(num_groups)

@@ -85,7 +85,7 @@ def build_model_input(
             d = len(drafts) if drafts else 0
             logits_indices += range(len(ids) - 1 - d, len(ids))
             num_drafts.append(d)
-        span = _prompt_logprob_span(row, starts[-1])
+        span = prompt_logprob_span(row, starts[-1])
         if span is not None:
             spans.append(span)
         starts.append(len(ids))
@@ -130,14 +130,14 @@ def _metadata(rows, starts, slots, device, num_groups, block_size) -> tuple[Atte
             slot_mapping=torch.tensor(slots[g], dtype=torch.int64, device=device),
             query_lens_cpu=tuple(r.num_scheduled_tokens for r in rows),
             seq_lens_cpu=tuple(seq_lens),
-            num_decodes=_leading_decodes(rows),
+            num_decodes=leading_decodes(rows),
             block_size=block_size,
         )
         for g in range(num_groups)
     )
 
 
-def _leading_decodes(rows) -> int:
+def leading_decodes(rows) -> int:
     """The rows of one token before the first longer one (in a batch's order, every
     decode; a shard's trailing one-token piece of a prompt runs as a prefill row)."""
     count = 0
@@ -148,7 +148,7 @@ def _leading_decodes(rows) -> int:
     return count
 
 
-def _prompt_logprob_span(row: Row, start: int) -> PromptLogprobSpan | None:
+def prompt_logprob_span(row: Row, start: int) -> PromptLogprobSpan | None:
     """Positions p of this chunk with p + 1 still in the prompt and not yet scored."""
     request = row.request
     if request.params.prompt_logprobs is None:
