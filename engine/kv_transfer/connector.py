@@ -19,10 +19,10 @@ Consumer half (the decode instance):
      request: returns at once, the fetch goes on in the background. With fewer local
      blocks than remote ones, the last `len(local_block_ids)` remote blocks are loaded
      (the front is in the local prefix cache).
-  2. `poll()` between steps: writes the loads that arrived into the cache (in the
-     caller's thread, so never under a running step) and returns one `LoadResult` per
-     load that ended since the last call, ok (with the producer's hidden state) or
-     failed with the reason. A load ends
+  2. `poll()` between steps: one `LoadResult` per load that ended since the last
+     call, ok (its blocks written into the cache, with the producer's hidden state) or
+     failed with the reason. A load's blocks are written as they arrive, by the
+     connector, while steps run: they belong to the loading request alone. A load ends
      within `fetch_timeout_s`, whatever the producer does. The scheduler runs a
      request only after its load is ok, and recomputes its prompt (or fails it) if not.
 

@@ -30,10 +30,10 @@ class KVEndpoint:
     it holds for consumers (`held`), and its loads in flight.
 
     A connector calls `save` and `params` for the producer half; for the consumer half,
-    `begin_load` (which remote blocks to fetch), then `arrived` or `failed` when the
-    transfer ends (from any thread), and `poll` returns what ended, having written what
-    arrived into the cache in the caller's thread. Each load ends exactly once; a
-    cancelled one (`cancel`) never ends, and nothing of it is written."""
+    `begin_load` (which remote blocks to fetch), then `arrived` (which writes the blocks,
+    in its caller's thread) or `failed` when the transfer ends (from any thread), and
+    `poll` returns what ended. Each load ends exactly once; a cancelled one (`cancel`)
+    never ends, and nothing of it is written after `cancel` returns."""
 
     def __init__(
         self,
@@ -47,8 +47,10 @@ class KVEndpoint:
         self.layout = layout
         self.held = HeldBlocks(config.kv_buffer_size, config.hold_timeout_s, clock)
         self._loading: dict[str, tuple[int, ...]] = {}  # request id -> local block ids
-        self._ended: list[tuple[str, KVPayload | None, str | None]] = []
+        # (request id, its hidden state, error) of the loads that ended since `poll`
+        self._ended: list[tuple[str, torch.Tensor | None, str | None]] = []
         self._lock = threading.Lock()
+        self._write_lock = threading.Lock()  # held while a payload is written; cancel waits
         self._any_ended = threading.Event()  # set while `_ended` holds something
 
     @property
@@ -103,8 +105,21 @@ class KVEndpoint:
         return remote[len(remote) - len(local_block_ids) :]
 
     def arrived(self, request_id: str, payload: KVPayload) -> None:
+        """Writes the payload into the load's blocks, in the caller's thread (the
+        connector's: the worker's steps go on meanwhile; the blocks are the loading
+        request's alone), unless the load was cancelled; `poll` reports it."""
+        with self._write_lock:
+            local = self._loading.get(request_id)
+            if local is None:
+                return  # cancelled, or ended already
+            hidden, error = None, None
+            try:
+                scatter_blocks(self.kv_cache, local, payload, self.layout)
+                hidden = self._hidden(payload)
+            except ValueError as exc:
+                error = str(exc)
         with self._lock:
-            self._ended.append((request_id, payload, None))
+            self._ended.append((request_id, hidden, error))
             self._any_ended.set()
 
     def failed(self, request_id: str, error: str) -> None:
@@ -117,8 +132,9 @@ class KVEndpoint:
         return self._any_ended.wait(timeout_s)
 
     def cancel(self, request_id: str) -> None:
-        """Forgets `request_id`'s load: whatever arrives for it is never written."""
-        with self._lock:
+        """Forgets `request_id`'s load: whatever arrives for it is never written (a
+        write in progress finishes first: its blocks may be someone else's next)."""
+        with self._write_lock, self._lock:
             self._loading.pop(request_id, None)
 
     def poll(self) -> list[LoadResult]:
@@ -126,19 +142,11 @@ class KVEndpoint:
         with self._lock:
             ended, self._ended = self._ended, []
             self._any_ended.clear()
-        results = []
-        for request_id, payload, error in ended:
-            local = self._loading.pop(request_id, None)
-            if local is None:  # ended twice (a late answer after a failure): once counts
-                continue
-            hidden = None
-            if payload is not None:
-                try:
-                    scatter_blocks(self.kv_cache, local, payload, self.layout)
-                    hidden = self._hidden(payload)
-                except ValueError as exc:
-                    error = str(exc)
-            results.append(LoadResult(request_id, error, hidden))
+            results = []
+            for request_id, hidden, error in ended:
+                if self._loading.pop(request_id, None) is None:
+                    continue  # ended twice (a late answer after a failure): once counts
+                results.append(LoadResult(request_id, error, hidden))
         self.held.expire()
         return results
 

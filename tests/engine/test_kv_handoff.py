@@ -216,22 +216,23 @@ def test_kv_both_instances_hand_prompts_to_each_other(tmp_path):
 
 
 class HeldConnector:
-    """An in-memory connector whose loads end only once `release()` is called: until
-    then what was fetched stays on its way (nothing is written, `poll` reports
-    nothing), as over a slow link."""
+    """An in-memory connector whose fetched payloads arrive only once `release()` is
+    called: until then nothing is written and `poll` reports nothing, as over a slow
+    link."""
 
     def __init__(self, inner: InMemoryConnector) -> None:
         self.inner = inner
-        self.held = True
+        self.on_the_way: list[tuple] = []
+        self.arrive = inner.endpoint.arrived
+        inner.endpoint.arrived = lambda *payload: self.on_the_way.append(payload)
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def poll(self):
-        return [] if self.held else self.inner.poll()
-
     def release(self) -> None:
-        self.held = False
+        for payload in self.on_the_way:
+            self.arrive(*payload)
+        self.on_the_way.clear()
 
 
 def hold_loads(llm: LLM) -> HeldConnector:
