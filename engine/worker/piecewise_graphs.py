@@ -75,7 +75,8 @@ class GraphPiece:
             return self.fn(*args)
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=self.pool):
+            # thread_local: other threads' CUDA work (a KV load's write) goes on meanwhile
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                 out = self.fn(*args)
         except RuntimeError as exc:  # e.g. a host sync inside the piece: it stays eager
             logger.warning("a forward piece cannot be captured as a CUDA graph: %s", exc)
