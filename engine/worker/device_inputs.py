@@ -10,9 +10,11 @@ table entries that differ, and four numbers per row (slot, computed tokens, toke
 this step, where they start). One Triton launch (`cuda_ext.triton_kernels.input_prep`)
 writes the input ids, positions and KV slot mappings; the block tables are a gather of
 the rows' slots. Each slot also keeps its request's per-row sampling parameters
-(`sampling_table`: written once, gathered per step). The per-row parts (sampling rows,
-logit indices, prompt logprob spans, the sparse sampling inputs) stay on the host: they
-are per row, not per token.
+(`sampling_table`: written once, gathered per step) and, for a request with penalties,
+its prompt's token mask and its output tokens' counts (`penalty_tensors`: the prompt
+marked once, outputs counted as they come). The per-row parts (sampling rows, logit
+indices, prompt logprob spans, logit biases, min-tokens masks, step seeds) stay on the
+host: they are per row, not per token.
 
 The result is the host builder's `ModelInput`, field for field (tests compare them on
 random step sequences under Triton's interpreter); it needs the Triton kernels to run
@@ -74,6 +76,10 @@ class DeviceInputBatch:
         # [slots, len(COLUMNS)] float32: each slot's request's per-row sampling parameters
         self.params = torch.zeros((INITIAL_SLOTS, len(COLUMNS)), device=self.device)
         self._has_params = [False] * INITIAL_SLOTS
+        # penalties' state, made when a penalized request first samples: [slots, V]
+        self.output_counts: torch.Tensor | None = None  # int32: each output token's count
+        self.prompt_mask: torch.Tensor | None = None  # bool: tokens of the prompt
+        self._counted: list[list[int] | None] = [None] * INITIAL_SLOTS  # outputs counted
 
     @property
     def num_slots(self) -> int:
@@ -85,6 +91,7 @@ class DeviceInputBatch:
             if slot is not None:
                 self._written[slot] = 0
                 self._has_params[slot] = False
+                self._counted[slot] = None
                 self._free.append(slot)
 
     def build(self, scheduled: Sequence[Row], ordered: bool = False) -> ModelInput:
@@ -156,6 +163,63 @@ class DeviceInputBatch:
         index = torch.tensor(slots, dtype=torch.int64).to(self.device, non_blocking=True)
         return self.params.index_select(0, index)  # [B, len(COLUMNS)]
 
+    def penalty_tensors(
+        self, rows: Sequence[Row], penalized: list[bool], vocab_size: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sampling rows' output counts ([B, V] int32) and prompt masks ([B, V]
+        bool), zero for rows without penalties, from per-slot state: a penalized
+        request's prompt is marked once and its outputs counted as they come (the
+        newest counted again if it changed: a beam search may replace it)."""
+        if self.output_counts is None:
+            shape = (self.num_slots, vocab_size)
+            self.output_counts = torch.zeros(shape, dtype=torch.int32, device=self.device)
+            self.prompt_mask = torch.zeros(shape, dtype=torch.bool, device=self.device)
+        fresh: list[int] = []
+        marks: tuple[list[int], list[int]] = ([], [])
+        counts: tuple[list[int], list[int], list[int]] = ([], [], [])
+        slots = []
+        for row, penalty in zip(rows, penalized, strict=True):
+            slot = self._slot_of(row.request.request_id)
+            slots.append(slot)
+            if penalty:
+                self._count_outputs(slot, row.request, fresh, marks, counts)
+        if fresh:  # a slot's earlier occupant may have left counts behind
+            index = torch.tensor(fresh, dtype=torch.int64).to(self.device)
+            self.output_counts.index_fill_(0, index, 0)
+            self.prompt_mask.index_fill_(0, index, False)
+        if marks[0]:
+            at = torch.tensor(marks, dtype=torch.int64).to(self.device)
+            self.prompt_mask[at[0], at[1]] = True
+        if counts[0]:
+            at = torch.tensor(counts, dtype=torch.int64).to(self.device)  # slot, token, +-1
+            self.output_counts.index_put_((at[0], at[1]), at[2].int(), accumulate=True)
+        index = torch.tensor(slots, dtype=torch.int64).to(self.device)
+        keep = torch.tensor(penalized, dtype=torch.bool).to(self.device)[:, None]  # [B, 1]
+        out = torch.where(keep, self.output_counts.index_select(0, index), 0)
+        prompt = self.prompt_mask.index_select(0, index) & keep
+        return out, prompt  # [B, V], [B, V]
+
+    def _count_outputs(self, slot: int, request, fresh, marks, counts) -> None:
+        counted = self._counted[slot]
+        if counted is None:  # first time: mark the prompt
+            counted = self._counted[slot] = []
+            fresh.append(slot)
+            tokens = set(request.prompt_token_ids)
+            marks[0].extend([slot] * len(tokens))
+            marks[1].extend(tokens)
+        outputs = request.output_token_ids
+        n = len(counted)
+        if n and n <= len(outputs) and counted[-1] != outputs[n - 1]:  # replaced
+            counts[0].extend((slot, slot))
+            counts[1].extend((counted[-1], outputs[n - 1]))
+            counts[2].extend((-1, 1))
+            counted[-1] = outputs[n - 1]
+        new = outputs[n:]
+        counts[0].extend([slot] * len(new))
+        counts[1].extend(new)
+        counts[2].extend([1] * len(new))
+        counted.extend(new)
+
     # -- what changed ------------------------------------------------------------------
     def _slot_of(self, request_id: str) -> int:
         slot = self._slot.get(request_id)
@@ -168,13 +232,16 @@ class DeviceInputBatch:
     def _grow(self) -> None:
         """Twice the slots (the old ones keep their contents)."""
         old = self.num_slots
-        self.tokens = torch.cat([self.tokens, torch.zeros_like(self.tokens)])
-        self.tables = torch.cat([self.tables, torch.zeros_like(self.tables)])
+        self.tokens, self.tables = _doubled(self.tokens), _doubled(self.tables)
         self._free += range(2 * old - 1, old - 1, -1)
         self._written += [0] * old
         self._table += [[] for _ in range(old)]
-        self.params = torch.cat([self.params, torch.zeros_like(self.params)])
+        self.params = _doubled(self.params)
         self._has_params += [False] * old
+        self._counted += [None] * old
+        if self.output_counts is not None:
+            self.output_counts = _doubled(self.output_counts)
+            self.prompt_mask = _doubled(self.prompt_mask)
 
     def _widen(self, entries: int) -> None:
         """Room for tables of `entries` entries (at least twice the old width)."""
@@ -247,6 +314,11 @@ class DeviceInputBatch:
         if self.layout is not None and self.layout.is_hybrid:
             return GroupedAttentionMetadata(tuple(per_group), self.layout.group_of_layer)
         return per_group[0]
+
+
+def _doubled(buffer: torch.Tensor) -> torch.Tensor:
+    """`buffer` with as many zero rows again after its own."""
+    return torch.cat([buffer, torch.zeros_like(buffer)])
 
 
 def _first_difference(a: Sequence[int], b: Sequence[int]) -> int:

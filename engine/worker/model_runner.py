@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -481,10 +482,13 @@ class ModelRunner:
         rows = [self._sampling_row(item) for item in sample_rows]
         grammar = self._grammar_bitmask(sample_rows)
         vocab = self.model_config.vocab_size
-        table = None
-        if self.device_inputs is not None:  # the parameters kept on the device, per slot
+        table = penalties = None
+        if self.device_inputs is not None:  # state kept on the device, per slot
             table = self.device_inputs.sampling_table(sample_rows, vocab)
-        return SamplingMetadata.from_rows(rows, vocab, self.device, grammar, table)
+            penalties = functools.partial(
+                self.device_inputs.penalty_tensors, sample_rows, vocab_size=vocab
+            )
+        return SamplingMetadata.from_rows(rows, vocab, self.device, grammar, table, penalties)
 
     @staticmethod
     def _sampling_row(item: ScheduledRequest) -> SamplingRow:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -101,15 +101,18 @@ class SamplingMetadata:
         device: torch.device | str,
         grammar: GrammarBitmask | None = None,
         table: Tensor | None = None,
+        penalties: Callable[[list[bool]], tuple[Tensor, Tensor]] | None = None,
     ) -> SamplingMetadata:
         """Build every tensor of the step at once (a few host-to-device copies).
         `table`: the rows' `param_columns` already on the device ([B, 8] float32, e.g.
-        gathered from per-request state kept there), instead of built here."""
+        gathered from per-request state kept there), instead of built here;
+        `penalties`: given which rows are penalized, their output counts and prompt
+        masks from state kept on the device, instead of built here."""
         params = [row.params for row in rows]
         greedy = [p.is_greedy for p in params]
         random = [not g for g in greedy]
         top_k = [_top_k(p, vocab_size) for p in params]
-        penalized = [_has_penalty(p) for p in params]
+        penalized = [has_penalty(p) for p in params]
         logprobs_rows = [p.logprobs for p in params]
         if table is None:
             column = _columns(params, greedy, top_k, device)
@@ -133,7 +136,12 @@ class SamplingMetadata:
             grammar=grammar,
         )
         if md.any_penalties:
-            md.output_counts, md.prompt_mask = _penalty_tensors(rows, penalized, vocab_size, device)
+            if penalties is not None:
+                md.output_counts, md.prompt_mask = penalties(penalized)
+            else:
+                md.output_counts, md.prompt_mask = _penalty_tensors(
+                    rows, penalized, vocab_size, device
+                )
         return md
 
 
@@ -189,7 +197,7 @@ def _top_k(p: SamplingParams, vocab_size: int) -> int:
     return p.top_k if 0 < p.top_k < vocab_size else vocab_size
 
 
-def _has_penalty(p: SamplingParams) -> bool:
+def has_penalty(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 

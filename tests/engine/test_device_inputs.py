@@ -153,8 +153,8 @@ def test_slots_are_reused_and_grow_past_the_first_buffer():
 
 @pytest.mark.timeout(300)
 def test_an_engine_on_device_inputs_answers_as_on_host_inputs(tmp_path):
-    """Chunked prompts, preemption, prefix hits, n > 1, beams, prompt logprobs and
-    prompt-lookup drafts: the same tokens and logprobs either way."""
+    """Chunked prompts, preemption, prefix hits, n > 1, beams, prompt logprobs,
+    penalties and prompt-lookup drafts: the same tokens and logprobs either way."""
     from engine import LLM
     from engine.worker.kv_cache import block_bytes
     from tests.engine.tiny_models import save_hf_model
@@ -171,7 +171,14 @@ def test_an_engine_on_device_inputs_answers_as_on_host_inputs(tmp_path):
             max_tokens=8, use_beam_search=True, best_of=2, n=2, temperature=0, ignore_eos=True
         ),
         SamplingParams(max_tokens=6, temperature=0, prompt_logprobs=1, ignore_eos=True),
-        plain,
+        SamplingParams(
+            max_tokens=14,
+            temperature=0,
+            repetition_penalty=1.3,
+            presence_penalty=0.5,
+            frequency_penalty=0.2,
+            ignore_eos=True,
+        ),
         plain,
     ]
     outputs = {}
@@ -247,3 +254,44 @@ def test_sampling_parameters_kept_per_slot_build_the_same_metadata():
             host.any_penalties,
         )
         builder.release([chosen[0].request_id])  # its slot is reused with other params
+
+
+def test_penalty_state_kept_per_slot_counts_as_the_rows_do():
+    """Output counts and prompt masks from per-slot state, over steps where outputs
+    grow, a newest token is replaced, slots are released and reused, and rows without
+    penalties sit beside penalized ones: equal to the tensors built from the rows."""
+    from engine.worker.sampling_metadata import SamplingRow, _penalty_tensors, has_penalty
+
+    rng = random.Random(11)
+    vocab = 50
+    builder = DeviceInputBatch(MAX_LEN, 8, BLOCK, DEVICE)
+    live: dict[str, WorkerRequest] = {}
+    for step in range(30):
+        while len(live) < 6:
+            rid = f"r{step}-{len(live)}"
+            penalty = rng.choice([1.0, 1.3]), rng.choice([0.0, 0.4]), rng.choice([0.0, 0.2])
+            params = SamplingParams(
+                repetition_penalty=penalty[0],
+                presence_penalty=penalty[1],
+                frequency_penalty=penalty[2],
+            )
+            prompt = [rng.randrange(vocab) for _ in range(rng.randint(1, 12))]
+            live[rid] = WorkerRequest(rid, prompt, params, frozenset(), [], 0)
+        chosen = rng.sample(sorted(live), 4)
+        rows = [ScheduledRequest(live[r], 0, 1, [0]) for r in chosen]
+        penalized = [has_penalty(live[r].params) for r in chosen]
+        sampling = [
+            SamplingRow(live[r].params, live[r].prompt_token_ids, live[r].output_token_ids)
+            for r in chosen
+        ]
+        want = _penalty_tensors(sampling, penalized, vocab, "cpu")
+        got = builder.penalty_tensors(rows, penalized, vocab)
+        assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
+        for rid in chosen:  # results: a token each; now and then the newest replaced
+            outputs = live[rid].output_token_ids
+            if outputs and rng.random() < 0.2:
+                outputs[-1] = rng.randrange(vocab)
+            outputs.append(rng.randrange(vocab))
+        for rid in rng.sample(sorted(live), 2):  # two finish: their slots go back
+            del live[rid]
+            builder.release([rid])
