@@ -96,8 +96,9 @@ async def test_ctrl_c_while_a_reply_streams_stops_that_reply_only(builtin_server
     # greedy decoding runs the built-in model to max_tokens from this message (no EOS)
     chat = await Chat.start(builtin_server.ws, "--temperature", "0", "--max-tokens", "2000")
     try:
-        await chat.until(lambda: chat.out.endswith(PROMPT), "the prompt")
         for turn in (1, 2):  # the session goes on after a stopped reply
+            # typed only once the prompt is back: output before it is not the reply's
+            await chat.until(lambda: chat.out.endswith(PROMPT), "the prompt")
             reply = await chat.type("hello there" if turn == 1 else "and again")
             await chat.until(lambda: len(chat.out) > reply, "the reply streaming")  # noqa: B023
             chat.proc.send_signal(signal.SIGINT)
