@@ -269,16 +269,21 @@ class DeviceConfig:
             raise ValueError(
                 f"linear_kernel must be one of {LINEAR_KERNELS}, got {self.linear_kernel!r}"
             )
-        sizes = self.cudagraph_capture_sizes
-        if sizes is not None and (not sizes or any(type(n) is not int or n < 1 for n in sizes)):
-            raise ValueError(
-                f"cudagraph_capture_sizes must be a non-empty list of ints >= 1, got {sizes!r}"
-            )
+        if self.cudagraph_capture_sizes is not None:
+            check_capture_sizes(self.cudagraph_capture_sizes)
         if self.input_preparation not in INPUT_PREPARATIONS:
             raise ValueError(
                 f"input_preparation must be one of {INPUT_PREPARATIONS}, "
                 f"got {self.input_preparation!r}"
             )
+
+
+def check_capture_sizes(sizes) -> None:
+    """ValueError unless `sizes` (cudagraph_capture_sizes) is a non-empty list of ints >= 1."""
+    if not sizes or any(type(n) is not int or n < 1 for n in sizes):
+        raise ValueError(
+            f"cudagraph_capture_sizes must be a non-empty list of ints >= 1, got {sizes!r}"
+        )
 
 
 MAX_TENSOR_PARALLEL_SIZE = 64

@@ -5,10 +5,11 @@
   prompt's last position (copied out of the cache and held for a decode instance to
   fetch) before anything can reuse them.
 - Consumer (`do_remote_prefill`): a plan's `load_ids` start fetching those requests'
-  prompts into their blocks, in the background, while steps of other requests run;
-  each step's `poll` reports the loads that ended (the KV written into the cache in
-  the worker's thread, between steps) and those that failed or outlasted the
-  connector's fetch timeout (they fail their request, never a step). A loaded
+  prompts into their blocks, in the background, while steps of other requests run
+  (the connector writes each load's blocks as they arrive: they are the loading
+  request's alone); each step's `poll` reports the loads that ended and those that
+  failed or outlasted the connector's fetch timeout (they fail their request, never
+  a step). A loaded
   request's first step computes nothing: its last prompt token's KV came with the
   others and its first output token is sampled from the hidden state sent beside
   them (vLLM computes that token again).
@@ -32,10 +33,6 @@ class KVTransferSteps:
         self.connector = connector
         self.block_size = block_size
         self._pending: dict[str, WorkerRequest] = {}  # loads started, not ended
-
-    @property
-    def num_pending(self) -> int:
-        return len(self._pending)
 
     def prompt_blocks(self, request: WorkerRequest, table: Sequence[int]) -> list[int]:
         """The blocks of `table` that hold `request`'s prompt."""

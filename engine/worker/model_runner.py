@@ -252,8 +252,9 @@ class ModelRunner:
         self.move_blocks(plan)
         if self.group.stage.is_split:
             return self._execute_stage(plan, sample)
-        handed = [r for r in plan.scheduled if _samples_handed_hidden(r)]
-        computed = [r for r in plan.scheduled if not _samples_handed_hidden(r)]
+        computed, handed = [], []  # rows to run, rows sampled from a sent hidden state
+        for row in plan.scheduled:
+            (handed if _samples_handed_hidden(row) else computed).append(row)
         if self.device_inputs is not None:
             batch = self.device_inputs.build(computed)
         else:
@@ -286,9 +287,8 @@ class ModelRunner:
         and not `enforce_eager`. Not with pipeline or context parallelism, nor with
         compile_model (which compiles the whole forward its own way). Opt-in on CUDA
         too until a GPU run has checked the capture (docs/performance.md)."""
-        split = self.group.stage.is_split or self.group.context.is_split
         wanted = config.cudagraph_capture_sizes is not None
-        if config.enforce_eager or config.compile_model or split or not wanted:
+        if config.enforce_eager or config.compile_model or self._split_steps or not wanted:
             return None
         from engine.worker.piecewise_graphs import PiecewiseGraphs, capture_sizes
 
@@ -299,8 +299,7 @@ class ModelRunner:
         """The device-side input builder ('device'), or None for the host one ('host',
         and 'auto' until a GPU run has checked the device path on CUDA). Pipeline and
         context parallelism build on the host."""
-        split = self.group.stage.is_split or self.group.context.is_split
-        if preparation != "device" or split:
+        if preparation != "device" or self._split_steps:
             return None
         try:
             from engine.worker.device_inputs import DeviceInputBatch
@@ -314,6 +313,11 @@ class ModelRunner:
             self.device,
             self.kv_layout,
         )
+
+    @property
+    def _split_steps(self) -> bool:
+        """Pipeline or context parallelism: a step's batch is built in parts, on the host."""
+        return self.group.stage.is_split or self.group.context.is_split
 
     def release_requests(self, request_ids) -> None:
         """Ended requests: their device input slots go back (a no-op on the host path)."""

@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from engine.config import check_capture_sizes
 from engine.worker.compiled_model import wrap_attention_backends
 
 logger = logging.getLogger(__name__)
@@ -40,11 +41,7 @@ def capture_sizes(sizes: Sequence[int] | None, max_num_batched_tokens: int) -> t
     step's token budget."""
     if sizes is None:
         return tuple(s for s in DEFAULT_CAPTURE_SIZES if s <= max_num_batched_tokens)
-    bad = [s for s in sizes if type(s) is not int or s < 1]
-    if bad or not sizes:
-        raise ValueError(
-            f"cudagraph_capture_sizes must be a non-empty list of ints >= 1; got {list(sizes)}"
-        )
+    check_capture_sizes(sizes)
     return tuple(sorted(set(sizes)))
 
 

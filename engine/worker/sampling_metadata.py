@@ -160,10 +160,9 @@ COLUMNS = (
 def param_columns(p: SamplingParams, vocab_size: int) -> list[float]:
     """A row's per-row sampling parameters, in COLUMNS order (greedy rows carry
     temperature 1.0; top_k in [1, V]; every value exact in float32)."""
-    greedy = p.is_greedy
     return [
-        1.0 if greedy else p.temperature,
-        float(greedy),
+        _temperature(p),
+        float(p.is_greedy),
         float(_top_k(p, vocab_size)),
         p.top_p,
         p.min_p,
@@ -180,9 +179,7 @@ def _columns(params, greedy, top_k, device) -> dict[str, Tensor]:
         return torch.tensor(values, dtype=torch.float32, device=device)  # [B]
 
     return dict(
-        temperature=floats(
-            [1.0 if g else p.temperature for p, g in zip(params, greedy, strict=True)]
-        ),
+        temperature=floats([_temperature(p) for p in params]),
         greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
         top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
         top_p=floats([p.top_p for p in params]),
@@ -191,6 +188,10 @@ def _columns(params, greedy, top_k, device) -> dict[str, Tensor]:
         presence_penalty=floats([p.presence_penalty for p in params]),
         frequency_penalty=floats([p.frequency_penalty for p in params]),
     )
+
+
+def _temperature(p: SamplingParams) -> float:
+    return 1.0 if p.is_greedy else p.temperature  # greedy rows are never divided by 0
 
 
 def _top_k(p: SamplingParams, vocab_size: int) -> int:
