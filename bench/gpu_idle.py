@@ -7,9 +7,14 @@ the span from the first to the last is the busy time, the rest is idle. Gaps lon
 `--step-gap-us` are counted apart: those are the host's turn between steps (planning,
 input preparation, sampling's copy back), the short ones are launch gaps inside a step.
 The offline engine plans and executes in one thread, so one step ahead here only moves
-planning; the served engine overlaps it with execution in another process.
+planning; the served engine overlaps it with execution in another process. `--modes`
+compares ways of running a step: `eager` (host-built inputs, no graphs), `device`
+(inputs built on the device), `graphs` (device inputs and piecewise CUDA graphs),
+`triton` (graphs with the Triton attention kernels); each mode's tokens are compared
+with the first mode's.
 
     python bench/gpu_idle.py --out bench/results/gpu_idle.json
+    python bench/gpu_idle.py --modes eager graphs --depths 1 --out /tmp/idle.json
     python bench/gpu_idle.py --device cpu --batch 4 --output-len 8   # a dry run of the code
 """
 
@@ -33,6 +38,15 @@ from report import invocation, machine, write_report  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 
 DEVICE_CATEGORIES = {"kernel", "gpu_memcpy", "gpu_memset"}
+GRAPH_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+MODES = {  # how a step runs: engine settings on top of the bench's own
+    "eager": dict(enforce_eager=True, input_preparation="host"),
+    "device": dict(enforce_eager=True, input_preparation="device"),
+    "graphs": dict(input_preparation="device", cudagraph_capture_sizes=GRAPH_SIZES),
+    "triton": dict(
+        input_preparation="device", cudagraph_capture_sizes=GRAPH_SIZES, attention_backend="triton"
+    ),
+}
 
 
 def log(msg: str) -> None:
@@ -94,31 +108,37 @@ def idle_summary(spans: list[tuple[float, float]], step_gap_us: float) -> dict:
     )
 
 
-def profile_run(path: str, device: str, prompts, out_len: int, depth: int, gap_us: float):
+def profile_run(path: str, device: str, prompts, out_len: int, depth: int, gap_us: float, mode):
     params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
     kwargs = dict(device=device, skip_tokenizer_init=True, max_num_seqs=len(prompts))
     if device == "cuda":
         kwargs |= dict(dtype="bfloat16", gpu_memory_utilization=0.3, attention_backend="native")
+    kwargs |= MODES[mode]
     activity = torch.profiler.ProfilerActivity
     activities = [activity.CUDA] if device == "cuda" else [activity.CPU]
     categories = DEVICE_CATEGORIES if device == "cuda" else {"cpu_op"}
     with LLM(path, pipeline_depth=depth, **kwargs) as llm:
-        llm.generate(prompts, params, use_tqdm=False)  # warm-up: same shapes
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)  # warm-up (compile, capture): same shapes
+        warmup = time.perf_counter() - start
         if device == "cuda":
             torch.cuda.synchronize()
         with torch.profiler.profile(activities=activities) as prof:
             start = time.perf_counter()
-            llm.generate(prompts, params, use_tqdm=False)
+            outputs = llm.generate(prompts, params, use_tqdm=False)
             seconds = time.perf_counter() - start
+        graphs = llm.engine.worker.runner.graphs
+        replays = sum(p.num_replays for p in graphs.pieces) if graphs else 0
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
         trace = json.loads(Path(f.name).read_text())
-    row = dict(pipeline_depth=depth, batch=len(prompts), output_len=out_len)
+    row = dict(mode=mode, pipeline_depth=depth, batch=len(prompts), output_len=out_len)
     row |= dict(seconds=round(seconds, 3), step_ms=round(seconds * 1e3 / out_len, 2))
+    row |= dict(warmup_s=round(warmup, 1), graph_replays=replays)
     row |= idle_summary(intervals(trace, categories), gap_us)
     row["top_kernels"] = top_kernels(trace, out_len)
-    log(str(row))
-    return row
+    log(str({k: v for k, v in row.items() if k != "top_kernels"}))
+    return row, [o.outputs[0].token_ids for o in outputs]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -128,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--step-gap-us", type=float, default=50.0)
     p.add_argument("--device", default="cuda")
+    p.add_argument("--modes", nargs="+", default=["eager"], choices=sorted(MODES))
+    p.add_argument("--depths", type=int, nargs="+", default=[1, 2], choices=[1, 2])
     p.add_argument("--out", type=Path)
     a = p.parse_args(argv)
     rng = random.Random(0)
@@ -145,8 +167,16 @@ def main(argv: list[str] | None = None) -> int:
             vocab = VOCAB
         for batch in a.batch:
             prompts = [[rng.randrange(3, vocab) for _ in range(a.input_len)] for _ in range(batch)]
-            for depth in (1, 2):
-                rows.append(profile_run(tmp, a.device, prompts, a.output_len, depth, a.step_gap_us))
+            first = None
+            for mode in a.modes:
+                for depth in a.depths:
+                    row, tokens = profile_run(
+                        tmp, a.device, prompts, a.output_len, depth, a.step_gap_us, mode
+                    )
+                    first = first or tokens
+                    same = sum(x == y for x, y in zip(tokens, first, strict=True))
+                    row["same_tokens_as_first"] = same
+                    rows.append(row)
     result = dict(
         command=invocation(__file__),
         device=torch.cuda.get_device_name(0) if a.device == "cuda" else a.device,

@@ -55,9 +55,14 @@ class DeviceInputBatch:
         layout: KVCacheLayout | None = None,
     ) -> None:
         from cuda_ext.triton_kernels.input_prep import prepare_inputs
+        from cuda_ext.triton_kernels.kernel import check_device
 
         self._prepare = prepare_inputs
         self.device = torch.device(device)
+        try:
+            check_device(self.device)
+        except ValueError as exc:
+            raise ValueError(f"input_preparation='device': {exc}") from None
         self.block_size = block_size
         self.layout = layout
         self.num_groups = layout.num_groups if layout is not None and layout.is_hybrid else 1

@@ -286,7 +286,7 @@ class ModelRunner:
         CPU, plain calls: the split and padding checked), when capture sizes are given
         and not `enforce_eager`. Not with pipeline or context parallelism, nor with
         compile_model (which compiles the whole forward its own way). Opt-in on CUDA
-        too until a GPU run has checked the capture (docs/performance.md)."""
+        too (docs/performance.md)."""
         wanted = config.cudagraph_capture_sizes is not None
         if config.enforce_eager or config.compile_model or self._split_steps or not wanted:
             return None
@@ -297,8 +297,8 @@ class ModelRunner:
 
     def _device_inputs(self, preparation: str) -> DeviceInputBatch | None:
         """The device-side input builder ('device'), or None for the host one ('host',
-        and 'auto' until a GPU run has checked the device path on CUDA). Pipeline and
-        context parallelism build on the host."""
+        and 'auto': on an H200 the device path answered as the host one but built no
+        faster, docs/performance.md). Pipeline and context parallelism build on the host."""
         if preparation != "device" or self._split_steps:
             return None
         try:

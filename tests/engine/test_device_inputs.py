@@ -183,7 +183,13 @@ def test_an_engine_on_device_inputs_answers_as_on_host_inputs(tmp_path):
     ]
     outputs = {}
     for mode in ("host", "device"):
-        probe = LLM(str(tmp_path), skip_tokenizer_init=True, block_size=4, max_model_len=64)
+        probe = LLM(  # a budget of its own: on CUDA the default takes 0.9 of the card
+            str(tmp_path),
+            skip_tokenizer_init=True,
+            block_size=4,
+            max_model_len=64,
+            kv_cache_memory=1 << 24,
+        )
         budget = block_bytes(probe.config.model, 4) * 22  # tight: preemption happens
         llm = LLM(
             str(tmp_path),
@@ -295,3 +301,33 @@ def test_penalty_state_kept_per_slot_counts_as_the_rows_do():
         for rid in rng.sample(sorted(live), 2):  # two finish: their slots go back
             del live[rid]
             builder.release([rid])
+
+
+def test_auto_builds_on_the_host():
+    from engine import LLM
+
+    llm = LLM("builtin:tiny", skip_tokenizer_init=True, device="cpu")
+    assert llm.config.device.input_preparation == "auto"
+    assert llm.engine.worker.runner.device_inputs is None
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a CPU")
+def test_device_inputs_on_a_cpu_without_the_interpreter_are_refused_by_name():
+    """Compiled Triton kernels need CUDA tensors: the engine says so at start-up rather
+    than failing every request."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = (
+        "from engine import LLM\n"
+        "try:\n"
+        "    LLM('builtin:tiny', skip_tokenizer_init=True, input_preparation='device')\n"
+        "except ValueError as exc:\n"
+        "    print('refused:', exc)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=100
+    )
+    assert "refused: input_preparation='device': the Triton kernels run on CUDA" in out.stdout
