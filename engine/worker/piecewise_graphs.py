@@ -15,10 +15,12 @@ states of the T real tokens are returned. On CUDA a `GraphPiece` runs its piece
 eagerly the first time it sees a call's signature (warm-up), captures a CUDA graph the
 second time, and replays it after that, copying into the captured inputs only the
 activations whose storage moved. Dynamo compiles a piece per code location, so one piece
-serves every layer (each passing its own weights): the signature holds the shapes and
-the storage of the model's own tensors (weights, buffers), so each layer has its own
-graph and a weight is never copied into; a piece without device work (views only) runs
-as a plain call. All graphs share one memory pool. On the CPU
+serves every layer (each passing its own weights): the signature holds the call's place
+in the forward, the shapes, and the storage of the model's own tensors (weights,
+buffers), so each layer has its own graph and outputs and a weight is never copied
+into; a piece without device work (views only) runs as a plain call. Dynamo's cache is
+cleared when a model is split, so no other model's pieces answer for it. All graphs
+share one memory pool. On the CPU
 the same split and padding run with plain calls in place of graphs: the path CI
 checks, and `GraphMode.EMULATED` holds the pieces to a CUDA graph's contract there.
 The runner builds this when `cudagraph_capture_sizes` is given (and not
@@ -96,18 +98,34 @@ class EmulatedGraph:
                 static.copy_(fresh)
 
 
+class CallOrder:
+    """Which piece call of the current forward this is (1, 2, ...): one piece serves
+    every layer, and each layer's call keeps its own graph and outputs."""
+
+    def __init__(self) -> None:
+        self.position = 0
+
+    def next(self) -> int:
+        self.position += 1
+        return self.position
+
+
 class GraphPiece:
     """One piece of the split forward (`fn`, an FX graph between attention calls). With
     graphs: per call signature, warm up, then capture, then replay; else a plain call.
-    A signature is each argument's shape, and for a tensor on the model's own storage
-    (`static`: weights, buffers) that storage too: such a tensor is never copied into,
-    a call with another one (another layer's weights) is another graph."""
+    A signature is the call's place in the forward (`order`), each argument's shape,
+    and for a tensor on the model's own storage (`static`: weights, buffers) that
+    storage too: such a tensor is never copied into, a call with another one (another
+    layer's weights) is another graph."""
 
-    def __init__(self, fn: Callable, mode: GraphMode, pool, static: frozenset[int]) -> None:
+    def __init__(
+        self, fn: Callable, mode: GraphMode, pool, static: frozenset[int], order: CallOrder
+    ) -> None:
         self.fn = fn
         self.mode = mode
         self.pool = pool
         self.static = static
+        self.order = order
         self.num_calls = 0
         self.num_replays = 0
         self._seen: set[tuple] = set()
@@ -118,7 +136,7 @@ class GraphPiece:
         self.num_calls += 1
         if self.mode is GraphMode.PLAIN:
             return self.fn(*args)
-        key = tuple(self._signature(a) for a in args)
+        key = (self.order.next(), *(self._signature(a) for a in args))
         captured = self._graphs.get(key)
         if captured is not None:
             return self._replay(captured, args)
@@ -188,12 +206,16 @@ class PiecewiseGraphs:
         self.pieces: list[GraphPiece] = []
         self.eager = model.forward
         self.static = static_storage(model)
+        self.order = CallOrder()
         wrap_attention_backends(model)
         run_host_synced_layers_eagerly(model)
+        # dynamo caches compiled frames per code object, and another model's pieces
+        # (its graphs, its weights) could answer for this one's: start from none
+        torch._dynamo.reset()
         self.compiled = torch.compile(model.forward, backend=self._split, dynamic=True)
 
     def _split(self, graph_module: torch.fx.GraphModule, example_inputs) -> Callable:
-        piece = GraphPiece(graph_module.forward, self.mode, self.pool, self.static)
+        piece = GraphPiece(graph_module.forward, self.mode, self.pool, self.static, self.order)
         self.pieces.append(piece)
         return piece
 
@@ -210,5 +232,6 @@ class PiecewiseGraphs:
         pad = size - num_tokens
         input_ids = torch.nn.functional.pad(input_ids, (0, pad))  # [S]
         positions = torch.nn.functional.pad(positions, (0, pad))
+        self.order.position = 0
         hidden = self.compiled(input_ids, positions, kv_cache, metadata)  # [S, hidden]
         return hidden[:num_tokens]
