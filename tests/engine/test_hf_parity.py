@@ -42,6 +42,7 @@ SETTINGS = {
 
 
 def _generate(directory, prompts, **kwargs):
+    kwargs.setdefault("kv_cache_memory", 1 << 25)  # on a GPU the default is 0.9 of the card
     llm = LLM(str(directory), skip_tokenizer_init=True, seed=0, **kwargs)
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
     outs = llm.generate(prompts, params, use_tqdm=False)
