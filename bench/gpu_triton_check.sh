@@ -2,7 +2,8 @@
 # The GPU-native path on a lent GPU, in one call, in priority order (each stage has its
 # own time limit, so a slow one cannot starve the rest):
 #   1. device input preparation against the host builder, and the piecewise CUDA graphs
-#      captured and replayed against eager (their tests, on CUDA tensors);
+#      of every model family captured and replayed against the same pieces run plain
+#      (their tests, on CUDA tensors);
 #   2. GPU idle time and step time of a 1.2B Llama at batch 64: eager with host inputs,
 #      device inputs, + piecewise graphs, + the Triton attention kernels (bench/gpu_idle.py);
 #   3. the engine end to end on CUDA with its defaults against the CPU and llama2.c;
@@ -50,7 +51,7 @@ print("[gpu_build]", "built" if k else "FAILED", round(time.perf_counter() - t, 
 build=$!
 
 stage "1. device inputs and piecewise graphs on CUDA"
-pytest_stage "device inputs + graphs" "${INPUTS_LIMIT:-100}" "$OUT/inputs_graphs.log" \
+pytest_stage "device inputs + graphs" "${INPUTS_LIMIT:-200}" "$OUT/inputs_graphs.log" \
   --timeout 90 tests/engine/test_device_inputs.py tests/engine/test_piecewise_graphs.py
 
 wait $build

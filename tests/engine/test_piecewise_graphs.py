@@ -130,12 +130,13 @@ def test_eager_and_compiled_models_take_no_graphs(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_graphs_are_captured_replayed_and_answer_as_plain_pieces(tmp_path):
+@pytest.mark.parametrize("name", sorted(ARCHITECTURES))
+def test_cuda_graphs_are_captured_replayed_and_answer_as_plain_pieces(name, tmp_path):
     """Against the same split forward run as plain calls, so the padding (23 prompt
     tokens run as 32) is the same on both sides: a padded GEMM may pick another
-    cuBLAS kernel than the eager forward's and round differently (seen on an H200;
-    the padding itself is checked token for token on the CPU above)."""
-    save_hf_model("llama", tmp_path)
+    cuBLAS kernel than the eager forward's and round differently (the padding itself
+    is checked token for token on the CPU above)."""
+    save_hf_model(name, tmp_path)
     sizes = [4, 8, 16, 32]
     plain = LLM(str(tmp_path), **ENGINE, cudagraph_capture_sizes=sizes)
     runner = plain.engine.worker.runner
