@@ -32,8 +32,8 @@ from engine.worker.attention.metadata import AttentionMetadata, GroupedAttention
 from engine.worker.input_batch import (
     ModelInput,
     Row,
+    batch_metadata,
     batch_order,
-    leading_decodes,
     prompt_logprob_span,
 )
 from engine.worker.sampling_metadata import COLUMNS, param_columns
@@ -291,34 +291,18 @@ class DeviceInputBatch:
     def _metadata(
         self, rows, slots, starts, slot_mapping: torch.Tensor
     ) -> AttentionMetadata | GroupedAttentionMetadata:
-        num_groups, device = self.num_groups, self.device
-        seq_lens = [r.num_computed_tokens + r.num_scheduled_tokens for r in rows]
+        num_groups = self.num_groups
         width = max((len(r.block_table) for r in rows), default=0)
-        index = torch.tensor(slots, dtype=torch.int64).to(device, non_blocking=True)
+        index = torch.tensor(slots, dtype=torch.int64).to(self.device, non_blocking=True)
         tables = self.tables.index_select(0, index)[:, :width].to(torch.int64)  # [R, width]
         if num_groups > 1:  # group g's table: entries g, g + G, ...
             grouped = tables.view(len(rows), width // num_groups, num_groups)
             group_tables = [grouped[:, :, g].contiguous() for g in range(num_groups)]
         else:
             group_tables = [tables]
-        query_start_loc = torch.tensor(starts, dtype=torch.int64).to(device, non_blocking=True)
-        seq_lens_t = torch.tensor(seq_lens, dtype=torch.int64).to(device, non_blocking=True)
-        per_group = [
-            AttentionMetadata(
-                query_start_loc=query_start_loc,
-                seq_lens=seq_lens_t,
-                block_tables=group_tables[g],
-                slot_mapping=slot_mapping[g],
-                query_lens_cpu=tuple(r.num_scheduled_tokens for r in rows),
-                seq_lens_cpu=tuple(seq_lens),
-                num_decodes=leading_decodes(rows),
-                block_size=self.block_size,
-            )
-            for g in range(num_groups)
-        ]
-        if self.layout is not None and self.layout.is_hybrid:
-            return GroupedAttentionMetadata(tuple(per_group), self.layout.group_of_layer)
-        return per_group[0]
+        return batch_metadata(
+            rows, starts, group_tables, list(slot_mapping), self.block_size, self.layout
+        )
 
 
 def _doubled(buffer: torch.Tensor) -> torch.Tensor:

@@ -89,11 +89,9 @@ def build_model_input(
         if span is not None:
             spans.append(span)
         starts.append(len(ids))
-    metadata = _metadata(rows, starts, slots, device, num_groups, block_size)
-    if layout is not None and layout.is_hybrid:
-        metadata = GroupedAttentionMetadata(metadata, layout.group_of_layer)
-    else:
-        metadata = metadata[0]
+    group_tables = _group_tables(rows, num_groups, device)
+    slot_mappings = [torch.tensor(g, dtype=torch.int64, device=device) for g in slots]
+    metadata = batch_metadata(rows, starts, group_tables, slot_mappings, block_size, layout)
     return ModelInput(
         input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
         positions=torch.tensor(positions, dtype=torch.int64, device=device),
@@ -106,13 +104,12 @@ def build_model_input(
     )
 
 
-def _metadata(rows, starts, slots, device, num_groups, block_size) -> tuple[AttentionMetadata, ...]:
-    """One metadata per group, sharing the batch's offsets and lengths."""
-    seq_lens = [r.num_computed_tokens + r.num_scheduled_tokens for r in rows]
+def _group_tables(rows, num_groups: int, device) -> list[torch.Tensor]:
+    """Each group's block tables, [R, width / G] int64, zero-padded (group g's table:
+    entries g, g + G, ...; a fresh tensor: the kernels want stride 1)."""
     width = max((len(r.block_table) for r in rows), default=0)
     tables = [list(r.block_table) + [0] * (width - len(r.block_table)) for r in rows]
-    # group g's table: entries g, g + G, ... (a fresh tensor: the kernels want stride 1)
-    group_tables = [
+    return [
         torch.tensor(
             [t[g::num_groups] for t in tables] if num_groups > 1 else tables,
             dtype=torch.int64,
@@ -120,21 +117,38 @@ def _metadata(rows, starts, slots, device, num_groups, block_size) -> tuple[Atte
         ).view(len(rows), width // num_groups)
         for g in range(num_groups)
     ]
+
+
+def batch_metadata(
+    rows,
+    starts: list[int],
+    group_tables: Sequence[torch.Tensor],  # per group: [R, width / G] int64
+    slot_mappings: Sequence[torch.Tensor],  # per group: [T] int64
+    block_size: int,
+    layout: KVCacheLayout | None,
+) -> AttentionMetadata | GroupedAttentionMetadata:
+    """A step's attention metadata: one per KV cache group, sharing the batch's offsets
+    and lengths, grouped for a hybrid layout (either input builder's tables and slots)."""
+    device = group_tables[0].device
+    seq_lens = [r.num_computed_tokens + r.num_scheduled_tokens for r in rows]
     query_start_loc = torch.tensor(starts, dtype=torch.int64, device=device)
     seq_lens_t = torch.tensor(seq_lens, dtype=torch.int64, device=device)
-    return tuple(
+    per_group = tuple(
         AttentionMetadata(
             query_start_loc=query_start_loc,
             seq_lens=seq_lens_t,
-            block_tables=group_tables[g],
-            slot_mapping=torch.tensor(slots[g], dtype=torch.int64, device=device),
+            block_tables=tables,
+            slot_mapping=slot_mapping,
             query_lens_cpu=tuple(r.num_scheduled_tokens for r in rows),
             seq_lens_cpu=tuple(seq_lens),
             num_decodes=leading_decodes(rows),
             block_size=block_size,
         )
-        for g in range(num_groups)
+        for tables, slot_mapping in zip(group_tables, slot_mappings, strict=True)
     )
+    if layout is not None and layout.is_hybrid:
+        return GroupedAttentionMetadata(per_group, layout.group_of_layer)
+    return per_group[0]
 
 
 def leading_decodes(rows) -> int:
